@@ -1,0 +1,45 @@
+"""The only place that knows vLLM and Mooncake versions.
+
+``versions`` holds the facts as data, ``detect`` reads installed versions from
+package metadata. Importing this package never imports ``vllm`` or ``mooncake``
+(the ``vllm.general_plugins`` entry point loads ``compat.registration`` through
+it inside every vLLM process).
+"""
+
+from __future__ import annotations
+
+from mooncake_vllm.compat.detect import (
+    InstalledDistribution,
+    check_mooncake_for_vllm,
+    detect_engine,
+    installed_mooncake,
+    installed_vllm,
+)
+from mooncake_vllm.compat.versions import (
+    KNOWN_MOONCAKE_RELEASES,
+    KNOWN_VLLM_RELEASES,
+    LAST_V0_RELEASE,
+    MIN_SUPPORTED_VLLM,
+    MooncakeFacts,
+    VllmFacts,
+    mooncake_facts,
+    parse_version,
+    vllm_facts,
+)
+
+__all__ = [
+    "KNOWN_MOONCAKE_RELEASES",
+    "KNOWN_VLLM_RELEASES",
+    "LAST_V0_RELEASE",
+    "MIN_SUPPORTED_VLLM",
+    "InstalledDistribution",
+    "MooncakeFacts",
+    "VllmFacts",
+    "check_mooncake_for_vllm",
+    "detect_engine",
+    "installed_mooncake",
+    "installed_vllm",
+    "mooncake_facts",
+    "parse_version",
+    "vllm_facts",
+]
