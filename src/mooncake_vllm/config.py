@@ -1,0 +1,246 @@
+"""Mooncake store configuration: both shapes people have, validated all at once.
+
+Accepted shapes (``MOONCAKE_CONFIG_PATH`` file, a path, or a mapping):
+
+* the V0 ``mooncake.json`` (vLLM 0.8.3-0.10.0): ``local_hostname``, ``metadata_server``,
+  ``protocol``, ``device_name``, ``master_server_address`` and integer sizes;
+* the V1 ``mooncake_config.json`` (the seed; vLLM's in-tree connector): no
+  ``local_hostname``, sizes as ints or strings such as ``"2GB"`` or ``"2147483648"``.
+
+Every problem is collected and reported together in one :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mooncake_vllm.errors import ConfigError, ConfigProblem
+
+__all__ = [
+    "CONFIG_ENV",
+    "EXAMPLE_CONFIG",
+    "StoreConfig",
+    "load_store_config",
+    "metadata_scheme",
+    "parse_size",
+]
+
+CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
+
+#: What a working file looks like; quoted in errors about a missing config.
+EXAMPLE_CONFIG = """{
+  "metadata_server": "http://127.0.0.1:8092/metadata",
+  "master_server_address": "127.0.0.1:50063",
+  "global_segment_size": "0",
+  "local_buffer_size": "2147483648",
+  "protocol": "tcp",
+  "device_name": ""
+}"""
+
+_DEFAULT_SEGMENT = 3355443200  # vLLM V0's default
+_DEFAULT_BUFFER = 1073741824
+_MAX_SIZE = 1 << 50  # 1 PiB: anything larger is a typo
+_PROTOCOLS = ("tcp", "rdma", "efa", "cxl", "ascend")
+_KNOWN_KEYS = {
+    "local_hostname", "metadata_server", "master_server_address", "global_segment_size",
+    "local_buffer_size", "protocol", "device_name",
+    # accepted and ignored: other tools' keys that appear in real files
+    "mode", "enable_offload", "tenant_id", "metadata_backend", "prefill_url", "decode_url",
+    "enable_ssd_offload", "ssd_offload_path", "enable_client_http_server", "client_http_port",
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+          "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+          "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """A validated Mooncake store configuration."""
+
+    local_hostname: str  # "" = the address that routes to the master (chosen at connect)
+    metadata_server: str
+    master_server_address: str
+    global_segment_size: int
+    local_buffer_size: int
+    protocol: str
+    device_name: str
+    source: str = "dict"
+
+    @property
+    def metadata_scheme(self) -> str:
+        """``"http"``, ``"etcd"``, ``"p2p"`` or ``"redis"``."""
+        return metadata_scheme(self.metadata_server)
+
+    @property
+    def master_host_port(self) -> tuple[str, int]:
+        host, _, port = self.master_server_address.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+def metadata_scheme(url: str) -> str:
+    """Classify a metadata connection string the way Mooncake's parser does."""
+    if url == "P2PHANDSHAKE":
+        return "p2p"
+    scheme, sep, _ = url.partition("://")
+    if not sep:
+        return "etcd"  # Mooncake treats a bare host:port as etcd endpoints
+    return {"https": "http"}.get(scheme.lower(), scheme.lower())
+
+
+def parse_size(value: Any, *, field: str) -> int:
+    """Parse a byte size: an int, or a string like ``"2GB"``, ``"512 MB"``, ``"2147483648"``.
+
+    Units are 1024-based and case-insensitive (``K/KB/KiB`` … ``T/TB/TiB``).
+    Raises :class:`ValueError` naming ``field`` on anything else.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{field} must be a size, found the boolean {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float) and value.is_integer():
+        size = int(value)
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if not match or (match.group(2) or "").lower() not in _UNITS:
+            raise ValueError(
+                f"{field} must be a byte count or a size like \"2GB\", found {value!r}"
+            )
+        size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+    else:
+        raise ValueError(f"{field} must be an int or a string like \"2GB\", found {value!r}")
+    if size < 0:
+        raise ValueError(f"{field} must not be negative, found {value!r}")
+    if size > _MAX_SIZE:
+        raise ValueError(f"{field} is absurdly large ({value!r} > 1 PiB)")
+    return size
+
+
+def _read_source(
+    source: str | os.PathLike[str] | Mapping[str, Any] | None, env: Mapping[str, str]
+) -> tuple[Mapping[str, Any], str]:
+    if isinstance(source, Mapping):
+        return source, "dict"
+    if source is None:
+        path_text = env.get(CONFIG_ENV, "")
+        if not path_text:
+            raise ConfigError(CONFIG_ENV, [ConfigProblem(
+                CONFIG_ENV, "is not set",
+                f"export {CONFIG_ENV}=/path/to/mooncake_config.json, a file like:\n"
+                f"{EXAMPLE_CONFIG}",
+            )])
+        label = f"{CONFIG_ENV}={path_text}"
+    else:
+        path_text = os.fspath(source)
+        label = path_text
+    path = Path(path_text)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(label, [ConfigProblem(
+            CONFIG_ENV if source is None else "path",
+            f"cannot read {path_text!r}: {exc.strerror or exc}",
+            f"point {CONFIG_ENV} at a readable JSON file like:\n{EXAMPLE_CONFIG}",
+        )]) from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(label, [ConfigProblem(
+            "<file>", f"is not valid JSON ({exc})", f"write a JSON object like:\n{EXAMPLE_CONFIG}"
+        )]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(label, [ConfigProblem(
+            "<file>", f"must hold a JSON object, found {type(data).__name__}",
+            f"write a JSON object like:\n{EXAMPLE_CONFIG}",
+        )])
+    return data, label
+
+
+def _check_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def load_store_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> StoreConfig:
+    """Load and validate a Mooncake config; ``None`` reads ``$MOONCAKE_CONFIG_PATH``."""
+    env = os.environ if env is None else env
+    data, label = _read_source(source, env)
+    problems: list[ConfigProblem] = []
+
+    def text(name: str, default: str | None) -> str:
+        value = data.get(name, default)
+        if value is None:
+            problems.append(ConfigProblem(name, "is missing", f'add "{name}" to the config'))
+            return ""
+        if not isinstance(value, str):
+            problems.append(ConfigProblem(
+                name, f"must be a string, found {type(value).__name__} {value!r}",
+                f'write it as "{name}": "..."'))
+            return ""
+        return value.strip()
+
+    def size(name: str, default: int) -> int:
+        try:
+            return parse_size(data.get(name, default), field=name)
+        except ValueError as exc:
+            problems.append(ConfigProblem(name, str(exc).removeprefix(f"{name} "),
+                                          f'write e.g. "{name}": "2GB" or a byte count'))
+            return 0
+
+    for key in sorted(set(data) - _KNOWN_KEYS):
+        problems.append(ConfigProblem(key, "is not a Mooncake store setting",
+                                      "remove it, or check its spelling"))
+    hostname = text("local_hostname", "")  # "" = chosen at connect time
+    metadata = text("metadata_server", None)
+    master = text("master_server_address", None)
+    segment = size("global_segment_size", _DEFAULT_SEGMENT)
+    buffer = size("local_buffer_size", _DEFAULT_BUFFER)
+    protocol = text("protocol", "tcp")
+    device = text("device_name", "")
+
+    if metadata:
+        scheme = metadata_scheme(metadata)
+        if scheme not in {"http", "etcd", "p2p", "redis"}:
+            problems.append(ConfigProblem(
+                "metadata_server", f"has the unsupported scheme {scheme!r} in {metadata!r} "
+                "(Mooncake aborts the process on an unknown scheme)",
+                'use "http://host:port/metadata", "etcd://host:port", "P2PHANDSHAKE" '
+                'or "redis://host:port"'))
+        elif scheme == "etcd" and not all(
+            _check_host_port(e) for e in metadata.split("://")[-1].split(",")
+        ):
+            problems.append(ConfigProblem(
+                "metadata_server", f"{metadata!r} is not etcd host:port endpoints",
+                'write "etcd://host:2379" (several: "etcd://h1:2379,h2:2379")'))
+    if master and not master.startswith("etcd://") and not _check_host_port(master):
+        problems.append(ConfigProblem(
+            "master_server_address", f"must be host:port, found {master!r}",
+            'write e.g. "127.0.0.1:50051"'))
+    if protocol and protocol not in _PROTOCOLS:
+        hint = f' (did you mean "{protocol.lower()}"?)' if protocol.lower() in _PROTOCOLS else ""
+        problems.append(ConfigProblem(
+            "protocol", f"must be one of {', '.join(_PROTOCOLS)}, found {protocol!r}{hint}",
+            'use "tcp" (works everywhere) or "rdma" with device_name set'))
+    if protocol == "rdma" and device == "" and data.get("device_name") is None:
+        pass  # vLLM's own default; RDMA auto-discovery decides. The checker warns.
+    if buffer == 0 and "local_buffer_size" in data:
+        problems.append(ConfigProblem(
+            "local_buffer_size", "is 0, so every put fails",
+            'give the staging buffer some room, e.g. "local_buffer_size": "512MB"'))
+    if problems:
+        raise ConfigError(label, problems)
+    return StoreConfig(
+        local_hostname=hostname, metadata_server=metadata, master_server_address=master,
+        global_segment_size=segment, local_buffer_size=buffer, protocol=protocol,
+        device_name=device, source=label,
+    )

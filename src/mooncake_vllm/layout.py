@@ -1,0 +1,171 @@
+"""Where one KV block lives in memory, for every KV-cache layout vLLM hands over.
+
+A block's stored bytes are, for each layer in order, that layer's slice(s) for
+the block, copied whole and treated as opaque (the CPU backend packs K for its
+attention ISA; GPU backends keep ``[block_size, heads, head_size]`` pages).
+
+Kinds (per-layer tensor shape → segments per block):
+
+* ``cpu``   ``[num_blocks, kv_heads, block_size, 2*head]`` → ``kv[b]``
+* ``nhd``   ``[2, num_blocks, block_size, kv_heads, head]`` (FlashAttention, V0 and
+  V1 GPU) → ``kv[0, b]``, ``kv[1, b]``
+* ``nhd-interleaved`` ``[num_blocks, 2, block_size, kv_heads, head]`` (FlashInfer) →
+  ``kv[b]``; byte-identical per block to ``nhd``, so both share one fingerprint
+* ``mla``   ``[num_blocks, block_size, head]`` → ``kv[b]``
+
+The fingerprint names the bytes, not the backend: blocks are interchangeable
+exactly when fingerprints match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["KINDS", "BlockLayout", "TensorView", "layout_fingerprint"]
+
+KINDS = ("cpu", "nhd", "nhd-interleaved", "mla")
+_BYTES_KIND = {"cpu": "cpu", "nhd": "nhd", "nhd-interleaved": "nhd", "mla": "mla"}
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """The facts about one KV tensor we need: address, shape, strides, dtype."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    itemsize: int
+    dtype: str
+
+    @classmethod
+    def of(cls, tensor: Any) -> TensorView:
+        """From a ``torch.Tensor`` or a ``numpy.ndarray``."""
+        if hasattr(tensor, "data_ptr"):  # torch
+            return cls(tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()),
+                       tensor.element_size(), str(tensor.dtype).removeprefix("torch."))
+        if hasattr(tensor, "__array_interface__"):  # numpy
+            item = tensor.dtype.itemsize
+            return cls(tensor.ctypes.data, tuple(tensor.shape),
+                       tuple(s // item for s in tensor.strides), item, tensor.dtype.name)
+        raise TypeError(f"KV cache entries must be torch tensors or numpy arrays, "
+                        f"found {type(tensor).__name__}")
+
+    def contiguous_from(self, dim: int) -> bool:
+        """Whether dims ``dim..`` are laid out densely (C order)."""
+        expected = 1
+        for size, stride in zip(reversed(self.shape[dim:]), reversed(self.strides[dim:])):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def extent(self) -> tuple[int, int]:
+        """``(start, end)`` byte addresses the tensor touches."""
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides) if n > 0)
+        return self.ptr, self.ptr + (last + 1) * self.itemsize
+
+
+def _guess_kind(shape: tuple[int, ...]) -> str:
+    if len(shape) == 4:
+        return "cpu"
+    if len(shape) == 3:
+        return "mla"
+    if len(shape) == 5:
+        if shape[0] == 2 and shape[1] != 2:
+            return "nhd"
+        if shape[1] == 2 and shape[0] != 2:
+            return "nhd-interleaved"
+    raise ValueError(
+        f"cannot tell the KV layout of a tensor of shape {list(shape)}; "
+        f"pass kind= one of {', '.join(KINDS)}")
+
+
+def layout_fingerprint(kind: str, dtype: str, num_layers: int,
+                       block_shape: Sequence[int], variant: str = "") -> str:
+    """Name the bytes of one stored block; equal fingerprints ⇔ interchangeable blocks."""
+    if kind not in _BYTES_KIND:
+        raise ValueError(f"unknown KV layout kind {kind!r}; expected one of {', '.join(KINDS)}")
+    shape = "x".join(str(n) for n in block_shape)
+    tag = f":{variant}" if variant else ""
+    return f"{_BYTES_KIND[kind]}{tag}:{dtype}:L{num_layers}:{shape}"
+
+
+class BlockLayout:
+    """Block-granular view over a model's per-layer KV-cache tensors."""
+
+    def __init__(self, views: Sequence[TensorView], kind: str, variant: str = "") -> None:
+        if not views:
+            raise ValueError("no KV cache tensors given")
+        first = views[0]
+        for v in views[1:]:
+            if (v.shape, v.strides, v.dtype) != (first.shape, first.strides, first.dtype):
+                raise ValueError("all layers' KV tensors must share shape, strides and dtype; "
+                                 f"found {list(first.shape)} and {list(v.shape)}")
+        self.kind = kind
+        self.views = list(views)
+        self.dtype = first.dtype
+        self.num_layers = len(views)
+        shape = first.shape
+        if kind == "nhd":
+            self.num_blocks, self.block_size = shape[1], shape[2]
+            seg_dims, block_shape = 2, (2, *shape[2:])
+        else:
+            self.num_blocks = shape[0]
+            self.block_size = shape[2] if kind in ("cpu", "nhd-interleaved") else shape[1]
+            seg_dims, block_shape = 1, shape[1:]
+        if not first.contiguous_from(seg_dims):
+            raise ValueError(f"each block of a {kind} KV tensor must be contiguous; "
+                             f"strides {list(first.strides)} for shape {list(shape)}")
+        self.block_shape = tuple(block_shape)
+        count = 1
+        for n in shape[seg_dims:]:
+            count *= n
+        self._seg_nbytes = count * first.itemsize
+        self._segs_per_layer = 2 if kind == "nhd" else 1
+        self.block_nbytes = self._seg_nbytes * self._segs_per_layer * self.num_layers
+        self.fingerprint = layout_fingerprint(kind, self.dtype, self.num_layers,
+                                              self.block_shape, variant)
+
+    @classmethod
+    def from_kv_caches(cls, kv_caches: Mapping[str, Any] | Sequence[Any],
+                       kind: str = "auto", variant: str = "") -> BlockLayout:
+        """Build from vLLM's per-layer KV caches (a ``{layer: tensor}`` dict or a list)."""
+        tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
+        views = [TensorView.of(t) for t in tensors]
+        if not views:
+            raise ValueError("no KV cache tensors given")
+        if kind == "auto":
+            kind = _guess_kind(views[0].shape)
+        if kind not in KINDS:
+            raise ValueError(f"unknown KV layout kind {kind!r}; expected one of {', '.join(KINDS)}")
+        return cls(views, kind, variant)
+
+    def _check(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} is outside the cache's {self.num_blocks} blocks")
+
+    def segments(self, block_id: int) -> list[tuple[int, int]]:
+        """``(ptr, nbytes)`` of every piece of block ``block_id``, all layers in order."""
+        self._check(block_id)
+        out: list[tuple[int, int]] = []
+        for v in self.views:
+            if self.kind == "nhd":
+                for half in (0, 1):
+                    off = (half * v.strides[0] + block_id * v.strides[1]) * v.itemsize
+                    out.append((v.ptr + off, self._seg_nbytes))
+            else:
+                out.append((v.ptr + block_id * v.strides[0] * v.itemsize, self._seg_nbytes))
+        return out
+
+    def regions(self) -> list[tuple[int, int]]:
+        """Distinct ``(ptr, nbytes)`` memory regions covering every layer (merged)."""
+        spans = sorted(v.extent() for v in self.views)
+        merged: list[list[int]] = []
+        for start, end in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return [(s, e - s) for s, e in merged]
