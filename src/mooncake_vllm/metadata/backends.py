@@ -1,0 +1,297 @@
+"""Clients for the Transfer Engine metadata store, one per backend.
+
+All backends share :class:`MetadataBackend`: ``get(key) -> bytes | None``,
+``put(key, value)``, ``delete(key)`` (a missing key is fine) and
+``list(prefix) -> list[str]``. Values are opaque bytes (Mooncake stores compact
+JSON). :func:`backend_for` turns a ``metadata_server`` string into a backend the
+way Mooncake's ``parseConnectionString`` does:
+
+==============================  ==========================================
+``etcd://h:p[,h2:p2]``          :class:`~mooncake_vllm.metadata.etcd.EtcdBackend`
+``h:p`` (no scheme)             etcd, as Mooncake does
+``redis://[user:pw@]h:p[/db]``  :class:`RedisBackend` (same plain keys as Mooncake's plugin)
+``http(s)://.../metadata``      :class:`HttpBackend` (Mooncake's HTTP protocol)
+``memory``                      :class:`MemoryBackend` (for the embedded server)
+``P2PHANDSHAKE``                no server at all: :class:`~mooncake_vllm.errors.ConfigError`
+==============================  ==========================================
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import urllib.parse
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import TracebackType
+
+from mooncake_vllm.errors import ConfigError, ConfigProblem, StoreError, StoreUnavailableError
+
+__all__ = [
+    "P2P_HANDSHAKE",
+    "HttpBackend",
+    "MemoryBackend",
+    "MetadataBackend",
+    "RedisBackend",
+    "backend_for",
+    "http_request",
+    "redact_url",
+]
+
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+DEFAULT_TIMEOUT = 3.0
+
+
+class MetadataBackend(ABC):
+    """A key/value store holding Transfer Engine metadata."""
+
+    #: the connection string this backend was made from (credentials removed)
+    url: str = ""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The stored bytes, or None when the key is absent."""
+
+    @abstractmethod
+    def put(self, key: str, value: bytes) -> None:
+        """Store ``value`` verbatim under ``key`` (overwrites)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a missing key is not an error."""
+
+    @abstractmethod
+    def list(self, prefix: str = "mooncake/") -> list[str]:
+        """Every key starting with ``prefix``, sorted."""
+
+    def close(self) -> None:
+        """Release connections (idempotent)."""
+
+    def __enter__(self) -> MetadataBackend:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+class MemoryBackend(MetadataBackend):
+    """A thread-safe in-process dict; what the embedded server uses by default."""
+
+    url = "memory"
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._data.get(key)
+
+    def put(self, key: str, value: bytes) -> None:
+        with self._lock:
+            self._data[key] = bytes(value)
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._data.pop(key, None)
+
+    def list(self, prefix: str = "mooncake/") -> list[str]:
+        with self._lock:
+            return sorted(k for k in self._data if k.startswith(prefix))
+
+
+def http_request(
+    method: str, url: str, body: bytes | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[int, bytes]:
+    """One HTTP request with the stdlib; ``(status, body)``.
+
+    Raises :class:`StoreUnavailableError` when the server cannot be reached.
+    """
+    parts = urllib.parse.urlsplit(url)
+    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    try:
+        conn.request(method, target, body=body, headers=dict(headers or {}))
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except OSError as exc:  # refused, timeout, reset, DNS
+        raise StoreUnavailableError(
+            f"metadata server {parts.scheme}://{parts.netloc} unreachable ({method} {parts.path}): {exc}; "
+            "check that it runs and that the URL is right"
+        ) from exc
+    finally:
+        conn.close()
+
+
+class HttpBackend(MetadataBackend):
+    """Mooncake's HTTP metadata protocol: GET/PUT/DELETE ``<url>?key=<urlencoded>``.
+
+    Listing is not part of Mooncake's protocol. mooncake-vllm's own server
+    (:mod:`mooncake_vllm.metadata.server`) adds ``GET <url>?prefix=<p>`` →
+    ``{"keys": [...]}``; against other servers :meth:`list` raises
+    :class:`StoreError`.
+    """
+
+    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._headers = {"Content-Type": "application/json"}
+        token = os.environ.get("MC_METADATA_HTTP_TOKEN", "")
+        if token:  # newer Mooncake servers accept a shared bearer token
+            self._headers["Authorization"] = f"Bearer {token}"
+
+    def _url(self, param: str, value: str) -> str:
+        sep = "&" if "?" in self.url else "?"
+        return f"{self.url}{sep}{param}={urllib.parse.quote(value, safe='')}"
+
+    def _call(self, method: str, param: str, value: str, body: bytes | None = None) -> tuple[int, bytes]:
+        return http_request(method, self._url(param, value), body, timeout=self.timeout, headers=self._headers)
+
+    def get(self, key: str) -> bytes | None:
+        status, body = self._call("GET", "key", key)
+        if status == 200:
+            return body
+        if status == 404:
+            return None
+        raise StoreError(f"GET {key!r} from {self.url} returned HTTP {status}: {_snippet(body)}")
+
+    def put(self, key: str, value: bytes) -> None:
+        status, body = self._call("PUT", "key", key, bytes(value))
+        if status != 200:
+            raise StoreError(f"PUT {key!r} to {self.url} returned HTTP {status}: {_snippet(body)}")
+
+    def delete(self, key: str) -> None:
+        status, body = self._call("DELETE", "key", key)
+        if status not in (200, 404):  # Mooncake's Python server answers 404 for a missing key
+            raise StoreError(f"DELETE {key!r} at {self.url} returned HTTP {status}: {_snippet(body)}")
+
+    def list(self, prefix: str = "mooncake/") -> list[str]:
+        status, body = self._call("GET", "prefix", prefix)
+        try:
+            keys = json.loads(body)["keys"] if status == 200 else None
+        except (ValueError, KeyError, TypeError):
+            keys = None
+        if not isinstance(keys, list):
+            raise StoreError(
+                f"{self.url} cannot list keys (HTTP {status}: {_snippet(body)}); listing is an extension of "
+                "mooncake-vllm's metadata server, not of Mooncake's protocol: run `mooncake-vllm metadata serve` "
+                "instead of mooncake_http_metadata_server, or use etcd/redis"
+            )
+        return sorted(str(k) for k in keys)
+
+
+def _snippet(body: bytes, limit: int = 200) -> str:
+    text = body.decode("utf-8", "replace").strip()
+    return (text[:limit] + "...") if len(text) > limit else (text or "<empty body>")
+
+
+class RedisBackend(MetadataBackend):
+    """Redis with Mooncake's plain keys (``GET``/``SET``/``DEL`` of ``mooncake/...``).
+
+    Credentials and the database come from the URL or, like Mooncake's redis
+    plugin, from ``MC_REDIS_USERNAME`` / ``MC_REDIS_PASSWORD`` / ``MC_REDIS_DB_INDEX``.
+    """
+
+    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT, env: Mapping[str, str] = os.environ) -> None:
+        import redis  # optional dependency: extra "redis"
+
+        parts = urllib.parse.urlsplit(url)
+        self.url = redact_url(url)
+        db_text = parts.path.strip("/") or env.get("MC_REDIS_DB_INDEX", "") or "0"
+        if not db_text.isdigit():
+            raise _url_error(url, f"database {db_text!r} is not a number", "use redis://host:port/<db number>")
+        try:
+            port = parts.port or 6379
+        except ValueError as exc:
+            raise _url_error(url, str(exc), "use redis://host:port") from exc
+        self._client = redis.Redis(
+            host=parts.hostname or "127.0.0.1",
+            port=port,
+            db=int(db_text),
+            username=urllib.parse.unquote(parts.username) if parts.username else env.get("MC_REDIS_USERNAME") or None,
+            password=urllib.parse.unquote(parts.password) if parts.password else env.get("MC_REDIS_PASSWORD") or None,
+            ssl=parts.scheme == "rediss",
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+        )
+        self._errors = (redis.ConnectionError, redis.TimeoutError)
+
+    def _do(self, what: str, fn, *args):  # noqa: ANN001, ANN202 - thin wrapper
+        try:
+            return fn(*args)
+        except self._errors as exc:
+            raise StoreUnavailableError(
+                f"redis metadata store {self.url} unreachable ({what}): {exc}; check that redis runs at that address"
+            ) from exc
+
+    def get(self, key: str) -> bytes | None:
+        value = self._do("GET", self._client.get, key)
+        return None if value is None else bytes(value)
+
+    def put(self, key: str, value: bytes) -> None:
+        self._do("SET", self._client.set, key, bytes(value))
+
+    def delete(self, key: str) -> None:
+        self._do("DEL", self._client.delete, key)
+
+    def list(self, prefix: str = "mooncake/") -> list[str]:
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
+        keys = self._do("SCAN", lambda: list(self._client.scan_iter(match=pattern, count=1000)))
+        return sorted(k.decode("utf-8", "replace") for k in keys)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any ``user:password@`` replaced by ``***@``."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
+def _url_error(url: str, problem: str, fix: str) -> ConfigError:
+    return ConfigError(f"metadata URL {redact_url(url)!r}", [ConfigProblem("metadata_server", problem, fix)])
+
+
+def backend_for(url: str, *, timeout: float = DEFAULT_TIMEOUT) -> MetadataBackend:
+    """The backend for a Mooncake ``metadata_server`` string (see the module docstring)."""
+    text = (url or "").strip()
+    if not text:
+        raise _url_error(url, "empty metadata server", "give http://host:port/metadata, etcd://host:port or redis://host:port")
+    if text.upper() == P2P_HANDSHAKE:
+        raise _url_error(
+            text,
+            "P2PHANDSHAKE needs no metadata server: peers exchange segment metadata over the Transfer Engine RPC "
+            "port, so there are no entries to read, list or clean",
+            "nothing to do for P2PHANDSHAKE; use an http/etcd/redis metadata server if you need `metadata list|gc`",
+        )
+    if text in ("memory", "memory://"):
+        return MemoryBackend()
+    scheme, sep, _ = text.partition("://")
+    scheme = scheme.lower() if sep else ""
+    if scheme in ("", "etcd"):
+        from mooncake_vllm.metadata.etcd import EtcdBackend
+
+        return EtcdBackend.from_url(text, timeout=timeout)
+    if scheme in ("redis", "rediss"):
+        return RedisBackend(text, timeout=timeout)
+    if scheme in ("http", "https"):
+        if not urllib.parse.urlsplit(text).hostname:
+            raise _url_error(text, "no host in the URL", "use http://host:port/metadata")
+        return HttpBackend(text, timeout=timeout)
+    raise _url_error(
+        text,
+        f"unknown metadata scheme {scheme + '://'!r} (Mooncake would abort the process on it)",
+        "use http://host:port/metadata, etcd://host:port, host:port (etcd), redis://host:port or P2PHANDSHAKE",
+    )
