@@ -12,6 +12,7 @@ Every problem is collected and reported together in one :class:`ConfigError`.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -189,17 +190,19 @@ def load_store_config(
             return ""
         return value.strip()
 
-    def size(name: str, default: int) -> int:
+    def size(name: str, default: int) -> int | None:
         try:
             return parse_size(data.get(name, default), field=name)
         except ValueError as exc:
             problems.append(ConfigProblem(name, str(exc).removeprefix(f"{name} "),
                                           f'write e.g. "{name}": "2GB" or a byte count'))
-            return 0
+            return None
 
     for key in sorted(set(data) - _KNOWN_KEYS):
-        problems.append(ConfigProblem(key, "is not a Mooncake store setting",
-                                      "remove it, or check its spelling"))
+        close = difflib.get_close_matches(key, sorted(_KNOWN_KEYS), n=1)
+        problems.append(ConfigProblem(
+            key, "is not a Mooncake store setting",
+            f'rename it to "{close[0]}"' if close else "remove it, or check its spelling"))
     hostname = text("local_hostname", "")  # "" = chosen at connect time
     metadata = text("metadata_server", None)
     master = text("master_server_address", None)
@@ -241,6 +244,6 @@ def load_store_config(
         raise ConfigError(label, problems)
     return StoreConfig(
         local_hostname=hostname, metadata_server=metadata, master_server_address=master,
-        global_segment_size=segment, local_buffer_size=buffer, protocol=protocol,
+        global_segment_size=segment or 0, local_buffer_size=buffer or 0, protocol=protocol,
         device_name=device, source=label,
     )

@@ -460,7 +460,10 @@ class StoreClient:
             return
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
-        _call(self._store.close)
+        closer = threading.Thread(target=_call, args=(self._store.close,), daemon=True,
+                                  name="mcv-close")
+        closer.start()
+        closer.join(self._op_timeout)  # a dead master must not hang shutdown
         if self._cleanup:
             self._cleanup()
 

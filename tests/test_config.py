@@ -1,0 +1,107 @@
+"""Config loading: both shapes, every problem reported at once, sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mooncake_vllm.config import CONFIG_ENV, load_store_config, metadata_scheme, parse_size
+from mooncake_vllm.errors import ConfigError
+
+SEED = Path(__file__).parent / "data" / "seed"
+
+
+def test_seed_v1_shape_loads_unchanged() -> None:
+    cfg = load_store_config(SEED / "v1_mooncake_config.json")
+    assert cfg.global_segment_size == 0
+    assert cfg.local_buffer_size == 2147483648
+    assert cfg.protocol == "rdma" and cfg.device_name == ""
+    assert cfg.metadata_scheme == "http"
+    assert cfg.local_hostname == ""  # chosen at connect time
+
+
+@pytest.mark.parametrize("name", ["v0_mooncake-tcp.json", "v0_mooncake-rdma.json"])
+def test_seed_v0_shapes_load_unchanged(name: str) -> None:
+    cfg = load_store_config(SEED / name)
+    assert cfg.local_hostname == "192.168.0.137"
+    assert cfg.metadata_scheme == "etcd"
+    assert cfg.master_server_address == "192.168.0.137:50001"
+    assert cfg.global_segment_size == 3355443200  # vLLM V0's default
+
+
+def test_reads_env_variable(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE",
+                                "master_server_address": "127.0.0.1:5"}))
+    cfg = load_store_config(env={CONFIG_ENV: str(path)})
+    assert cfg.metadata_scheme == "p2p" and cfg.source.startswith(CONFIG_ENV)
+
+
+def test_missing_env_names_variable_and_example() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_store_config(env={})
+    assert CONFIG_ENV in str(err.value) and "master_server_address" in str(err.value)
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_store_config(tmp_path / "absent.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_store_config(bad)
+    junk = tmp_path / "junk.json"
+    junk.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_store_config(junk)
+    arr = tmp_path / "arr.json"
+    arr.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        load_store_config(arr)
+
+
+def test_every_problem_reported_together() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_store_config({
+            "metadata_server": "zk://h:1", "master_server_address": "nohostport",
+            "global_segment_size": -5, "local_buffer_size": "4 bananas", "protocol": "TCP",
+            "device_nmae": "x",
+        })
+    fields = set(err.value.fields)
+    assert fields == {"metadata_server", "master_server_address", "global_segment_size",
+                      "local_buffer_size", "protocol", "device_nmae"}
+    text = str(err.value)
+    assert "6 problems" in text and "rename it to \"device_name\"" in text and 'did you mean "tcp"' in text and "fix:" in text
+    assert isinstance(err.value, ValueError)
+
+
+def test_missing_required_and_wrong_types() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_store_config({"global_segment_size": True, "protocol": 5})
+    assert set(err.value.fields) == {"metadata_server", "master_server_address",
+                                     "global_segment_size", "protocol"}
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (0, 0), ("0", 0), ("2147483648", 2147483648), ("2GB", 2 << 30), ("2 gb", 2 << 30),
+    ("512MB", 512 << 20), ("1.5 GiB", 3 << 29), ("64k", 64 << 10), (1024.0, 1024),
+])
+def test_parse_size(value: object, expected: int) -> None:
+    assert parse_size(value, field="x") == expected
+
+
+@pytest.mark.parametrize("value", ["-1", -1, "50%", "4 bananas", None, [1], "2PB", 1 << 60, True])
+def test_parse_size_rejects(value: object) -> None:
+    with pytest.raises(ValueError, match="global_segment_size"):
+        parse_size(value, field="global_segment_size")
+
+
+@pytest.mark.parametrize(("url", "scheme"), [
+    ("http://127.0.0.1:8080/metadata", "http"), ("https://h/metadata", "http"),
+    ("etcd://h:2379", "etcd"), ("10.0.0.1:2379", "etcd"), ("P2PHANDSHAKE", "p2p"),
+    ("redis://h:6379", "redis"),
+])
+def test_metadata_scheme(url: str, scheme: str) -> None:
+    assert metadata_scheme(url) == scheme

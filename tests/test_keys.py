@@ -1,0 +1,80 @@
+"""Stable block keys: identical across processes and hash seeds, sensitive to what matters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mooncake_vllm.keys import KeyNamespace, RequestExtras, chunk_digests, chunk_keys
+
+NS = KeyNamespace("tiny-llama", "float32", "cpu:float32:L2:2x32x64", 32)
+TOKENS = list(range(1000, 1000 + 32 * 4 + 7))
+
+
+def test_only_full_chunks_get_keys() -> None:
+    assert len(chunk_keys(NS, TOKENS)) == 4
+    assert chunk_keys(NS, TOKENS[:31]) == []
+
+
+def test_key_format_is_pinned() -> None:
+    # The key format is a compatibility promise between releases and engines:
+    # changing it silently empties every user's pool. Update only with a new prefix.
+    keys = chunk_keys(NS, TOKENS)
+    assert keys[0].startswith(NS.prefix() + "/") and len(keys[0]) == len("mcv/") + 16 + 1 + 32
+    assert NS.describe() == "mcv1|model=tiny-llama|dtype=float32|layout=cpu:float32:L2:2x32x64|bs=32|tp=0/1|pp=0"
+    assert keys[0] == "mcv/03d933aae2443d63/a7fead4f4f0456ddf99951c725d0983a"
+    assert chunk_digests(TOKENS, 32)[0].hex() == "a7fead4f4f0456ddf99951c725d0983a"
+
+
+def test_chain_depends_on_every_earlier_token() -> None:
+    changed = list(TOKENS)
+    changed[5] += 1
+    a, b = chunk_keys(NS, TOKENS), chunk_keys(NS, changed)
+    assert all(x != y for x, y in zip(a, b))
+    tail_changed = TOKENS[:96] + [7] * 32
+    assert chunk_keys(NS, tail_changed)[:3] == a[:3] and chunk_keys(NS, tail_changed)[3] != a[3]
+
+
+@pytest.mark.parametrize("field", ["model_id", "dtype", "layout", "block_size", "tp_rank", "pp_rank"])
+def test_namespace_fields_separate_keys(field: str) -> None:
+    values = NS.__dict__ | {"tp_size": 2}
+    base = KeyNamespace(**values)
+    other = KeyNamespace(**(values | {field: {"block_size": 16, "tp_rank": 1, "pp_rank": 1}.get(
+        field, "other")}))
+    assert base.prefix() != other.prefix()
+
+
+def test_extras_change_keys() -> None:
+    plain = chunk_keys(NS, TOKENS)
+    assert chunk_keys(NS, TOKENS, RequestExtras(lora_name="a")) != plain
+    assert chunk_keys(NS, TOKENS, RequestExtras(cache_salt="s")) != plain
+    mm = chunk_keys(NS, TOKENS, RequestExtras(mm_hashes=((40, 10, "img"),)))
+    assert mm[0] == plain[0] and mm[1] != plain[1]  # only chunks from the item on change
+    assert chunk_keys(NS, TOKENS, RequestExtras()) == plain
+
+
+def test_bad_namespaces_rejected() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        KeyNamespace("m", "f", "l", 0)
+    with pytest.raises(ValueError, match="tp_rank"):
+        KeyNamespace("m", "f", "l", 16, tp_rank=2, tp_size=2)
+
+
+def test_identical_across_interpreters_and_hash_seeds() -> None:
+    code = ("import json; from mooncake_vllm.keys import KeyNamespace, RequestExtras, chunk_keys;"
+            "ns = KeyNamespace('m', 'bfloat16', 'nhd:bfloat16:L2:2x16x8x64', 16, 1, 2, 0);"
+            "print(json.dumps([chunk_keys(ns, list(range(100)), RequestExtras('lora', 'salt')),"
+            " hash('None')]))")
+    outputs = []
+    for seed in ("0", "12345", "random"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout
+        outputs.append(json.loads(out))
+    assert outputs[0][1] != outputs[1][1]  # the seeds really differ for builtin hash()
+    assert outputs[0][0] == outputs[1][0] == outputs[2][0]
+    assert len(outputs[0][0]) == 6
