@@ -1,0 +1,81 @@
+"""``mooncake-vllm proxy``: the XpYd prefill/decode proxy, seed-compatible flags.
+
+``ADMIN_API_KEY`` (environment) enables ``/instances/add`` and ``/instances/remove``;
+``OPENAI_API_KEY`` is sent upstream when a client sends no ``Authorization``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+__all__ = ["configure", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the proxy's flags (the seed's ``--model/-p/-d/--port/--scheduling`` plus ours)."""
+    from mooncake_vllm.proxy.scheduling import POLICIES
+
+    parser.add_argument("--model", "-m", required=True, help="model every instance must serve (basename match)")
+    parser.add_argument("--prefill", "-p", nargs="+", action="extend", default=[], metavar="HOST:PORT",
+                        help="prefill instances: host:port, [ipv6]:port or dns:port; "
+                             "P2P bootstrap port as host:port@8998")
+    parser.add_argument("--decode", "-d", nargs="+", action="extend", default=[], metavar="HOST:PORT",
+                        help="decode instances")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--scheduling", choices=sorted(POLICIES), default="round_robin",
+                        help="instance selection policy (default round_robin)")
+    parser.add_argument("--flow", choices=("store", "p2p"), default="store",
+                        help="store: KV through the Mooncake pool (MooncakeStoreConnector); "
+                             "p2p: vLLM V1 MultiConnector(MooncakeConnector + MooncakeStoreConnector)")
+    parser.add_argument("--target-vllm", metavar="X.Y.Z", default=None,
+                        help="vLLM version of the instances for --flow p2p (default: ask GET /version)")
+    parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
+    parser.add_argument("--drain-timeout", type=float, default=300.0,
+                        help="seconds /instances/remove waits for in-flight requests")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="upper bound on one upstream request, seconds (default: none)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+async def _serve(server) -> None:  # noqa: ANN001 - ProxyServer, imported lazily
+    port = await server.start()
+    cfg = server.config
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    logging.getLogger("mooncake_vllm.proxy").info(
+        "proxy for %s on http://%s:%d (%d prefill, %d decode, flow=%s, scheduling=%s, admin API %s)",
+        cfg.model, host, port, len(cfg.prefill), len(cfg.decode), cfg.flow, cfg.scheduling,
+        "enabled" if cfg.admin_api_key else "disabled")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the proxy from the flags and serve until interrupted."""
+    import sys
+
+    from mooncake_vllm.errors import ConfigError, UnsupportedVersionError
+    from mooncake_vllm.proxy.server import ProxyServer, config_from_env
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = ProxyServer(config_from_env(
+            model=args.model, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
+            scheduling=args.scheduling, flow=args.flow, target_vllm=args.target_vllm,
+            health_interval=args.health_interval, drain_timeout=args.drain_timeout,
+            request_timeout=args.request_timeout))
+    except (ConfigError, UnsupportedVersionError) as exc:
+        print(f"mooncake-vllm proxy: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop  # optional: faster event loop when installed
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    runner(_serve(server))
+    return 0

@@ -1,0 +1,233 @@
+"""Admin API (``/instances/add``, ``/instances/remove``, ``/status``) and health checks.
+
+The admin key is compared in constant time and never logged. Without
+``ADMIN_API_KEY`` the mutating endpoints answer 403 and say why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import posixpath
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from mooncake_vllm.errors import ConfigError, UnsupportedVersionError
+from mooncake_vllm.proxy import flows
+from mooncake_vllm.proxy.instances import KINDS, Endpoint, Instance, parse_endpoint
+
+if TYPE_CHECKING:
+    from mooncake_vllm.proxy.server import ProxyServer
+
+__all__ = ["check_all", "check_instance", "health_loop", "install", "model_matches"]
+
+log = logging.getLogger("mooncake_vllm.proxy")
+
+
+def model_matches(expected: str, payload: Any) -> tuple[bool, list[str]]:
+    """Whether a ``/v1/models`` answer serves ``expected`` (by basename, as the seed proxy did)."""
+    want = posixpath.basename(expected.rstrip("/"))
+    served: list[str] = []
+    for entry in (payload or {}).get("data", []) if isinstance(payload, dict) else []:
+        for name in (entry.get("id"), entry.get("root")):
+            if isinstance(name, str):
+                served.append(name)
+    return any(posixpath.basename(s.rstrip("/")) == want for s in served), served
+
+
+def _err(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "admin_error", "code": status}}, status=status)
+
+
+async def _get_json(server: ProxyServer, url: str) -> Any:
+    assert server.session is not None
+    timeout = aiohttp.ClientTimeout(total=server.config.health_timeout)
+    async with server.session.get(url, timeout=timeout) as resp:
+        if resp.status != 200:
+            raise ConnectionError(f"GET {url} answered HTTP {resp.status}")
+        return await resp.json(content_type=None)
+
+
+async def check_instance(server: ProxyServer, inst: Instance) -> str | None:
+    """Probe one instance; None if healthy, else the reason.
+
+    The first successful probe checks the served model (``/v1/models``), later
+    ones use ``/health``. In the P2P bootstrap flow a prefill also needs its
+    engine ids from the bootstrap server.
+    """
+    try:
+        if not inst.validated:
+            ok, served = model_matches(server.config.model, await _get_json(server, inst.url + "/v1/models"))
+            if not ok:
+                return f"serves {served or 'no model'}, not {server.config.model!r}"
+            inst.validated = True
+        else:
+            await _get_json(server, inst.url + "/health")
+        if server.config.flow == "p2p" and server.p2p_mode is None:
+            await _detect_version(server, inst)
+        if server.p2p_mode == "bootstrap" and inst.kind == "prefill":
+            ids = flows.parse_engine_ids(await _get_json(server, inst.endpoint.bootstrap_url + "/query"))
+            if not ids:
+                return f"bootstrap server {inst.endpoint.bootstrap_url} has no engine registered yet"
+            inst.engine_ids = ids
+    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError, UnsupportedVersionError) as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return None
+
+
+async def _detect_version(server: ProxyServer, inst: Instance) -> None:
+    payload = await _get_json(server, inst.url + "/version")
+    version = payload.get("version") if isinstance(payload, dict) else None
+    if version:
+        server.p2p_mode = flows.p2p_mode(flows.parse_version(version, field_name=f"{inst.key} /version"))
+        log.info("upstream vLLM %s: P2P kv_transfer_params mode %r", version, server.p2p_mode)
+
+
+async def check_all(server: ProxyServer) -> None:
+    """Probe every instance once, concurrently, and update the rotation."""
+    insts = list(server.pool)
+    results = await asyncio.gather(*(check_instance(server, i) for i in insts), return_exceptions=True)
+    for inst, res in zip(insts, results):
+        if isinstance(res, BaseException):
+            res = f"{type(res).__name__}: {res}"
+        if res is None and not inst.healthy:
+            log.info("%s instance %s is healthy and in rotation", inst.kind, inst.key)
+            inst.healthy, inst.last_error = True, ""
+        elif res is not None and inst.healthy:
+            log.warning("%s instance %s leaves rotation: %s", inst.kind, inst.key, res)
+            inst.healthy, inst.last_error = False, res
+        elif res is not None:
+            inst.last_error = res
+    server.pool.refresh()
+
+
+async def health_loop(server: ProxyServer) -> None:
+    """Run ``check_all`` every ``health_interval`` seconds until cancelled."""
+    while True:
+        await asyncio.sleep(server.config.health_interval)
+        try:
+            await check_all(server)
+        except Exception:  # Defensive: a probe bug must not stop the loop
+            log.exception("health check round failed")
+
+
+def _denied(server: ProxyServer, request: web.Request) -> web.Response | None:
+    key = server.config.admin_api_key
+    if not key:
+        return _err(403, "the admin API is disabled: ADMIN_API_KEY is not set for the proxy; "
+                         "set it in the proxy's environment and restart to enable /instances/*")
+    given = request.headers.get("X-API-Key")
+    if given is None:
+        return _err(401, "missing X-API-Key header")
+    if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape")):
+        log.warning("rejected admin request from %s: invalid X-API-Key", request.remote)
+        return _err(403, "invalid X-API-Key")
+    return None
+
+
+async def _admin_request(server: ProxyServer, request: web.Request) -> tuple[str, Endpoint] | web.Response:
+    """Key check, then the body's type and parsed instance address; an error response otherwise."""
+    if (denied := _denied(server, request)) is not None:
+        return denied
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        return _err(400, 'body must be JSON: {"type": "prefill"|"decode", "instance": "host:port"}')
+    if not isinstance(body, dict):
+        return _err(400, 'body must be a JSON object: {"type": "prefill"|"decode", "instance": "host:port"}')
+    kind, addr = body.get("type"), body.get("instance")
+    if kind not in KINDS:
+        return _err(400, f"type: got {kind!r}, expected 'prefill' or 'decode'")
+    if not isinstance(addr, str):
+        return _err(400, f"instance: got {addr!r}, expected 'host:port' (e.g. 127.0.0.1:8100 or [::1]:8100)")
+    try:
+        return kind, parse_endpoint(addr, field_name="instance")
+    except ConfigError as exc:
+        return _err(400, str(exc.problems[0]))
+
+
+async def handle_add(server: ProxyServer, request: web.Request) -> web.Response:
+    """Validate the instance (it answers ``/v1/models`` with our model), then add it."""
+    parsed = await _admin_request(server, request)
+    if isinstance(parsed, web.Response):
+        return parsed
+    kind, ep = parsed
+    existing = server.pool.get(kind, ep.key)
+    if existing is not None or (kind, ep.key) in server.pending_adds:
+        state = "being removed" if existing is not None and existing.draining else "already in the pool"
+        return _err(409, f"{kind} instance {ep.key} is {state}")
+    server.pending_adds.add((kind, ep.key))
+    try:
+        inst = Instance(kind, ep, healthy=False)
+        problem = await check_instance(server, inst)
+        if problem is not None:
+            return _err(400, f"{kind} instance {ep.key} was not added: {problem}")
+        inst.healthy = True
+        server.pool.add(inst)
+    finally:
+        server.pending_adds.discard((kind, ep.key))
+    log.info("admin: added %s instance %s", kind, ep.key)
+    return web.json_response({"status": "added", "type": kind, "instance": ep.key, **_counts(server)})
+
+
+async def handle_remove(server: ProxyServer, request: web.Request) -> web.Response:
+    """Take the instance out of rotation, wait for its requests to finish, drop it."""
+    parsed = await _admin_request(server, request)
+    if isinstance(parsed, web.Response):
+        return parsed
+    kind, key = parsed[0], parsed[1].key
+    inst = server.pool.get(kind, key)
+    if inst is None:
+        known = ", ".join(i.key for i in server.pool.of_kind(kind)) or "none"
+        return _err(404, f"no {kind} instance {key} in the pool (known: {known})")
+    if inst.draining:
+        return _err(409, f"{kind} instance {key} is already being removed")
+    inst.draining = True
+    server.pool.refresh()
+    waiting = inst.in_flight
+    drained = await inst.drain(server.config.drain_timeout)
+    server.pool.remove(kind, key)
+    log.info("admin: removed %s instance %s (drained=%s)", kind, key, drained)
+    return web.json_response({"status": "removed", "type": kind, "instance": key, "drained": drained,
+                              "waited_for": waiting, "in_flight": inst.in_flight, **_counts(server)})
+
+
+def _counts(server: ProxyServer) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        insts = server.pool.of_kind(kind)
+        out[f"{kind}_node_count"] = len(insts)
+        out[f"{kind}_nodes"] = [i.key for i in insts]
+    return out
+
+
+async def handle_status(server: ProxyServer, _request: web.Request) -> web.Response:
+    """Read-only view (no key needed, as in the seed): counts, nodes, per-instance state."""
+    body = {
+        "model": server.config.model,
+        "flow": server.config.flow,
+        "p2p_mode": server.p2p_mode,
+        "scheduling": server.config.scheduling,
+        "admin_api": "enabled" if server.config.admin_api_key else "disabled (ADMIN_API_KEY not set)",
+        **_counts(server),
+        "instances": {k: [i.status() for i in server.pool.of_kind(k)] for k in KINDS},
+    }
+    return web.Response(text=json.dumps(body, indent=2), content_type="application/json")
+
+
+def install(server: ProxyServer, app: web.Application) -> None:
+    """Add the admin routes to ``app``."""
+
+    def bind(fn):  # noqa: ANN001, ANN202 - handler adapter
+        async def handler(request: web.Request) -> web.Response:
+            return await fn(server, request)
+
+        return handler
+
+    app.router.add_post("/instances/add", bind(handle_add))
+    app.router.add_post("/instances/remove", bind(handle_remove))
+    app.router.add_get("/status", bind(handle_status))

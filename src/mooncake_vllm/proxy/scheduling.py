@@ -1,0 +1,109 @@
+"""Scheduling policies: which available instance of a kind takes the next request."""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from collections.abc import Sequence
+
+from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.proxy.instances import Instance
+
+__all__ = [
+    "POLICIES",
+    "LeastLoadedPolicy",
+    "PrefixAwarePolicy",
+    "RoundRobinPolicy",
+    "SchedulingPolicy",
+    "make_policy",
+]
+
+
+class SchedulingPolicy(abc.ABC):
+    """Pick one instance from a non-empty list of available instances.
+
+    ``prefix`` is a short byte string identifying the prompt's beginning (or
+    ``b""``); policies that do not use it ignore it.
+    """
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def select(self, candidates: Sequence[Instance], prefix: bytes) -> Instance:
+        """Return one of ``candidates`` (never empty)."""
+
+
+class RoundRobinPolicy(SchedulingPolicy):
+    """Cycle through the instances in order (the seed proxy's behaviour)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._n = 0
+
+    def select(self, candidates: Sequence[Instance], prefix: bytes) -> Instance:
+        self._n += 1
+        return candidates[self._n % len(candidates)]
+
+
+class LeastLoadedPolicy(SchedulingPolicy):
+    """The instance with the fewest requests in flight; ties go round-robin."""
+
+    name = "least_loaded"
+
+    def __init__(self) -> None:
+        self._n = 0
+
+    def select(self, candidates: Sequence[Instance], prefix: bytes) -> Instance:
+        self._n += 1
+        n = len(candidates)
+        start = self._n % n
+        best = candidates[start]
+        for k in range(1, n):
+            c = candidates[(start + k) % n]
+            if c.in_flight < best.in_flight:
+                best = c
+        return best
+
+
+class PrefixAwarePolicy(SchedulingPolicy):
+    """Send prompts that start alike to the same instance (its local prefix cache
+    then hits before the pool is even asked), by rendezvous hashing on the
+    prompt's first bytes, unless that instance has ``slack`` more requests in
+    flight than the least loaded one, in which case the least loaded one wins.
+    Adding or removing an instance only moves the prefixes that hashed to it.
+    """
+
+    name = "prefix"
+
+    def __init__(self, slack: int = 4) -> None:
+        self.slack = slack
+        self._fallback = LeastLoadedPolicy()
+
+    def select(self, candidates: Sequence[Instance], prefix: bytes) -> Instance:
+        least = self._fallback.select(candidates, prefix)
+        if not prefix or len(candidates) == 1:
+            return least
+        best, best_score = least, b""
+        for c in candidates:
+            score = hashlib.blake2b(prefix, digest_size=8, key=c.key.encode()[:64]).digest()
+            if score > best_score:
+                best, best_score = c, score
+        return best if best.in_flight <= least.in_flight + self.slack else least
+
+
+#: policy name -> class, for the ``--scheduling`` choices
+POLICIES: dict[str, type[SchedulingPolicy]] = {
+    p.name: p for p in (RoundRobinPolicy, LeastLoadedPolicy, PrefixAwarePolicy)
+}
+
+
+def make_policy(name: str) -> SchedulingPolicy:
+    """A fresh policy instance by name; ``ConfigError`` names the valid choices."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        choices = ", ".join(POLICIES)
+        raise ConfigError(
+            "--scheduling", [ConfigProblem("--scheduling", f"unknown policy {name!r}", f"use one of {choices}")]
+        ) from None

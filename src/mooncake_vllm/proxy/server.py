@@ -1,0 +1,384 @@
+"""The XpYd proxy: an OpenAI-compatible aiohttp front over prefill and decode pools.
+
+Per request: pick a decode-capable pool first (503 with a reason if none is
+healthy), run the prefill step (``max_tokens=1``, see ``flows``), then relay the
+decode answer byte for byte. Upstream failures become proper HTTP errors:
+4xx pass through, 5xx and connection failures are 502 before the first byte,
+and a stream that breaks after its first byte ends with an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from mooncake_vllm.proxy import flows
+from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
+from mooncake_vllm.proxy.metrics import ProxyMetrics
+from mooncake_vllm.proxy.scheduling import make_policy
+
+__all__ = ["ProxyConfig", "ProxyError", "ProxyServer", "config_from_env"]
+
+log = logging.getLogger("mooncake_vllm.proxy")
+
+#: bytes of the prompt's beginning the prefix-aware policy hashes
+PREFIX_CHARS = 256
+_SSE = "text/event-stream"
+
+
+@dataclass
+class ProxyConfig:
+    """Everything the proxy needs; ``prefill``/``decode`` are ``host:port`` strings."""
+
+    model: str
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    scheduling: str = "round_robin"
+    flow: str = "store"
+    target_vllm: str | None = None  # p2p only; None = ask the instances' GET /version
+    admin_api_key: str | None = None  # None/empty: admin endpoints disabled (403)
+    upstream_api_key: str | None = None  # sent as Bearer when the client sends none
+    health_interval: float = 5.0
+    health_timeout: float = 2.0
+    connect_timeout: float = 5.0
+    request_timeout: float | None = None  # whole upstream request; None = no limit
+    drain_timeout: float = 300.0
+
+
+class ProxyError(Exception):
+    """An error answer to the client: status, OpenAI-style type, message."""
+
+    def __init__(self, status: int, message: str, kind: str = "upstream_error", *, reason: str = "") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.reason = reason or kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": "1"} if self.status == 503 else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def _prefix_of(body: dict[str, Any]) -> bytes:
+    """The first bytes of the prompt (completions) or first messages (chat)."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        msgs = body.get("messages")
+        prompt = json.dumps(msgs[:2], sort_keys=True) if isinstance(msgs, list) else ""
+    elif not isinstance(prompt, str):
+        prompt = json.dumps(prompt[:PREFIX_CHARS] if isinstance(prompt, list) else prompt)
+    return prompt[:PREFIX_CHARS].encode("utf-8", "surrogatepass")
+
+
+class ProxyServer:
+    """One proxy: the instance pool, policies, metrics, the shared client session."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.pool = InstancePool()
+        self.metrics = ProxyMetrics()
+        self.policies = {k: make_policy(config.scheduling) for k in ("prefill", "decode")}
+        self._use_prefix = config.scheduling == "prefix"
+        if config.flow not in flows.FLOWS:
+            raise ValueError(f"--flow: {config.flow!r} is not one of {', '.join(flows.FLOWS)}")
+        self.p2p_mode: str | None = None
+        if config.flow == "p2p" and config.target_vllm:
+            self.p2p_mode = flows.p2p_mode(flows.parse_version(config.target_vllm))
+        for kind, addrs in (("prefill", config.prefill), ("decode", config.decode)):
+            for addr in addrs:
+                ep = parse_endpoint(addr, field_name=f"--{kind}")
+                self.pool.add(Instance(kind, ep, healthy=False, last_error="not checked yet"))
+        self.session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.pending_adds: set[tuple[str, str]] = set()
+        self.app = self._build_app()
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def _build_app(self) -> web.Application:
+        from mooncake_vllm.proxy import admin
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self._route("/v1/completions"))
+        app.router.add_post("/v1/chat/completions", self._route("/v1/chat/completions"))
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/health", self.handle_health)
+        admin.install(self, app)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, _app: web.Application) -> None:
+        from mooncake_vllm.proxy import admin
+
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=30, keepalive_timeout=60)
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=self.config.connect_timeout)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+        await admin.check_all(self)  # the first round before serving: no 503 at start-up
+        self._health_task = asyncio.create_task(admin.health_loop(self))
+
+    async def _on_cleanup(self, _app: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except asyncio.CancelledError:
+                pass
+        if self.session is not None:
+            await self.session.close()
+
+    async def start(self) -> int:
+        """Serve on ``config.host:config.port`` (0 = a free port); returns the port."""
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=1024)
+        await site.start()
+        sockets = self._runner.addresses
+        self.config.port = int(sockets[0][1]) if sockets else self.config.port
+        return self.config.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ---- helpers ---------------------------------------------------------------
+
+    def pick(self, kind: str, prefix: bytes) -> Instance:
+        """An available instance of ``kind``; ProxyError 503 with the reason if none."""
+        candidates = self.pool.available(kind)
+        if not candidates:
+            raise ProxyError(503, self.pool.unavailable_reason(kind), "service_unavailable", reason=f"no_{kind}")
+        return self.policies[kind].select(candidates, prefix)
+
+    def _headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        auth = request.headers.get("Authorization")
+        if auth:
+            headers["Authorization"] = auth
+        elif self.config.upstream_api_key:
+            headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
+        return headers
+
+    def _fail(self, inst: Instance, reason: str, detail: str) -> None:
+        """Count an upstream failure; connection-level ones take the instance out of rotation."""
+        self.metrics.error(inst.kind, reason)
+        if reason in ("connect", "disconnect", "timeout"):
+            if inst.healthy:
+                log.warning("%s instance %s leaves rotation: %s", inst.kind, inst.key, detail)
+            inst.mark_failed(detail)
+            self.pool.refresh()
+        else:
+            inst.errors += 1
+            inst.last_error = detail
+
+    def _upstream_failure(self, inst: Instance, exc: BaseException, *, last: bool) -> ProxyError | None:
+        """The client's error for a failed upstream call, or None to retry elsewhere
+        (only a refused connection is retried: the request never reached the instance)."""
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            self._fail(inst, "connect", f"connect failed: {exc.os_error or exc}")
+            if last or not self.pool.available(inst.kind):
+                return ProxyError(502, f"{inst.kind} instance {inst.key} is unreachable: {exc}", reason="connect")
+            return None
+        if isinstance(exc, asyncio.TimeoutError):
+            self._fail(inst, "timeout", f"{inst.kind} timed out")
+            return ProxyError(504, f"{inst.kind} instance {inst.key} timed out", "timeout", reason="timeout")
+        self._fail(inst, "disconnect", f"{inst.kind} failed: {exc!r}")
+        return ProxyError(502, f"{inst.kind} instance {inst.key} failed before answering: {exc!r}",
+                          reason="disconnect")
+
+    async def _error_from(self, inst: Instance, up: aiohttp.ClientResponse) -> ProxyError:
+        """A ProxyError for an upstream answer >= 400: 4xx as is, 5xx as 502."""
+        text = (await up.read()).decode("utf-8", "replace")[:2000]
+        if up.status < 500:
+            self.metrics.error(inst.kind, f"http_{up.status}")
+            try:
+                err = json.loads(text)
+                msg = err.get("error", err).get("message") if isinstance(err, dict) else None
+            except (ValueError, AttributeError):
+                msg = None
+            return ProxyError(up.status, str(msg or text), "invalid_request_error", reason=f"http_{up.status}")
+        self._fail(inst, f"http_{up.status}", f"HTTP {up.status}")
+        return ProxyError(502, f"{inst.kind} instance {inst.key} answered HTTP {up.status}: {text}",
+                          reason=f"http_{up.status}")
+
+    async def _post_prefill(self, route: str, body: dict[str, Any], headers: dict[str, str],
+                            prefix: bytes, transfer_id: str) -> tuple[Instance, dict[str, Any] | None, int | None]:
+        """Run the prefill step (one retry on another instance if a connection fails)."""
+        mode = self.p2p_mode or ""
+        data = json.dumps(flows.prefill_body(body, self.config.flow, mode, transfer_id)).encode()
+        assert self.session is not None
+        for attempt in (0, 1):
+            inst = self.pick("prefill", prefix)
+            dp_rank = inst.next_dp_rank() if mode == "bootstrap" else None
+            hdrs = headers if dp_rank is None else {**headers, "X-data-parallel-rank": str(dp_rank)}
+            inst.acquire()
+            try:
+                async with self.session.post(inst.url + route, data=data, headers=hdrs) as up:
+                    if up.status >= 400:
+                        raise await self._error_from(inst, up)
+                    raw = await up.read()
+                return inst, (json.loads(raw) if mode == "handoff" else None), dp_rank
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                if (err := self._upstream_failure(inst, exc, last=attempt == 1)) is not None:
+                    raise err from exc
+            finally:
+                inst.release()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _relay_decode(self, request: web.Request, route: str, data: bytes, headers: dict[str, str],
+                            prefix: bytes, stream: bool, t0: float) -> tuple[web.StreamResponse, int]:
+        """Send the decode request and relay its answer (streamed or whole); also the status to record."""
+        assert self.session is not None
+        for attempt in (0, 1):
+            inst = self.pick("decode", prefix)
+            inst.acquire()
+            try:
+                async with self.session.post(inst.url + route, data=data, headers=headers) as up:
+                    if up.status >= 400:
+                        raise await self._error_from(inst, up)
+                    if not stream:
+                        raw = await up.read()
+                        self.metrics.observe_ttfb(route, time.perf_counter() - t0)
+                        return web.Response(body=raw, status=up.status, content_type=up.content_type or None), up.status
+                    return await self._stream(request, inst, up, route, t0)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                if (err := self._upstream_failure(inst, exc, last=attempt == 1)) is not None:
+                    raise err from exc
+            finally:
+                inst.release()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _stream(self, request: web.Request, inst: Instance, up: aiohttp.ClientResponse,
+                      route: str, t0: float) -> tuple[web.StreamResponse, int]:
+        """Relay an upstream stream; a break after the first byte ends with an SSE error event.
+        Returns the response and the status to record (502 broken, 499 client gone)."""
+        ctype = up.headers.get("Content-Type", _SSE)
+        resp = web.StreamResponse(status=up.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
+        first = True
+        try:
+            async for chunk in up.content.iter_any():
+                if first:
+                    await resp.prepare(request)
+                    self.metrics.observe_ttfb(route, time.perf_counter() - t0)
+                    first = False
+                await resp.write(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                asyncio.TimeoutError) as exc:
+            reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnect"
+            self._fail(inst, reason, f"stream broke: {exc!r}")
+            err = ProxyError(502, f"decode instance {inst.key} broke the stream: {exc!r}", reason=reason)
+            if first:  # nothing sent yet: a plain HTTP error
+                raise err from exc
+            await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+            resp.force_close()
+            await resp.write_eof()
+            return resp, 502
+        except ConnectionResetError:  # the client went away: drop the upstream request too
+            up.close()
+            return resp, 499
+        if first:
+            await resp.prepare(request)
+        await resp.write_eof()
+        return resp, up.status
+
+    # ---- handlers --------------------------------------------------------------
+
+    def _route(self, route: str):  # noqa: ANN202 - returns an aiohttp handler
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self.handle_completion(request, route)
+
+        return handler
+
+    async def handle_completion(self, request: web.Request, route: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            if request.content_type != "application/json":
+                raise ProxyError(415, f"Content-Type must be application/json, got {request.content_type!r}",
+                                 "invalid_request_error", reason="bad_request")
+            raw = await request.read()
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise ProxyError(400, f"request body is not valid JSON: {exc}", "invalid_request_error",
+                                 reason="bad_request") from None
+            if not isinstance(body, dict):
+                raise ProxyError(400, "request body must be a JSON object", "invalid_request_error",
+                                 reason="bad_request")
+            if not self.pool.available("decode"):
+                self.pick("decode", b"")  # raises the 503 with its reason
+            if self.config.flow == "p2p" and self.p2p_mode is None:
+                raise ProxyError(503, "the upstream vLLM version is not known yet (no instance answered "
+                                 "GET /version); pass --target-vllm X.Y.Z or wait for an instance",
+                                 "service_unavailable", reason="version_unknown")
+            prefix = _prefix_of(body) if self._use_prefix else b""
+            request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            headers = self._headers(request, request_id)
+            transfer_id = flows.new_transfer_id()
+            prefill, pre_json, dp_rank = await self._post_prefill(route, body, headers, prefix, transfer_id)
+            try:
+                plan = flows.plan_decode(self.config.flow, self.p2p_mode or "", prefill, transfer_id,
+                                         pre_json, dp_rank)
+            except ValueError as exc:
+                self.metrics.error("prefill", "bad_params")
+                raise ProxyError(502, str(exc), reason="bad_params") from None
+            data = raw if plan.decode_params is None else json.dumps(
+                {**body, "kv_transfer_params": plan.decode_params}).encode()
+            resp, status = await self._relay_decode(request, route, data, headers, prefix,
+                                                    bool(body.get("stream")), t0)
+            return resp
+        except ProxyError as exc:
+            status = exc.status
+            if exc.status >= 500:
+                self.metrics.error("proxy", exc.reason)
+            return exc.response()
+        finally:
+            self.metrics.observe(route, status, time.perf_counter() - t0)
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models`` from a healthy decode (else prefill) instance."""
+        assert self.session is not None
+        kind = "decode" if self.pool.available("decode") else "prefill"
+        try:
+            inst = self.pick(kind, b"")
+            async with self.session.get(inst.url + "/v1/models", headers=self._headers(request, "models")) as up:
+                if up.status >= 400:
+                    raise await self._error_from(inst, up)
+                return web.Response(body=await up.read(), status=up.status, content_type="application/json")
+        except ProxyError as exc:
+            return exc.response()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return ProxyError(502, f"{kind} instance failed to list models: {exc!r}").response()
+
+    async def handle_metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(self.pool), content_type="text/plain",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def handle_health(self, _request: web.Request) -> web.Response:
+        problems = [self.pool.unavailable_reason(k) for k in ("prefill", "decode") if not self.pool.available(k)]
+        if problems:
+            return web.json_response({"status": "unhealthy", "reasons": problems}, status=503)
+        return web.json_response({"status": "ok"})
+
+
+def config_from_env(**kwargs: Any) -> ProxyConfig:
+    """A ProxyConfig whose keys come from ``ADMIN_API_KEY`` / ``OPENAI_API_KEY``."""
+    kwargs.setdefault("admin_api_key", os.environ.get("ADMIN_API_KEY") or None)
+    kwargs.setdefault("upstream_api_key", os.environ.get("OPENAI_API_KEY") or None)
+    return ProxyConfig(**kwargs)
