@@ -1,0 +1,250 @@
+"""Embedded HTTP metadata server speaking Mooncake's HTTP metadata protocol.
+
+``python -m mooncake_vllm.metadata.server [--host 127.0.0.1] [--port 8080]
+[--path /metadata] [--backend memory|redis://h:p|etcd://h:p]`` (also
+``mooncake-vllm metadata serve``). Prints one line
+``mooncake-vllm metadata server ready at http://HOST:PORT/metadata (backend ...)``
+and stops cleanly on SIGTERM/SIGINT.
+
+Protocol on ``<path>`` (``/metadata`` by default), as the Transfer Engine's HTTP
+plugin uses it (mooncake-store-api.md §7):
+
+* ``GET ?key=K``: 200 + the stored bytes (``application/json``), 404 on a miss.
+* ``PUT ?key=K``: stores the body verbatim, 200. The body must be JSON (the
+  client rejects non-JSON on read anyway). For ``rpc_meta`` keys a PUT equal to
+  the stored value (as JSON) answers 200 "metadata unchanged"; a different one
+  answers 400 (an address is already registered for that segment).
+* ``DELETE ?key=K``: 200, also when the key is missing.
+* A key that is empty, not under ``mooncake/``, longer than 1024 characters or
+  has control characters gets 400 with the reason; nothing is stored.
+* ``GET /health``: 200 ``{"status": "ok", "backend": ...}``.
+* Extension (not in Mooncake's protocol, never sent by Mooncake):
+  ``GET <path>?prefix=P`` → 200 ``{"keys": [...]}``; used by
+  ``mooncake-vllm metadata list|gc`` via :class:`~mooncake_vllm.metadata.backends.HttpBackend`.
+
+Why aiohttp: it is already a dependency of mooncake-vllm and of the Mooncake
+wheel, and one asyncio loop serves thousands of concurrent keep-alive
+connections on 2 cores, where the stdlib's thread-per-connection
+``ThreadingHTTPServer`` would spawn a thread per curl handle. Blocking backends
+(redis, etcd) run in a small thread pool; the memory backend runs inline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from mooncake_vllm.errors import ConfigError, StoreError, StoreUnavailableError
+from mooncake_vllm.metadata.backends import MemoryBackend, MetadataBackend, backend_for
+from mooncake_vllm.metadata.entries import KIND_RPC_META, parse_key, validate_key
+
+__all__ = ["BACKEND_ENV", "READY_PREFIX", "MetadataServer", "add_arguments", "main", "serve"]
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "mooncake-vllm metadata server ready at "
+#: the child process reads its backend from here when ``--backend`` is absent
+#: (keeps redis passwords out of ``ps``)
+BACKEND_ENV = "MOONCAKE_VLLM_METADATA_BACKEND"
+MAX_BODY = 16 << 20
+
+
+def _text(status: int, message: str) -> web.Response:
+    return web.Response(status=status, text=message + "\n")
+
+
+class MetadataServer:
+    """The aiohttp application around one :class:`MetadataBackend`."""
+
+    def __init__(self, backend: MetadataBackend, *, host: str = "127.0.0.1", port: int = 0,
+                 path: str = "/metadata") -> None:
+        self.backend = backend
+        self.host, self.port = host, port
+        self.path = "/" + path.strip("/")
+        self._inline = isinstance(backend, MemoryBackend)
+        self._pool = None if self._inline else ThreadPoolExecutor(max_workers=16, thread_name_prefix="mcv-meta")
+        self._rpc_meta_lock = asyncio.Lock()
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}{self.path}"
+
+    async def _backend(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._inline:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
+        app.router.add_get(self.path, self._get)
+        app.router.add_put(self.path, self._put)
+        app.router.add_delete(self.path, self._delete)
+        app.router.add_get("/health", self._health)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except StoreUnavailableError as exc:
+            return _text(503, f"metadata backend unavailable: {exc}")
+        except StoreError as exc:
+            return _text(502, f"metadata backend error: {exc}")
+
+    async def _get(self, request: web.Request) -> web.Response:
+        if "key" not in request.query and "prefix" in request.query:
+            keys = await self._backend(self.backend.list, request.query["prefix"])
+            return web.json_response({"keys": keys})
+        key = request.query.get("key")
+        reason = validate_key(key)
+        if reason:
+            return _text(400, f"bad key: {reason}")
+        value = await self._backend(self.backend.get, key)
+        if value is None:
+            return _text(404, f"metadata not found: {key}")
+        return web.Response(body=value, content_type="application/json")
+
+    async def _put(self, request: web.Request) -> web.Response:
+        key = request.query.get("key")
+        reason = validate_key(key)
+        if reason:
+            return _text(400, f"bad key: {reason}")
+        body = await request.read()
+        if not body:
+            return _text(400, f"bad body for {key}: empty (expected a JSON document)")
+        try:
+            doc = json.loads(body)
+        except ValueError as exc:
+            return _text(400, f"bad body for {key}: not JSON ({exc})")
+        parsed = parse_key(key)
+        if parsed is None or parsed.kind != KIND_RPC_META:
+            await self._backend(self.backend.put, key, body)
+            return _text(200, "metadata updated")
+        async with self._rpc_meta_lock:  # compare-and-set for this server's clients
+            old = await self._backend(self.backend.get, key)
+            if old is not None:
+                try:
+                    same = json.loads(old) == doc
+                except ValueError:
+                    same = False
+                if same:
+                    return _text(200, "metadata unchanged")
+                return _text(
+                    400,
+                    f"conflicting rpc_meta for segment {parsed.segment}: registered "
+                    f"{old[:200].decode('utf-8', 'replace')}, got {body[:200].decode('utf-8', 'replace')}; "
+                    "if the old owner is gone, remove it with `mooncake-vllm metadata gc --apply`",
+                )
+            await self._backend(self.backend.put, key, body)
+        return _text(200, "metadata updated")
+
+    async def _delete(self, request: web.Request) -> web.Response:
+        key = request.query.get("key")
+        reason = validate_key(key)
+        if reason:
+            return _text(400, f"bad key: {reason}")
+        await self._backend(self.backend.delete, key)
+        return _text(200, "metadata deleted")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "backend": self.backend.url})
+
+    async def start(self) -> str:
+        """Bind and start serving; returns the metadata URL (with the real port)."""
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=1024, reuse_address=True)
+        await site.start()
+        sockets = getattr(site._server, "sockets", None) or []  # noqa: SLF001 - only way to learn port 0
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.backend.close()
+
+
+async def _serve_async(server: MetadataServer, *, exit_with_parent: bool, ready: Callable[[str], None]) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    parent = os.getppid()
+    url = await server.start()
+    ready(url)
+    try:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if exit_with_parent and os.getppid() != parent:
+                    log.warning("parent process %d is gone; metadata server stops", parent)
+                    break
+    finally:
+        await server.stop()
+
+
+def serve(backend: str | MetadataBackend = "memory", *, host: str = "127.0.0.1", port: int = 8080,
+          path: str = "/metadata", exit_with_parent: bool = False) -> int:
+    """Run the server in the foreground until SIGTERM/SIGINT; prints the ready line."""
+    try:
+        store = backend if isinstance(backend, MetadataBackend) else backend_for(backend)
+    except ConfigError as exc:
+        print(f"error: --backend: {exc}", file=sys.stderr)
+        return 2
+    try:
+        store.get("mooncake/")  # reach redis/etcd now, not at the first client request
+    except (StoreUnavailableError, StoreError) as exc:
+        print(f"error: metadata backend {store.url} not usable: {exc}", file=sys.stderr)
+        return 1
+    server = MetadataServer(store, host=host, port=port, path=path)
+
+    def ready(url: str) -> None:
+        print(f"{READY_PREFIX}{url} (backend {store.url})", flush=True)
+
+    try:
+        asyncio.run(_serve_async(server, exit_with_parent=exit_with_parent, ready=ready))
+    except OSError as exc:
+        print(f"error: cannot listen on {host}:{port}: {exc}; pick a free port with --port", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's options (shared with ``mooncake-vllm metadata serve``)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="port to bind; 0 = any free port (default 8080)")
+    parser.add_argument("--path", default="/metadata", help="URL path of the metadata endpoint (default /metadata)")
+    parser.add_argument("--backend", default=None,
+                        help=f"memory (default), redis://host:port[/db] or etcd://host:port; also ${BACKEND_ENV}")
+    parser.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process exits")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mooncake_vllm.metadata.server", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    backend = args.backend or os.environ.get(BACKEND_ENV) or "memory"
+    return serve(backend, host=args.host, port=args.port, path=args.path, exit_with_parent=args.exit_with_parent)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
