@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["BIN", "Client", "Server", "child_env", "free_port", "readline", "start", "stop", "wait_port"]
+__all__ = ["BIN", "HERE", "Client", "Server", "child_env", "free_port", "readline", "start", "stop", "wait_port"]
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
