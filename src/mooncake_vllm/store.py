@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -35,7 +36,7 @@ from mooncake_vllm.errors import ConfigError, ConfigProblem, StoreUnavailableErr
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.stats import StoreStats
 
-__all__ = ["CLIENT_ENV_DEFAULTS", "StoreClient", "pick_local_hostname"]
+__all__ = ["CLIENT_ENV_DEFAULTS", "StoreClient", "page_aligned_buffer", "pick_local_hostname"]
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +87,26 @@ def _metadata_endpoint(url: str, scheme: str) -> tuple[str, int] | None:
     return (host.strip("[]"), int(port)) if port.isdigit() else None
 
 
+def page_aligned_buffer(nbytes: int) -> tuple[mmap.mmap, int]:
+    """Anonymous memory on pages of its own, and its address.
+
+    Mooncake refuses to register two regions that share a page ("does not support
+    overlapped memory region"), so buffers we register never come from malloc.
+    """
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    return buf, ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
 class _Staging:
     """A registered scratch buffer: header slots, plus block room for the copy path."""
 
     def __init__(self, nbytes: int) -> None:
-        self.buf = (ctypes.c_char * nbytes)()
-        self.ptr = ctypes.addressof(self.buf)
+        self.buf, self.ptr = page_aligned_buffer(nbytes)
         self.nbytes = nbytes
         self.lock = threading.Lock()
 
     def view(self, offset: int, nbytes: int) -> memoryview:
-        return memoryview(self.buf).cast("B")[offset:offset + nbytes]
+        return memoryview(self.buf)[offset:offset + nbytes]
 
 
 class StoreClient:

@@ -1,0 +1,137 @@
+"""Non-Mooncake services on loopback: etcd, redis-server and a vLLM OpenAI server on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mooncake_vllm.services.mooncake import client_env
+from mooncake_vllm.services.process import (
+    ManagedProcess,
+    with_port_retry,
+    find_binary,
+    free_port,
+    http_probe,
+)
+
+__all__ = ["start_etcd", "start_redis", "start_vllm_server", "vllm_env"]
+
+
+def start_etcd(workdir: str | os.PathLike, *, timeout: float = 30.0) -> ManagedProcess:
+    """Start a single-member etcd (apt etcd-server 3.4) on two free loopback ports.
+
+    ``.address`` is "127.0.0.1:P" (the client endpoint), ``.url`` "http://127.0.0.1:P".
+    Ready when ``/health`` reports true.
+    """
+    binary = find_binary("etcd", "etcd")
+
+    def launch(client_port: int) -> ManagedProcess:
+        peer_port = free_port()
+        data_dir = Path(workdir) / f"etcd-{client_port}.data"
+        client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+        argv = [binary, "--name", "mcv", "--data-dir", str(data_dir),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"mcv={peer}", "--initial-cluster-state", "new"]
+        env = dict(os.environ)
+        env.pop("ETCDCTL_API", None)
+        proc = ManagedProcess("etcd", argv, workdir=workdir, env=env, port=client_port).start()
+        proc.address, proc.url = f"127.0.0.1:{client_port}", client
+        healthy = http_probe(f"{client}/health", lambda s, b: s == 200 and b'"true"' in b)
+        proc.wait_ready(lambda: proc.listens_on(client_port) and healthy(), timeout, "healthy on " + client)
+        return proc
+
+    return with_port_retry(launch, None, "etcd")
+
+
+def _redis_ping(port: int):  # noqa: ANN202 - returns a probe
+    def probe() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    return probe
+
+
+def start_redis(workdir: str | os.PathLike, *, timeout: float = 30.0) -> ManagedProcess:
+    """Start ``redis-server`` on 127.0.0.1 without persistence; ``.url`` is ``redis://127.0.0.1:P``."""
+    binary = find_binary("redis-server", "redis")
+
+    def launch(port: int) -> ManagedProcess:
+        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(workdir), "--protected-mode", "yes"]
+        proc = ManagedProcess("redis", argv, workdir=workdir, port=port).start()
+        proc.address, proc.url = f"127.0.0.1:{port}", f"redis://127.0.0.1:{port}"
+        pong = _redis_ping(port)
+        proc.wait_ready(lambda: proc.listens_on(port) and pong(), timeout, "answering PING on " + proc.address)
+        return proc
+
+    return with_port_retry(launch, None, "redis")
+
+
+def vllm_env(workdir: str | os.PathLike, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for a vLLM process on CPU (running-on-cpu.md 2.3): offline, no telemetry,
+    per-run temp/cache directories under ``workdir``, one reserved core, quiet Mooncake clients."""
+    root = Path(workdir)
+    dirs = {name: root / name for name in ("tmp", "rpc", "vllm-cache", "inductor", "hf-home")}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update({
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "TMPDIR": str(dirs["tmp"]),
+        "VLLM_RPC_BASE_PATH": str(dirs["rpc"]),
+        "VLLM_CACHE_ROOT": str(dirs["vllm-cache"]),
+        "TORCHINDUCTOR_CACHE_DIR": str(dirs["inductor"]),
+        "HF_HOME": str(dirs["hf-home"]),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+        **client_env(),
+    })
+    env.update(extra or {})
+    return env
+
+
+def start_vllm_server(
+    model_dir: str | os.PathLike,
+    port: int | None,
+    workdir: str | os.PathLike,
+    kv_transfer_config: dict[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    extra_args: tuple[str, ...] = (),
+    timeout: float = 120.0,
+    name: str = "vllm",
+) -> ManagedProcess:
+    """Start vLLM's OpenAI server on CPU (float32, block 32, 64 MiB KV, eager) on 127.0.0.1.
+
+    Ready when ``GET /v1/models`` answers 200; ``.url`` is ``http://127.0.0.1:P``.
+    ``env`` is added on top of :func:`vllm_env` (e.g. MOONCAKE_CONFIG_PATH).
+    """
+    wd = Path(workdir)
+
+    def launch(p: int) -> ManagedProcess:
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                "--host", "127.0.0.1", "--port", str(p), "--dtype", "float32", "--block-size", "32",
+                "--max-model-len", "2048", "--kv-cache-memory-bytes", "67108864", "--enforce-eager",
+                *extra_args]
+        if kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        run_dir = wd / f"{name}-{p}"
+        proc = ManagedProcess(name, argv, workdir=run_dir, env=vllm_env(run_dir, env), port=p).start()
+        proc.address, proc.url = f"127.0.0.1:{p}", f"http://127.0.0.1:{p}"
+        models = http_probe(f"{proc.url}/v1/models", lambda s, b: s == 200)
+        proc.wait_ready(lambda: proc.listens_on(p) and models(), timeout, "serving /v1/models on " + proc.url)
+        return proc
+
+    return with_port_retry(launch, port, name)

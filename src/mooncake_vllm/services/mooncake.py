@@ -1,0 +1,386 @@
+"""Mooncake services on loopback: master, HTTP metadata, pool holder, and the LocalStack.
+
+Everything binds 127.0.0.1 (except the listeners Mooncake clients always open on
+the wildcard address, see running-on-cpu.md 1.4) and uses free ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from mooncake_vllm.services.process import (
+    ManagedProcess,
+    ServiceError,
+    with_port_retry,
+    find_binary,
+    free_port,
+    http_probe,
+)
+
+__all__ = [
+    "HOLDER_KINDS",
+    "METADATA_KINDS",
+    "LocalStack",
+    "client_env",
+    "clean_dev_shm",
+    "cli_argv",
+    "start_holder",
+    "start_http_metadata",
+    "start_master",
+]
+
+METADATA_KINDS = ("mooncake", "embedded", "p2p")
+HOLDER_KINDS = ("mooncake_client", "python")
+P2P = "P2PHANDSHAKE"
+
+#: Progress callback: (component, state, detail); state is "starting" | "ready" | "stopped".
+Progress = Callable[[str, str, str], None]
+
+
+def client_env() -> dict[str, str]:
+    """MC_* variables every Mooncake client we start (or a test starts) should get.
+
+    Advertise loopback, fail ``setup`` in seconds rather than ~90 s on a wrong
+    master, bound each master RPC to 2 s, and silence glog INFO.
+    """
+    return {
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        "MC_STORE_CLIENT_SETUP_RETRIES": "1",
+        "MC_RPC_TIMEOUT_MS": "2000",
+        "MC_LOG_LEVEL": "ERROR",
+    }
+
+
+def _env(extra: Mapping[str, str] | None = None, *, quiet: bool = False) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(client_env())
+    if not quiet:  # servers keep INFO logs: they are attached to failing tests
+        env.pop("MC_LOG_LEVEL", None)
+    env.update(extra or {})
+    return env
+
+
+def cli_argv(*args: str) -> list[str]:
+    """argv running ``mooncake-vllm ARGS`` with this interpreter (no console script needed)."""
+    return [sys.executable, "-c", "import sys; from mooncake_vllm.cli import main; sys.exit(main(sys.argv[1:]))",
+            *args]
+
+
+# -- /dev/shm leftovers -------------------------------------------------------------
+_SHM = Path("/dev/shm")
+
+
+def _shm_names() -> set[str]:
+    try:
+        return set(os.listdir(_SHM))
+    except OSError:
+        return set()
+
+
+def _shm_in_use() -> set[str]:
+    """Names under /dev/shm that some live process has open or mapped."""
+    used: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    used.add(target[9:].split(" ")[0])
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    if "/dev/shm/" in line:
+                        used.add(line.split("/dev/shm/", 1)[1].split(" ")[0].strip())
+        except OSError:
+            continue
+    return used
+
+
+def clean_dev_shm(before: set[str]) -> list[str]:
+    """Remove /dev/shm entries created since ``before`` that no live process uses.
+
+    Only Mooncake-looking names are touched (a SIGKILLed holder can leave its
+    shared-memory pool behind). Returns the names removed.
+    """
+    new = _shm_names() - before
+    if not new:
+        return []
+    candidates = [n for n in new if "mooncake" in n.lower() or n.startswith(("mc_", "mc-"))]
+    if not candidates:
+        return []
+    in_use = _shm_in_use()
+    removed = []
+    for name in candidates:
+        if name in in_use:
+            continue
+        try:
+            (_SHM / name).unlink()
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def _watch_shm(proc: ManagedProcess) -> ManagedProcess:
+    before = _shm_names()
+    proc.after_stop.append(lambda _p: clean_dev_shm(before))
+    return proc
+
+
+# -- launchers ----------------------------------------------------------------------
+def start_master(
+    workdir: str | os.PathLike,
+    client_ttl: int = 2,
+    *,
+    port: int | None = None,
+    metrics_port: int | None = None,
+    extra_args: Sequence[str] = (),
+    timeout: float = 30.0,
+    name: str = "mooncake_master",
+) -> ManagedProcess:
+    """Start ``mooncake_master`` on 127.0.0.1 (RPC and metrics); ready when both answer.
+
+    The result has ``.address`` ("127.0.0.1:P", the ``master_server_address``)
+    and ``.url`` (the metrics base URL).
+    """
+    binary = find_binary("mooncake_master", name)
+
+    def launch(rpc_port: int) -> ManagedProcess:
+        mport = metrics_port or free_port()
+        argv = [
+            binary,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={rpc_port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={mport}",
+            f"--client_ttl={client_ttl}",
+            *extra_args,
+        ]
+        proc = ManagedProcess(name, argv, workdir=workdir, env=_env(), port=rpc_port).start()
+        proc.address = f"127.0.0.1:{rpc_port}"
+        proc.url = f"http://127.0.0.1:{mport}"
+        serving = http_probe(f"{proc.url}/metrics/summary", lambda s, b: s == 200 and b"service_ready=true" in b)
+        proc.wait_ready(lambda: proc.listens_on(rpc_port) and proc.listens_on(mport) and serving(),
+                        timeout, "serving on " + proc.address)
+        return _watch_shm(proc)
+
+    return with_port_retry(launch, port, name)
+
+
+def start_http_metadata(
+    workdir: str | os.PathLike,
+    kind: str = "mooncake",
+    backend: str = "memory",
+    *,
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
+    timeout: float = 30.0,
+) -> ManagedProcess:
+    """Start an HTTP metadata server on 127.0.0.1; ``.url`` is ``http://127.0.0.1:P/metadata``.
+
+    ``kind="mooncake"`` runs the wheel's ``mooncake_http_metadata_server``;
+    ``kind="embedded"`` runs ours (``python -m mooncake_vllm.metadata.server``)
+    with ``backend`` ("memory" or a redis/etcd URL it understands).
+    """
+    if kind == "mooncake":
+        name = "mooncake_http_metadata_server"
+        binary = find_binary(name, "metadata server")
+
+        def argv(p: int) -> list[str]:
+            return [binary, "--host", "127.0.0.1", "--port", str(p), *extra_args]
+
+    elif kind == "embedded":
+        name = "metadata_server"
+
+        def argv(p: int) -> list[str]:
+            return [sys.executable, "-m", "mooncake_vllm.metadata.server", "--host", "127.0.0.1",
+                    "--port", str(p), "--backend", backend, *extra_args]
+
+    else:
+        raise ValueError(f"metadata kind: got {kind!r}, expected 'mooncake' or 'embedded' "
+                         f"(P2PHANDSHAKE needs no server)")
+
+    def launch(p: int) -> ManagedProcess:
+        proc = ManagedProcess(name, argv(p), workdir=workdir, env=_env(), port=p).start()
+        proc.url = f"http://127.0.0.1:{p}/metadata"
+        proc.address = f"127.0.0.1:{p}"
+        # Any HTTP answer to a GET of an absent key (404) means it serves.
+        answers = http_probe(f"{proc.url}?key=mooncake-vllm%2Fprobe")
+        proc.wait_ready(lambda: proc.listens_on(p) and answers(), timeout, "serving on " + proc.url)
+        return proc
+
+    return with_port_retry(launch, port, name)
+
+
+def start_holder(
+    workdir: str | os.PathLike,
+    master: str,
+    metadata: str,
+    segment_size: int = 256 << 20,
+    local_buffer: int = 64 << 20,
+    *,
+    kind: str = "mooncake_client",
+    port: int | None = None,
+    timeout: float = 30.0,
+    name: str = "pool_holder",
+) -> ManagedProcess:
+    """Start a process that mounts ``segment_size`` bytes of pool memory and keeps it.
+
+    ``kind="mooncake_client"`` runs the wheel's standalone ``mooncake_client``
+    (verified: pure clients in other processes put into it with ordinary
+    ``setup(..., 0, ...)``, and data outlives them); ``kind="python"`` runs
+    ``mooncake-vllm holder``. Ready once its segment is mounted.
+    """
+    if kind not in HOLDER_KINDS:
+        raise ValueError(f"holder kind: got {kind!r}, expected one of {HOLDER_KINDS}")
+    if segment_size <= 0:
+        raise ValueError(f"segment_size: got {segment_size}, expected > 0 bytes (the holder's pool memory)")
+    if kind == "mooncake_client":
+        binary = find_binary("mooncake_client", name)
+
+        def argv(p: int) -> list[str]:
+            return [binary, "--host=127.0.0.1", f"--port={p}", f"--global_segment_size={segment_size}",
+                    f"--local_buffer_size={local_buffer}", f"--master_server_address={master}",
+                    f"--metadata_server={metadata}", "--protocol=tcp"]
+    else:
+        def argv(p: int) -> list[str]:
+            return [*cli_argv("holder"), "--master", master,
+                    "--metadata", metadata, "--segment-size", str(segment_size),
+                    "--local-buffer", str(local_buffer), "--ready-port", str(p)]
+
+    def launch(p: int) -> ManagedProcess:
+        proc = ManagedProcess(name, argv(p), workdir=workdir, env=_env(), port=p).start()
+        proc.address = f"127.0.0.1:{p}"
+        # Both kinds open their port only after setup() mounted the segment.
+        proc.wait_ready(lambda: proc.listens_on(p), timeout, "holding a mounted segment")
+        return _watch_shm(proc)
+
+    return with_port_retry(launch, port, name)
+
+
+# -- the local stack ------------------------------------------------------------------
+class LocalStack:
+    """mooncake_master + metadata + pool holder on loopback, and a ready ``mooncake_config.json``.
+
+    Use as a context manager, or call ``start()`` / ``stop()``. The config has the
+    seed's V1 shape: vLLM instances are pure clients (``global_segment_size "0"``),
+    the pool's memory lives in the holder.
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        metadata: str = "mooncake",
+        segment_size: int = 256 << 20,
+        local_buffer_size: int = 64 << 20,
+        client_ttl: int = 2,
+        master_port: int | None = None,
+        metadata_port: int | None = None,
+        holder_port: int | None = None,
+        holder: str = "mooncake_client",
+        metadata_backend: str = "memory",
+        progress: Progress | None = None,
+    ) -> None:
+        if metadata not in METADATA_KINDS:
+            raise ValueError(f"metadata: got {metadata!r}, expected one of {', '.join(METADATA_KINDS)}")
+        if local_buffer_size <= 0:
+            raise ValueError(f"local_buffer_size: got {local_buffer_size}, expected > 0 bytes")
+        self.workdir = Path(workdir)
+        self.metadata_kind = metadata
+        self.segment_size = segment_size
+        self.local_buffer_size = local_buffer_size
+        self.client_ttl = client_ttl
+        self.ports = {"master": master_port, "metadata": metadata_port, "holder": holder_port}
+        self.holder_kind = holder
+        self.metadata_backend = metadata_backend
+        self.progress = progress or (lambda component, state, detail: None)
+        self.master: ManagedProcess | None = None
+        self.metadata_server: ManagedProcess | None = None
+        self.holder: ManagedProcess | None = None
+        self.config_path = self.workdir / "mooncake_config.json"
+
+    @property
+    def master_address(self) -> str:
+        if self.master is None or self.master.address is None:
+            raise ServiceError("LocalStack: not started")
+        return self.master.address
+
+    @property
+    def metadata_url(self) -> str:
+        if self.metadata_kind == "p2p":
+            return P2P
+        if self.metadata_server is None or self.metadata_server.url is None:
+            raise ServiceError("LocalStack: not started")
+        return self.metadata_server.url
+
+    @property
+    def processes(self) -> list[ManagedProcess]:
+        return [p for p in (self.master, self.metadata_server, self.holder) if p is not None]
+
+    def config(self) -> dict[str, str]:
+        """The V1 ``mooncake_config.json`` content for pure clients of this stack."""
+        return {
+            "metadata_server": self.metadata_url,
+            "master_server_address": self.master_address,
+            "global_segment_size": "0",
+            "local_buffer_size": str(self.local_buffer_size),
+            "protocol": "tcp",
+            "device_name": "",
+        }
+
+    def env(self) -> dict[str, str]:
+        """Environment for a client of this stack: MOONCAKE_CONFIG_PATH plus the MC_* variables."""
+        return {"MOONCAKE_CONFIG_PATH": str(self.config_path), **client_env()}
+
+    def _step(self, component: str, start: Callable[[], ManagedProcess]) -> ManagedProcess:
+        self.progress(component, "starting", "")
+        t0 = time.monotonic()
+        proc = start()
+        where = proc.url if component == "metadata" else proc.address
+        self.progress(component, "ready", f"{where} pid {proc.pid} "
+                                          f"in {time.monotonic() - t0:.1f} s, log {proc.log_path}")
+        return proc
+
+    def start(self) -> LocalStack:
+        """Start master, metadata and holder; write the config. On failure stop what started."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.master = self._step("master", lambda: start_master(
+                self.workdir, self.client_ttl, port=self.ports["master"]))
+            if self.metadata_kind != "p2p":
+                self.metadata_server = self._step("metadata", lambda: start_http_metadata(
+                    self.workdir, self.metadata_kind, self.metadata_backend, port=self.ports["metadata"]))
+            else:
+                self.progress("metadata", "ready", "P2PHANDSHAKE (no server needed)")
+            self.holder = self._step("holder", lambda: start_holder(
+                self.workdir, self.master_address, self.metadata_url, self.segment_size,
+                self.local_buffer_size, kind=self.holder_kind, port=self.ports["holder"]))
+        except BaseException:
+            self.stop()
+            raise
+        tmp = self.config_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.config(), indent=2) + "\n")
+        tmp.replace(self.config_path)  # never half-written
+        return self
+
+    def stop(self) -> None:
+        """Stop holder, metadata and master (in that order); idempotent."""
+        for attr in ("holder", "metadata_server", "master"):
+            proc = getattr(self, attr)
+            if proc is not None:
+                proc.stop()
+                self.progress(attr.split("_")[0], "stopped", f"exit code {proc.returncode}")
+
+    def alive(self) -> bool:
+        return bool(self.processes) and all(p.alive() for p in self.processes)
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

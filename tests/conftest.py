@@ -1,0 +1,190 @@
+"""Shared pytest fixtures: REAL services on free 127.0.0.1 ports, stopped by PID.
+
+Fixtures never skip: a missing binary fails with the setup command to run.
+The logs of every process a failing test used are attached to its report, and
+nothing is left running after the session (also on failure or Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mooncake_vllm.services import (
+    SETUP_HINT,
+    LocalStack,
+    ManagedProcess,
+    ServiceError,
+    running,
+    start_etcd,
+    start_holder,
+    start_http_metadata,
+    start_master,
+    start_redis,
+    started,
+    stop_all,
+)
+
+#: client_ttl of the test masters: dead clients are noticed within ~2 s.
+TEST_CLIENT_TTL = 2
+#: Pool sizes used by the fixtures (memory is touched lazily; keep them modest).
+TEST_SEGMENT = 256 << 20
+TEST_LOCAL_BUFFER = 64 << 20
+
+
+def _fail_setup(exc: BaseException) -> None:
+    pytest.fail(f"{exc}\n(if a binary or package is missing, run `{SETUP_HINT}`)", pytrace=False)
+
+
+# -- work directories ---------------------------------------------------------------
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A per-test directory for service logs, data and configs."""
+    d = tmp_path / "work"
+    d.mkdir()
+    return d
+
+
+# -- Mooncake ---------------------------------------------------------------------------
+@pytest.fixture
+def mooncake_master(workdir: Path) -> Iterator[ManagedProcess]:
+    """A real mooncake_master (short client_ttl); ``.address`` is its master_server_address."""
+    try:
+        proc = start_master(workdir, client_ttl=TEST_CLIENT_TTL)
+    except ServiceError as exc:
+        _fail_setup(exc)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def metadata_server(workdir: Path) -> Iterator[ManagedProcess]:
+    """Mooncake's own HTTP metadata server (the wheel's mooncake_http_metadata_server)."""
+    try:
+        proc = start_http_metadata(workdir, "mooncake")
+    except ServiceError as exc:
+        _fail_setup(exc)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def metadata_url(metadata_server: ManagedProcess) -> str:
+    """``http://127.0.0.1:P/metadata`` of a running Mooncake HTTP metadata server."""
+    assert metadata_server.url is not None
+    return metadata_server.url
+
+
+@pytest.fixture
+def pool_holder(workdir: Path, mooncake_master: ManagedProcess, metadata_url: str) -> Iterator[ManagedProcess]:
+    """A mooncake_client process holding TEST_SEGMENT bytes of pool memory for pure clients."""
+    assert mooncake_master.address is not None
+    try:
+        proc = start_holder(workdir, mooncake_master.address, metadata_url, TEST_SEGMENT, TEST_LOCAL_BUFFER)
+    except ServiceError as exc:
+        _fail_setup(exc)
+    yield proc
+    proc.stop()
+
+
+def _stack(workdir: Path) -> Iterator[LocalStack]:
+    stack = LocalStack(workdir, segment_size=TEST_SEGMENT, local_buffer_size=TEST_LOCAL_BUFFER,
+                       client_ttl=TEST_CLIENT_TTL)
+    try:
+        stack.start()
+    except ServiceError as exc:
+        _fail_setup(exc)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def local_stack(workdir: Path) -> Iterator[LocalStack]:
+    """master + Mooncake HTTP metadata + holder, with ``.config_path`` (V1 mooncake_config.json)."""
+    yield from _stack(workdir)
+
+
+@pytest.fixture(scope="module")
+def module_local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """Like ``local_stack`` but shared by a test module (faster; tests must use distinct keys)."""
+    yield from _stack(tmp_path_factory.mktemp("module-stack"))
+
+
+# -- etcd / redis ---------------------------------------------------------------------
+@pytest.fixture
+def etcd_server(workdir: Path) -> Iterator[str]:
+    """A real single-member etcd; returns its client endpoint ``127.0.0.1:P``."""
+    try:
+        proc = start_etcd(workdir)
+    except ServiceError as exc:
+        _fail_setup(exc)
+    assert proc.address is not None
+    yield proc.address
+    proc.stop()
+
+
+@pytest.fixture
+def redis_server(workdir: Path) -> Iterator[str]:
+    """A real redis-server without persistence; returns ``redis://127.0.0.1:P``."""
+    try:
+        proc = start_redis(workdir)
+    except ServiceError as exc:
+        _fail_setup(exc)
+    assert proc.url is not None
+    yield proc.url
+    proc.stop()
+
+
+# -- the tiny model -------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The offline tiny Llama + tokenizer, built once per parameter set and cached between runs."""
+    import hashlib
+    import json
+
+    try:
+        from mooncake_vllm.demo.tiny_model import build_tiny_model, default_cache_dir, tiny_model_params
+    except ImportError as exc:
+        _fail_setup(exc)
+    key = hashlib.sha256(json.dumps(tiny_model_params(), sort_keys=True).encode()).hexdigest()[:12]
+    try:
+        return build_tiny_model(default_cache_dir() / f"tiny-llama-{key}")
+    except ImportError as exc:  # transformers / tokenizers / torch missing
+        _fail_setup(exc)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# -- logs on failure, cleanup ----------------------------------------------------------
+_LOG_LINES = int(os.environ.get("MOONCAKE_VLLM_TEST_LOG_LINES", "60"))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_FIRST] = len(started())
+
+
+_FIRST = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    first = item.stash.get(_FIRST, len(started()))
+    history = started()
+    mine = history[first:]  # started by this test (or its function-scoped fixtures)
+    shared = [p for p in running() if p not in mine]  # module/session fixtures still up
+    for proc in [*shared, *mine]:
+        state = "alive" if proc.alive() else f"exit code {proc.returncode}"
+        title = f"{proc.name} pid {proc._popen.pid if proc._popen else '?'} ({state}) log {proc.log_path}"
+        report.sections.append((title, proc.log_tail(_LOG_LINES) or "(empty log)"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    stop_all()

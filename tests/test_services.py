@@ -1,0 +1,307 @@
+"""Tests of mooncake_vllm.services against real processes (master, holders, etcd, redis, vLLM)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mooncake_vllm.services import (
+    SETUP_HINT,
+    LocalStack,
+    ManagedProcess,
+    ServiceError,
+    clean_dev_shm,
+    client_env,
+    find_binary,
+    free_port,
+    port_is_free,
+    running,
+    start_etcd,
+    start_holder,
+    start_http_metadata,
+    start_master,
+    start_redis,
+    start_vllm_server,
+)
+
+PY = sys.executable
+
+# A pure Mooncake client (global segment 0) in its own process: put or get one key.
+CLIENT = textwrap.dedent("""
+    import hashlib, json, os, sys
+    from mooncake.store import MooncakeDistributedStore
+    cfg = json.load(open(os.environ["MOONCAKE_CONFIG_PATH"]))
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", cfg["metadata_server"], 0, 64 << 20, "tcp", "", cfg["master_server_address"])
+    assert rc == 0, f"setup returned {rc}"
+    op, key = sys.argv[1], sys.argv[2]
+    if op == "put":
+        data = hashlib.sha256(key.encode()).digest() * (1 << 15)  # 1 MiB, derived from the key
+        print(json.dumps({"rc": s.put(key, data), "sha": hashlib.sha256(data).hexdigest()}))
+    else:
+        v = s.get(key)
+        print(json.dumps({"len": len(v), "sha": hashlib.sha256(v).hexdigest()}))
+    s.close()
+""")
+
+
+def run_client(stack: LocalStack, op: str, key: str) -> dict:
+    env = {**os.environ, **stack.env()}
+    out = subprocess.run([PY, "-c", CLIENT, op, key], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"client {op} failed ({out.returncode}):\n{out.stdout}\n{out.stderr[-3000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def listen_addresses(pid: int) -> set[str]:
+    return {c.laddr.ip for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+
+# -- ManagedProcess ------------------------------------------------------------------
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    assert 0 < port < 65536 and port_is_free(port)
+
+
+def test_stop_ends_the_whole_process_group(workdir: Path) -> None:
+    # The leader forks a grandchild into the same group; stop() must end both.
+    code = "import os, time\nif os.fork() == 0:\n    time.sleep(300)\nelse:\n    print('READY' + '-OK', flush=True); time.sleep(300)"
+    proc = ManagedProcess("sleeper", [PY, "-c", code], workdir=workdir).start()
+    proc.wait_ready(lambda: "READY-OK" in proc.log_tail(), 10)
+    deadline = time.monotonic() + 5
+    while len(psutil.Process(proc.pid).children()) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = psutil.Process(proc.pid).children()[0].pid
+    assert proc in running()
+    rc = proc.stop(grace=5)
+    assert rc == -signal.SIGTERM
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert proc not in running() and not proc.alive()
+    assert proc.stop() == rc  # idempotent
+
+
+def test_stop_escalates_to_sigkill(workdir: Path) -> None:
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('READY' + '-OK', flush=True)\ntime.sleep(300)"
+    proc = ManagedProcess("stubborn", [PY, "-c", code], workdir=workdir).start()
+    proc.wait_ready(lambda: "READY-OK" in proc.log_tail(), 10)
+    t0 = time.monotonic()
+    assert proc.stop(grace=1.0) == -signal.SIGKILL
+    assert time.monotonic() - t0 < 5
+
+
+def test_death_before_ready_names_component_and_log(workdir: Path) -> None:
+    argv = [PY, "-c", "import sys; print('boom: cannot bind'); sys.exit(3)"]
+    proc = ManagedProcess("widget", argv, workdir=workdir).start()
+    with pytest.raises(ServiceError) as err:
+        proc.wait_ready(lambda: False, 10, "serving")
+    text = str(err.value)
+    assert "widget exited with code 3 before it was serving" in text
+    assert "boom: cannot bind" in text and str(proc.log_path) in text
+
+
+def test_timeout_names_component_and_stops_it(workdir: Path) -> None:
+    proc = ManagedProcess("slowpoke", [PY, "-c", "import time; print('hello'); time.sleep(60)"],
+                          workdir=workdir).start()
+    with pytest.raises(ServiceError, match=r"slowpoke was not ready within 1 s") as err:
+        proc.wait_ready(lambda: False, 1.0)
+    assert "hello" in str(err.value)
+    assert not proc.alive()
+
+
+def test_missing_binary_names_the_setup_command() -> None:
+    with pytest.raises(ServiceError) as err:
+        find_binary("no-such-mooncake-binary", "frobnicator")
+    assert "frobnicator" in str(err.value) and SETUP_HINT in str(err.value)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigterm", "sigkill"])
+def test_nothing_survives_the_interpreter_that_started_it(workdir: Path, how: str) -> None:
+    # A child interpreter starts a master and then exits normally, gets SIGTERM, or is SIGKILLed.
+    script = textwrap.dedent(f"""
+        import sys, time
+        from mooncake_vllm.services import start_master
+        m = start_master({str(workdir)!r})
+        print(m.pid, flush=True)
+        if {how!r} == "exit":
+            sys.exit(0)
+        time.sleep(120)
+    """)
+    parent = subprocess.Popen([PY, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        master_pid = int(parent.stdout.readline())
+        assert psutil.pid_exists(master_pid)
+        if how != "exit":
+            parent.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        parent.wait(30)
+        deadline = time.monotonic() + 15
+        while psutil.pid_exists(master_pid) and time.monotonic() < deadline:
+            if psutil.Process(master_pid).status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.1)
+        alive = psutil.pid_exists(master_pid) and psutil.Process(master_pid).status() != psutil.STATUS_ZOMBIE
+        assert not alive, f"mooncake_master pid {master_pid} survived its parent ({how})"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def test_clean_dev_shm_removes_only_unused_new_mooncake_files(tmp_path: Path) -> None:
+    shm = Path("/dev/shm")
+    before = set(os.listdir(shm))
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    stale, held, other = (shm / f"mooncake-test-{tag}", shm / f"mooncake-held-{tag}", shm / f"unrelated-{tag}")
+    for f in (stale, held, other):
+        f.write_bytes(b"x")
+    keep_open = open(held, "rb")  # noqa: SIM115 - a live user of the file
+    try:
+        removed = clean_dev_shm(before)
+        assert removed == [stale.name]
+        assert not stale.exists() and held.exists() and other.exists()
+    finally:
+        keep_open.close()
+        for f in (stale, held, other):
+            f.unlink(missing_ok=True)
+
+
+# -- Mooncake services ----------------------------------------------------------------
+def test_master_binds_loopback_and_serves_metrics(mooncake_master: ManagedProcess) -> None:
+    assert listen_addresses(mooncake_master.pid) == {"127.0.0.1"}
+    with urllib.request.urlopen(f"{mooncake_master.url}/metrics/summary", timeout=5) as resp:
+        assert b"service_ready=true" in resp.read()
+
+
+def test_mooncake_metadata_server_round_trip(metadata_server: ManagedProcess, metadata_url: str) -> None:
+    assert listen_addresses(metadata_server.pid) == {"127.0.0.1"}
+    url = f"{metadata_url}?key=mooncake%2Fram%2Ftest"
+    req = urllib.request.Request(url, data=b'{"a": 1}', method="PUT", headers={"Content-Type": "application/json"})
+    assert urllib.request.urlopen(req, timeout=5).status == 200
+    assert urllib.request.urlopen(url, timeout=5).read() == b'{"a": 1}'
+
+
+def test_embedded_metadata_server_starts(workdir: Path) -> None:
+    pytest.importorskip("mooncake_vllm.metadata.server", reason="our metadata server is not written yet")
+    proc = start_http_metadata(workdir, "embedded")
+    try:
+        url = f"{proc.url}?key=mooncake%2Fram%2Ftest"
+        req = urllib.request.Request(url, data=b'{"b": 2}', method="PUT")
+        assert urllib.request.urlopen(req, timeout=5).status == 200
+        assert urllib.request.urlopen(url, timeout=5).read() == b'{"b": 2}'
+    finally:
+        proc.stop()
+
+
+def test_pool_holder_fixture_mounts_memory(mooncake_master: ManagedProcess, pool_holder: ManagedProcess) -> None:
+    with urllib.request.urlopen(f"{mooncake_master.url}/metrics/summary", timeout=5) as resp:
+        summary = resp.read().decode()
+    assert "/ 256.00 MB" in summary, summary[:300]
+
+
+def test_unknown_metadata_kind_is_rejected(workdir: Path) -> None:
+    with pytest.raises(ValueError, match="metadata: got 'zookeeper'"):
+        LocalStack(workdir, metadata="zookeeper")
+
+
+@pytest.mark.parametrize(("holder", "metadata"), [
+    ("mooncake_client", "mooncake"), ("python", "mooncake"), ("mooncake_client", "p2p")])
+def test_data_lives_in_the_holder(workdir: Path, holder: str, metadata: str) -> None:
+    """A pure client puts and exits; a third process reads it back; killing the holder loses it."""
+    with LocalStack(workdir, holder=holder, metadata=metadata) as stack:
+        cfg = json.loads(stack.config_path.read_text())
+        assert cfg == {"metadata_server": stack.metadata_url, "master_server_address": stack.master_address,
+                       "global_segment_size": "0", "local_buffer_size": str(64 << 20),
+                       "protocol": "tcp", "device_name": ""}
+        assert (cfg["metadata_server"] == "P2PHANDSHAKE") == (metadata == "p2p")
+        put = run_client(stack, "put", "k-shared")
+        assert put["rc"] == 0
+        got = run_client(stack, "get", "k-shared")  # the putting process has exited
+        assert got == {"len": 1 << 20, "sha": put["sha"]}
+        assert stack.holder is not None
+        stack.holder.kill()  # the data lived in the holder: now it is gone
+        time.sleep(3)  # client_ttl=2: the master drops the dead segment
+        assert run_client(stack, "get", "k-shared")["len"] == 0
+    assert not any(p.alive() for p in stack.processes)
+
+
+def test_local_stack_env_and_failure_names_component(workdir: Path) -> None:
+    env = LocalStack(workdir).env()
+    assert env["MOONCAKE_CONFIG_PATH"].endswith("mooncake_config.json")
+    assert {k: env[k] for k in client_env()} == client_env()
+    # A taken master port: the master dies, the error names it and nothing is left behind.
+    blocker = start_redis(workdir)
+    try:
+        stack = LocalStack(workdir / "bad", master_port=blocker.port)
+        with pytest.raises(ServiceError, match="mooncake_master"):
+            stack.start()
+        assert not any(p.alive() for p in stack.processes)
+        assert not stack.config_path.exists()
+    finally:
+        blocker.stop()
+
+
+def test_holder_with_dead_master_fails_clearly(workdir: Path, metadata_url: str) -> None:
+    with pytest.raises(ServiceError, match="pool_holder"):
+        start_holder(workdir, f"127.0.0.1:{free_port()}", metadata_url, 64 << 20, 16 << 20, timeout=20)
+
+
+# -- etcd / redis -------------------------------------------------------------------------
+def test_etcd_server_fixture(etcd_server: str) -> None:
+    host, port = etcd_server.split(":")
+    assert host == "127.0.0.1"
+    b64 = lambda s: base64.b64encode(s.encode()).decode()  # noqa: E731
+    def call(path: str, body: dict) -> dict:
+        req = urllib.request.Request(f"http://{etcd_server}/v3/{path}", data=json.dumps(body).encode())
+        return json.loads(urllib.request.urlopen(req, timeout=5).read())
+    call("kv/put", {"key": b64("mooncake/ram/x"), "value": b64("hello")})
+    kvs = call("kv/range", {"key": b64("mooncake/ram/x")})["kvs"]
+    assert base64.b64decode(kvs[0]["value"]) == b"hello"
+
+
+def test_redis_server_fixture(redis_server: str) -> None:
+    import redis
+
+    assert redis_server.startswith("redis://127.0.0.1:")
+    r = redis.Redis.from_url(redis_server)
+    r.set("mooncake/ram/x", b"hi")
+    assert r.get("mooncake/ram/x") == b"hi"
+    assert r.config_get("save")["save"] == ""
+
+
+# -- vLLM --------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_server_on_tiny_model(tiny_model: Path, workdir: Path) -> None:
+    proc = start_vllm_server(tiny_model, None, workdir, None, {})
+    try:
+        assert listen_addresses(proc.pid) <= {"127.0.0.1"}
+        models = json.loads(urllib.request.urlopen(f"{proc.url}/v1/models", timeout=10).read())
+        assert models["data"][0]["id"] == str(tiny_model)
+        body = json.dumps({"model": str(tiny_model), "prompt": "def main():", "max_tokens": 4,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"{proc.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        out = json.loads(urllib.request.urlopen(req, timeout=60).read())
+        assert out["usage"]["completion_tokens"] == 4
+        group = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == proc.pid]
+        assert len(group) >= 2  # api server + engine core
+    finally:
+        proc.stop()
+    assert not [p.pid for p in psutil.process_iter() if _pgid(p.pid) == proc.pid]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
