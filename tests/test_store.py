@@ -199,3 +199,26 @@ def test_master_killed_mid_run_serves_misses_without_stalls(local_stack: LocalSt
     t0 = time.monotonic()
     client.close()
     assert time.monotonic() - t0 < 6  # close is time-boxed even with the master gone
+
+
+def test_redis_metadata_goes_through_the_bridge(
+        mooncake_master, redis_server: str, workdir: Path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    """A seed-style config with redis:// metadata works with the PyPI wheel (no exit 134)."""
+    holder_cfg = _config(workdir, mooncake_master.address, redis_server)
+    data = json.loads(holder_cfg.read_text()) | {"global_segment_size": "64MB"}
+    holder_cfg.write_text(json.dumps(data))
+    with caplog.at_level("WARNING"):
+        holder = StoreClient.connect(load_store_config(holder_cfg))
+    assert any("redis" in r.getMessage() for r in caplog.records)
+    try:
+        assert holder.put_value("mcv-test/redis", b"via the bridge")
+        reader = StoreClient.connect(load_store_config(_config(
+            workdir, mooncake_master.address, redis_server)))
+        assert reader.get_value("mcv-test/redis") == b"via the bridge"
+        reader.close()
+        import redis as redis_lib
+
+        keys = redis_lib.Redis.from_url(redis_server).keys("mooncake/*")
+        assert any(k.startswith(b"mooncake/ram/") for k in keys)  # entries live in redis
+    finally:
+        holder.close()
