@@ -8,8 +8,9 @@ nothing is left running after the session (also on failure or Ctrl-C).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 import pytest
 
@@ -28,6 +29,8 @@ from mooncake_vllm.services import (
     stop_all,
 )
 
+T = TypeVar("T")
+
 #: client_ttl of the test masters: dead clients are noticed within ~2 s.
 TEST_CLIENT_TTL = 2
 #: Pool sizes used by the fixtures (memory is touched lazily; keep them modest).
@@ -35,8 +38,16 @@ TEST_SEGMENT = 256 << 20
 TEST_LOCAL_BUFFER = 64 << 20
 
 
-def _fail_setup(exc: BaseException) -> None:
+def _fail_setup(exc: BaseException) -> NoReturn:
     pytest.fail(f"{exc}\n(if a binary or package is missing, run `{SETUP_HINT}`)", pytrace=False)
+
+
+def _start(launch: Callable[[], T]) -> T:
+    """Run a launcher; a service that does not come up fails the test (never skips it)."""
+    try:
+        return launch()
+    except ServiceError as exc:
+        _fail_setup(exc)
 
 
 # -- work directories ---------------------------------------------------------------
@@ -52,10 +63,7 @@ def workdir(tmp_path: Path) -> Path:
 @pytest.fixture
 def mooncake_master(workdir: Path) -> Iterator[ManagedProcess]:
     """A real mooncake_master (short client_ttl); ``.address`` is its master_server_address."""
-    try:
-        proc = start_master(workdir, client_ttl=TEST_CLIENT_TTL)
-    except ServiceError as exc:
-        _fail_setup(exc)
+    proc = _start(lambda: start_master(workdir, client_ttl=TEST_CLIENT_TTL))
     yield proc
     proc.stop()
 
@@ -63,10 +71,7 @@ def mooncake_master(workdir: Path) -> Iterator[ManagedProcess]:
 @pytest.fixture
 def metadata_server(workdir: Path) -> Iterator[ManagedProcess]:
     """Mooncake's own HTTP metadata server (the wheel's mooncake_http_metadata_server)."""
-    try:
-        proc = start_http_metadata(workdir, "mooncake")
-    except ServiceError as exc:
-        _fail_setup(exc)
+    proc = _start(lambda: start_http_metadata(workdir, "mooncake"))
     yield proc
     proc.stop()
 
@@ -81,22 +86,15 @@ def metadata_url(metadata_server: ManagedProcess) -> str:
 @pytest.fixture
 def pool_holder(workdir: Path, mooncake_master: ManagedProcess, metadata_url: str) -> Iterator[ManagedProcess]:
     """A mooncake_client process holding TEST_SEGMENT bytes of pool memory for pure clients."""
-    assert mooncake_master.address is not None
-    try:
-        proc = start_holder(workdir, mooncake_master.address, metadata_url, TEST_SEGMENT, TEST_LOCAL_BUFFER)
-    except ServiceError as exc:
-        _fail_setup(exc)
+    master = str(mooncake_master.address)
+    proc = _start(lambda: start_holder(workdir, master, metadata_url, TEST_SEGMENT, TEST_LOCAL_BUFFER))
     yield proc
     proc.stop()
 
 
 def _stack(workdir: Path) -> Iterator[LocalStack]:
-    stack = LocalStack(workdir, segment_size=TEST_SEGMENT, local_buffer_size=TEST_LOCAL_BUFFER,
-                       client_ttl=TEST_CLIENT_TTL)
-    try:
-        stack.start()
-    except ServiceError as exc:
-        _fail_setup(exc)
+    stack = _start(LocalStack(workdir, segment_size=TEST_SEGMENT, local_buffer_size=TEST_LOCAL_BUFFER,
+                              client_ttl=TEST_CLIENT_TTL).start)
     try:
         yield stack
     finally:
@@ -119,24 +117,16 @@ def module_local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loc
 @pytest.fixture
 def etcd_server(workdir: Path) -> Iterator[str]:
     """A real single-member etcd; returns its client endpoint ``127.0.0.1:P``."""
-    try:
-        proc = start_etcd(workdir)
-    except ServiceError as exc:
-        _fail_setup(exc)
-    assert proc.address is not None
-    yield proc.address
+    proc = _start(lambda: start_etcd(workdir))
+    yield str(proc.address)
     proc.stop()
 
 
 @pytest.fixture
 def redis_server(workdir: Path) -> Iterator[str]:
     """A real redis-server without persistence; returns ``redis://127.0.0.1:P``."""
-    try:
-        proc = start_redis(workdir)
-    except ServiceError as exc:
-        _fail_setup(exc)
-    assert proc.url is not None
-    yield proc.url
+    proc = _start(lambda: start_redis(workdir))
+    yield str(proc.url)
     proc.stop()
 
 
@@ -144,19 +134,12 @@ def redis_server(workdir: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The offline tiny Llama + tokenizer, built once per parameter set and cached between runs."""
-    import hashlib
-    import json
+    try:
+        from mooncake_vllm.demo.tiny_model import cached_tiny_model
 
-    try:
-        from mooncake_vllm.demo.tiny_model import build_tiny_model, default_cache_dir, tiny_model_params
-    except ImportError as exc:
-        _fail_setup(exc)
-    key = hashlib.sha256(json.dumps(tiny_model_params(), sort_keys=True).encode()).hexdigest()[:12]
-    try:
-        return build_tiny_model(default_cache_dir() / f"tiny-llama-{key}")
+        return cached_tiny_model()
     except ImportError as exc:  # transformers / tokenizers / torch missing
         _fail_setup(exc)
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 # -- logs on failure, cleanup ----------------------------------------------------------

@@ -9,6 +9,7 @@ and is skipped when ``path`` already holds a model built with the same parameter
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -17,7 +18,14 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHAT_TEMPLATE", "STAMP_NAME", "build_tiny_model", "default_cache_dir", "tiny_model_params"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "STAMP_NAME",
+    "build_tiny_model",
+    "cached_tiny_model",
+    "default_cache_dir",
+    "tiny_model_params",
+]
 
 STAMP_NAME = ".mooncake-vllm-tiny-model.json"
 SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
@@ -159,3 +167,15 @@ def build_tiny_model(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def cached_tiny_model(cache_dir: str | os.PathLike | None = None, **params: Any) -> Path:
+    """Build (once) or reuse the tiny model in a cache directory keyed by its parameters.
+
+    ``cache_dir`` defaults to :func:`default_cache_dir`; ``params`` are those of
+    :func:`build_tiny_model`.
+    """
+    full = tiny_model_params(**params)
+    key = hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:12]
+    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return build_tiny_model(base / f"tiny-llama-{key}", **params)
