@@ -1,0 +1,194 @@
+"""One offline vLLM instance in its own process: generate, measure, report JSON.
+
+The demo, the V1 tests and the benchmark run every vLLM "instance" through this
+module so that instances are separate processes (a pool hit then really crosses
+processes)::
+
+    python -m mooncake_vllm.demo.run --model DIR --prompts prompts.json \
+        --role kv_both --out result.json
+
+``--role none`` runs without a connector (the recompute baseline). The result
+JSON holds, per prompt, the generated token ids and the TTFT (one-token
+generate latency), plus vLLM's external prefix-cache counters and the
+connector's own counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["INSTANCE_ENV", "kv_transfer_config", "run_instance", "main"]
+
+#: Environment every offline instance gets (in-process engine, offline, quiet).
+INSTANCE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def kv_transfer_config(role: str, *, module_path: bool = True, connector: str = "ours",
+                       extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` for ``role`` (``none`` → no connector)."""
+    if role == "none":
+        return None
+    cfg: dict[str, Any] = {"kv_connector": "MooncakeStoreConnector", "kv_role": role}
+    if connector == "ours" and module_path:
+        cfg["kv_connector_module_path"] = "mooncake_vllm.v1.connector"
+    if extra:
+        cfg["kv_connector_extra_config"] = dict(extra)
+    return cfg
+
+
+def _metric_totals(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        for metric in llm.get_metrics():
+            name = getattr(metric, "name", "")
+            if "prefix_cache" in name and hasattr(metric, "value"):
+                out[name] = out.get(name, 0.0) + float(metric.value)
+    except Exception:  # noqa: BLE001 - metrics are best effort
+        pass
+    return out
+
+
+def _connector_counters() -> dict[str, int]:
+    try:
+        from mooncake_vllm.v1.connector import INSTANCES
+    except Exception:  # noqa: BLE001 - no vLLM / connector not used
+        return {}
+    out: dict[str, int] = {}
+    for inst in list(INSTANCES):
+        for k, v in inst.counters().items():
+            out[k] = max(out.get(k, 0), v) if k.startswith("store_") else out.get(k, 0) + v
+    return out
+
+
+def _wait_saves_idle(timeout: float = 30.0) -> None:
+    try:
+        from mooncake_vllm.v1.connector import INSTANCES
+    except Exception:  # noqa: BLE001
+        return
+    deadline = time.monotonic() + timeout
+    for inst in list(INSTANCES):
+        while inst.worker is not None and not inst.worker.idle() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _instance(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    prompts: list[list[int]] = json.loads(Path(args.prompts).read_text())
+    kv_cfg = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, dtype="float32", block_size=args.block_size,
+              max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_bytes,
+              enforce_eager=True, enable_prefix_caching=True, disable_log_stats=False,
+              kv_transfer_config=kv_cfg, seed=0)
+    init_s = time.perf_counter() - t0
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    results = []
+    for _ in range(args.warmup):
+        llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], first, use_tqdm=False)
+        llm.reset_prefix_cache()
+    for ids in prompts:
+        if args.reset_prefix_cache:
+            llm.reset_prefix_cache()
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], first, use_tqdm=False)
+        ttft = time.perf_counter() - t
+        tokens: list[int] = []
+        if args.max_tokens > 1 or not args.ttft_only:
+            if args.reset_prefix_cache:
+                llm.reset_prefix_cache()
+            out = llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)
+            tokens = list(out[0].outputs[0].token_ids)
+        results.append({"prompt_len": len(ids), "ttft_s": ttft, "tokens": tokens})
+    _wait_saves_idle()
+    rss_kb = 0
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss_kb = int(line.split()[1])
+    except OSError:
+        pass
+    return {"init_s": init_s, "results": results, "metrics": _metric_totals(llm),
+            "connector": _connector_counters(), "rss_kb": rss_kb}
+
+
+def run_instance(model: str | os.PathLike, prompts: Sequence[Sequence[int]], workdir: Path, *,
+                 role: str = "kv_both", env: Mapping[str, str] | None = None,
+                 kv_config: Mapping[str, Any] | None = None, max_tokens: int = 8,
+                 block_size: int = 32, kv_bytes: int = 64 << 20, max_model_len: int = 4096,
+                 reset_prefix_cache: bool = False, warmup: int = 0, ttft_only: bool = False,
+                 timeout: float = 600.0, name: str = "instance") -> dict[str, Any]:
+    """Run one instance in a fresh Python process and return its result dict."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    prompts_path = workdir / f"{name}-prompts.json"
+    prompts_path.write_text(json.dumps([list(p) for p in prompts]))
+    out_path = workdir / f"{name}-result.json"
+    cfg = dict(kv_config) if kv_config is not None else kv_transfer_config(role)
+    argv = [sys.executable, "-m", "mooncake_vllm.demo.run", "--model", str(model),
+            "--prompts", str(prompts_path), "--out", str(out_path),
+            "--max-tokens", str(max_tokens), "--block-size", str(block_size),
+            "--kv-bytes", str(kv_bytes), "--max-model-len", str(max_model_len),
+            "--warmup", str(warmup)]
+    if cfg is not None:
+        argv += ["--kv-transfer-config", json.dumps(cfg)]
+    if reset_prefix_cache:
+        argv.append("--reset-prefix-cache")
+    if ttft_only:
+        argv.append("--ttft-only")
+    full_env = {**os.environ, **INSTANCE_ENV, "TMPDIR": str(workdir), **(env or {})}
+    log_path = workdir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"{name} did not finish within {timeout:.0f} s; log {log_path}")
+    if rc != 0 or not out_path.exists():
+        tail = log_path.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"{name} exited with {rc}; log {log_path}:\n{tail}")
+    result = json.loads(out_path.read_text())
+    result["log"] = log_path.read_text(errors="replace")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kv-transfer-config", default="")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--kv-bytes", type=int, default=64 << 20)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--warmup", type=int, default=0)
+    parser.add_argument("--reset-prefix-cache", action="store_true")
+    parser.add_argument("--ttft-only", action="store_true")
+    args = parser.parse_args(argv)
+    result = _instance(args)
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

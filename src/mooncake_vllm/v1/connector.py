@@ -1,0 +1,243 @@
+"""``MooncakeStoreConnector`` for the vLLM V1 engine (``KVConnectorBase_V1``).
+
+Select it with::
+
+    --kv-transfer-config '{"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}'
+
+(after ``pip install mooncake-vllm`` the ``vllm.general_plugins`` entry point makes
+the name resolve to this class), or explicitly with
+``"kv_connector_module_path": "mooncake_vllm.v1.connector"``. The Mooncake
+settings come from ``$MOONCAKE_CONFIG_PATH`` (both the V0 and the V1 JSON shapes,
+``"global_segment_size": "0"`` included). Private settings go in
+``kv_connector_extra_config``:
+
+``model_id``               key namespace model name (default: model dir basename)
+``mooncake_config_path``   instead of ``$MOONCAKE_CONFIG_PATH``
+``load_failure_policy``    ``"recompute"`` (default; sets vLLM's kv_load_failure_policy)
+                           or ``"fail"``
+``save_queue_size``        save jobs buffered per worker (default 64; full → dropped)
+``connect_timeout``        seconds to reach the pool at start (default 5)
+``layout_variant``         override the predicted KV layout variant tag
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+
+from mooncake_vllm import __version__
+from mooncake_vllm.config import load_store_config
+from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.v1.client import SharedClient, shared_client
+from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
+from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
+from mooncake_vllm.v1.scheduler import SchedulerLogic
+from mooncake_vllm.v1.worker import WorkerLogic
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["INSTANCES", "MooncakeStoreConnector"]
+
+log = logging.getLogger("mooncake_vllm.v1")
+
+#: Live connectors of this process (tests and the demo read their counters).
+INSTANCES: weakref.WeakSet[MooncakeStoreConnector] = weakref.WeakSet()
+
+_EXTRA_KEYS = {"model_id", "mooncake_config_path", "load_failure_policy", "save_queue_size",
+               "connect_timeout", "layout_variant"}
+_BASE_TAKES_KV_CACHE_CONFIG = "kv_cache_config" in inspect.signature(
+    KVConnectorBase_V1.__init__).parameters
+
+
+def _ensure_log_handler() -> None:
+    """Make our INFO lines visible the way vLLM's are, unless logging is configured."""
+    pkg = logging.getLogger("mooncake_vllm")
+    if pkg.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                                           "%m-%d %H:%M:%S"))
+    pkg.addHandler(handler)
+    pkg.setLevel(logging.INFO)
+
+
+def _settings(extra: dict[str, Any]) -> dict[str, Any]:
+    problems: list[ConfigProblem] = []
+    unknown = sorted(set(extra) - _EXTRA_KEYS)
+    if unknown:
+        problems.append(ConfigProblem(
+            "kv_connector_extra_config", f"unknown key(s) {unknown}",
+            f"use only {sorted(_EXTRA_KEYS)}"))
+    policy = extra.get("load_failure_policy", "recompute")
+    if policy not in ("recompute", "fail"):
+        problems.append(ConfigProblem("kv_connector_extra_config.load_failure_policy",
+                                      f"found {policy!r}", 'use "recompute" or "fail"'))
+    out = {"policy": policy}
+    for name, default in (("save_queue_size", 64), ("connect_timeout", 5.0)):
+        value = extra.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            problems.append(ConfigProblem(f"kv_connector_extra_config.{name}",
+                                          f"must be a positive number, found {value!r}",
+                                          f"omit it or set e.g. {default}"))
+        out[name] = value
+    if problems:
+        raise ConfigError("kv_connector_extra_config", problems)
+    return out
+
+
+def _worker_ranks() -> tuple[int, int]:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - no distributed groups (single process)
+        return 0, 0
+
+
+class MooncakeStoreConnector(KVConnectorBase_V1):
+    """Share vLLM's KV cache through a Mooncake pool, keyed by stable chunk keys."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        if _BASE_TAKES_KV_CACHE_CONFIG:
+            super().__init__(vllm_config, role, kv_cache_config)
+        else:  # pragma: no cover - vLLM < 0.11.1
+            super().__init__(vllm_config, role)
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        settings = _settings(extra)
+        self.kv_role = str(ktc.kv_role)
+        self.can_save = self.kv_role in ("kv_producer", "kv_both")
+        self.can_load = self.kv_role in ("kv_consumer", "kv_both")
+        self.store_config = load_store_config(extra.get("mooncake_config_path"))
+        self.shared: SharedClient = shared_client(self.store_config,
+                                                  timeout=float(settings["connect_timeout"]))
+        block_size = int(vllm_config.cache_config.block_size)
+        self.scheduler: SchedulerLogic | None = None
+        self.worker: WorkerLogic | None = None
+        _ensure_log_handler()
+        if role == KVConnectorRole.SCHEDULER:
+            if settings["policy"] == "recompute" and hasattr(ktc, "kv_load_failure_policy"):
+                # The scheduler reads this right after building us: a pool miss is never fatal.
+                ktc.kv_load_failure_policy = "recompute"
+            self.scheduler = SchedulerLogic(rank_namespaces(vllm_config), block_size,
+                                            self._lookup, can_load=self.can_load,
+                                            can_save=self.can_save)
+            self._announce(vllm_config)
+        else:
+            tp_rank, pp_rank = _worker_ranks()
+            (namespace,) = rank_namespaces(vllm_config, only=(tp_rank, pp_rank)).namespaces
+            self.worker = WorkerLogic(namespace, expected_layout(vllm_config, pp_rank),
+                                      self.shared, can_load=self.can_load,
+                                      can_save=self.can_save,
+                                      queue_size=int(settings["save_queue_size"]))
+        self.shared.start()
+        INSTANCES.add(self)
+
+    def _announce(self, vllm_config: Any) -> None:
+        try:
+            import vllm
+
+            vllm_version = vllm.__version__
+        except Exception:  # noqa: BLE001
+            vllm_version = "unknown"
+        ns = rank_namespaces(vllm_config).namespaces[0]
+        log.info("mooncake-vllm %s: MooncakeStoreConnector on the vLLM V1 engine (vllm %s), "
+                 "role %s, pool %s, namespace %s", __version__, vllm_version, self.kv_role,
+                 self.store_config.master_server_address, ns.describe())
+
+    def _lookup(self, keys: Any) -> list[bool]:
+        client = self.shared.get()
+        if client is None:
+            return [False] * len(keys)
+        return client.exists(keys)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A dropped save is a future miss, not a lost hand-off."""
+        return False
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def _meta(self) -> MooncakeConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, MooncakeConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.wait_for_save(self._meta())
+
+    def handle_preemptions(self, kv_connector_metadata: Any = None) -> None:
+        if self.worker is None:
+            return
+        meta = kv_connector_metadata if isinstance(
+            kv_connector_metadata, MooncakeConnectorMetadata) else self._meta()
+        if meta is not None:
+            self.worker.handle_preemptions(meta.preempted_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        if self.worker is None:
+            return None, None
+        done = self.worker.get_finished(finished_req_ids)
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> MooncakeConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request)
+
+    # ------------------------------------------------------------------ introspection
+    def counters(self) -> dict[str, int]:
+        """This side's counters plus the shared store client's."""
+        out: dict[str, int] = {}
+        if self.scheduler is not None:
+            out.update({f"scheduler_{k}": v for k, v in self.scheduler.counters.items()})
+        if self.worker is not None:
+            out.update({f"worker_{k}": v for k, v in self.worker.counters.items()})
+        client = self.shared.get()
+        if client is not None:
+            out.update({f"store_{k}": v for k, v in client.stats.snapshot().items()})
+        return out

@@ -1,0 +1,40 @@
+"""What the scheduler-side connector tells the workers each step.
+
+Chunks travel as rank-independent digests (hex); each worker prepends its own
+namespace prefix, so one metadata object serves every TP/PP rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+try:  # the real base when vLLM is importable; a plain object for pure-logic use
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except Exception:  # noqa: BLE001 - vLLM missing or unimportable
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """Stand-in base when vLLM is not installed."""
+
+__all__ = ["BlockJob", "MooncakeConnectorMetadata"]
+
+
+@dataclass
+class BlockJob:
+    """Move the blocks of one request: chunk digest ``digests[i]`` ↔ block ``block_ids[i]``."""
+
+    req_id: str
+    digests: list[str]
+    block_ids: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.digests) != len(self.block_ids):
+            raise ValueError(f"request {self.req_id}: {len(self.digests)} chunk digests for "
+                             f"{len(self.block_ids)} blocks")
+
+
+@dataclass
+class MooncakeConnectorMetadata(KVConnectorMetadata):
+    """One step's work: loads (before the forward) and saves (after it)."""
+
+    loads: list[BlockJob] = field(default_factory=list)
+    saves: list[BlockJob] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)

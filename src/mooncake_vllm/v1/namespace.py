@@ -1,0 +1,192 @@
+"""Key namespaces for the V1 connector, derived from the vLLM config alone.
+
+The scheduler process never sees a KV tensor, yet it must compute the same keys
+the workers store under. Both sides therefore derive the layout fingerprint from
+the config with :func:`expected_layout`; the worker then checks it against the
+real tensors (:func:`check_layout`), so a wrong prediction fails loudly at start
+instead of silently missing.
+
+Request-level facts (LoRA, cache salt, multimodal hashes) become
+:class:`~mooncake_vllm.keys.RequestExtras` with :func:`request_extras`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+from mooncake_vllm.errors import UnsupportedVersionError
+from mooncake_vllm.keys import KeyNamespace, RequestExtras
+from mooncake_vllm.layout import BlockLayout, layout_fingerprint
+
+__all__ = [
+    "ExpectedLayout",
+    "RankNamespaces",
+    "check_layout",
+    "expected_layout",
+    "model_id",
+    "rank_namespaces",
+    "request_extras",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExpectedLayout:
+    """What one rank's KV blocks look like, predicted from the config."""
+
+    kind: str
+    variant: str
+    dtype: str
+    num_layers: int
+    block_shape: tuple[int, ...]
+
+    @property
+    def fingerprint(self) -> str:
+        return layout_fingerprint(self.kind, self.dtype, self.num_layers, self.block_shape,
+                                  self.variant)
+
+
+def _dtype_name(vllm_config: Any) -> str:
+    model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto"
+    if cache_dtype == "auto":
+        return model_dtype
+    try:  # fp8 and friends: name the torch dtype vLLM allocates
+        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+        return str(STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]).removeprefix("torch.")
+    except (ImportError, KeyError):
+        return str(cache_dtype)
+
+
+def _is_cpu_platform() -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001 - no platform detected: not a CPU build
+        return False
+
+
+def _cpu_isa(vllm_config: Any, block_size: int, head_size: int) -> str:
+    """The CPU attention ISA: it decides how K is packed inside a block."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(vllm_config.model_config.dtype, block_size, head_size,
+                                 vllm_config.cache_config.cache_dtype))
+    except Exception:  # noqa: BLE001 - older vLLM: one packing per platform
+        return ""
+
+
+def _layer_count(vllm_config: Any, pp_rank: int) -> int:
+    model_config = vllm_config.model_config
+    pp_size = vllm_config.parallel_config.pipeline_parallel_size
+    total = model_config.get_total_num_hidden_layers()
+    if pp_size == 1:
+        return int(total)
+    from vllm.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(total, pp_rank, pp_size)
+    return end - start
+
+
+def expected_layout(vllm_config: Any, pp_rank: int = 0) -> ExpectedLayout:
+    """Predict the KV block layout of pipeline stage ``pp_rank`` from the config."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    model_config = vllm_config.model_config
+    block_size = int(vllm_config.cache_config.block_size)
+    head_size = int(model_config.get_head_size())
+    heads = int(model_config.get_num_kv_heads(vllm_config.parallel_config))
+    layers = _layer_count(vllm_config, pp_rank)
+    dtype = _dtype_name(vllm_config)
+    if _is_cpu_platform():
+        kind, variant = "cpu", _cpu_isa(vllm_config, block_size, head_size)
+        shape: tuple[int, ...] = (heads, block_size, 2 * head_size)
+    elif getattr(model_config, "use_mla", False):
+        kind, variant, shape = "mla", "", (block_size, head_size)
+    else:
+        kind, variant, shape = "nhd", "", (2, block_size, heads, head_size)
+    variant = str(extra.get("layout_variant", variant))
+    return ExpectedLayout(kind, variant, dtype, layers, shape)
+
+
+def check_layout(expected: ExpectedLayout, actual: BlockLayout) -> None:
+    """Raise if the worker's real KV tensors differ from what the scheduler keys by."""
+    if actual.fingerprint != expected.fingerprint:
+        raise UnsupportedVersionError(
+            f"MooncakeStoreConnector: the KV cache vLLM allocated has layout "
+            f"{actual.fingerprint!r}, but the layout predicted from the config (which the "
+            f"scheduler keys blocks by) is {expected.fingerprint!r}; this vLLM build lays "
+            f"out KV differently than mooncake-vllm knows. Fix: report it, or set "
+            f"kv_connector_extra_config['layout_variant'] only if the difference is the "
+            f"variant tag")
+
+
+def model_id(vllm_config: Any) -> str:
+    """``extra_config["model_id"]`` or the last path component of the model."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    if extra.get("model_id"):
+        return str(extra["model_id"])
+    return PurePath(str(vllm_config.model_config.model).rstrip("/")).name
+
+
+@dataclass(frozen=True)
+class RankNamespaces:
+    """The namespace of every (tp, pp) rank of one engine, rank-major order."""
+
+    namespaces: tuple[KeyNamespace, ...]
+
+    def keys_for(self, digests_hex: Sequence[str]) -> list[str]:
+        """Every rank's key of every chunk: ``[rank0 chunk0.., rank1 chunk0..]``."""
+        prefixes = [ns.prefix() for ns in self.namespaces]
+        return [f"{p}/{d}" for p in prefixes for d in digests_hex]
+
+    def prefix_hits(self, present: Sequence[bool], num_chunks: int) -> int:
+        """Leading chunks present for EVERY rank, from :meth:`keys_for` order."""
+        hits = num_chunks
+        for r in range(len(self.namespaces)):
+            row = present[r * num_chunks:(r + 1) * num_chunks]
+            n = 0
+            while n < hits and row[n]:
+                n += 1
+            hits = n
+        return hits
+
+
+def rank_namespaces(vllm_config: Any, *, only: tuple[int, int] | None = None) -> RankNamespaces:
+    """Namespaces of all TP×PP ranks (or of the one ``(tp_rank, pp_rank)``)."""
+    parallel = vllm_config.parallel_config
+    tp_size = int(parallel.tensor_parallel_size)
+    pp_size = int(parallel.pipeline_parallel_size)
+    mid = model_id(vllm_config)
+    block_size = int(vllm_config.cache_config.block_size)
+    out: list[KeyNamespace] = []
+    for pp in range(pp_size):
+        layout = expected_layout(vllm_config, pp)
+        for tp in range(tp_size):
+            if only is not None and only != (tp, pp):
+                continue
+            out.append(KeyNamespace(model_id=mid, dtype=layout.dtype,
+                                    layout=layout.fingerprint, block_size=block_size,
+                                    tp_rank=tp, tp_size=tp_size, pp_rank=pp))
+    return RankNamespaces(tuple(out))
+
+
+def request_extras(request: Any) -> RequestExtras:
+    """LoRA name, cache salt and multimodal hashes of a vLLM ``Request``."""
+    lora = getattr(request, "lora_request", None)
+    lora_name = getattr(lora, "lora_name", None) if lora is not None else None
+    mm: list[tuple[int, int, str]] = []
+    for feature in getattr(request, "mm_features", None) or ():
+        pos = getattr(feature, "mm_position", None)
+        ident = getattr(feature, "mm_hash", None) or getattr(feature, "identifier", None)
+        if pos is not None and ident is not None:
+            mm.append((int(pos.offset), int(pos.length), str(ident)))
+    return RequestExtras(lora_name=lora_name, cache_salt=getattr(request, "cache_salt", None),
+                         mm_hashes=tuple(mm))

@@ -1,0 +1,179 @@
+"""Scheduler side of the V1 connector: lookups, load plans, save plans, delayed frees.
+
+Pure logic over a ``lookup(keys) -> list[bool]`` callable (one batched existence
+query), so it is unit-testable without vLLM or Mooncake.
+
+* A request's prompt is cut into FULL chunks of ``block_size`` tokens; each chunk
+  has a rank-independent chained digest (:func:`mooncake_vllm.keys.chunk_digests`).
+* Lookup: the longest run of chunks, after what vLLM already has locally, whose
+  keys exist for EVERY TP/PP rank; never the chunk holding the last prompt token
+  (vLLM must compute at least one token).
+* Loads are synchronous: the worker loads them in ``start_load_kv`` before the
+  forward pass of the step that schedules the request.
+* Saves: every prompt chunk completed by a step is handed to the workers after
+  that step's forward; a request with saves in flight keeps its blocks after it
+  finishes (``request_finished`` → True) until the workers report them written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_vllm.keys import RequestExtras, chunk_digests
+from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
+from mooncake_vllm.v1.namespace import RankNamespaces, request_extras
+
+__all__ = ["RequestState", "SchedulerLogic"]
+
+Lookup = Callable[[Sequence[str]], Sequence[bool]]
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side remembers about one live request."""
+
+    req_id: str
+    prompt_len: int
+    digests: list[str]
+    #: (first chunk, chunk count, vLLM's computed tokens) of an accepted lookup
+    pending_load: tuple[int, int, int] | None = None
+    loaded_upto: int = 0  # chunks [0, loaded_upto) came from (so are in) the pool
+    saved_upto: int = 0  # chunks [0, saved_upto) were handed to the workers to save
+    has_saves: bool = False
+    block_ids: list[int] = field(default_factory=list)  # mirror for engines without block state
+
+
+class SchedulerLogic:
+    """The scheduler-side state machine of :class:`MooncakeStoreConnector`."""
+
+    def __init__(self, namespaces: RankNamespaces, block_size: int, lookup: Lookup, *,
+                 can_load: bool, can_save: bool) -> None:
+        self.namespaces = namespaces
+        self.block_size = block_size
+        self.lookup = lookup
+        self.can_load = can_load
+        self.can_save = can_save
+        self.requests: dict[str, RequestState] = {}
+        self._loads: list[BlockJob] = []
+        self.counters = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "save_jobs": 0}
+
+    # ------------------------------------------------------------------ state
+    def _state(self, request: Any) -> RequestState | None:
+        req_id = request.request_id
+        st = self.requests.get(req_id)
+        if st is not None:
+            return st
+        tokens = getattr(request, "prompt_token_ids", None)
+        if tokens is None:  # prompt embeddings: nothing to key by
+            return None
+        extras: RequestExtras = request_extras(request)
+        digests = [d.hex() for d in chunk_digests(tokens, self.block_size, extras)]
+        st = RequestState(req_id=req_id, prompt_len=len(tokens), digests=digests)
+        self.requests[req_id] = st
+        return st
+
+    # ------------------------------------------------------------------ lookup
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` the pool can supply (loaded synchronously)."""
+        if not self.can_load:
+            return 0, False
+        st = self._state(request)
+        if st is None:
+            return 0, False
+        st.pending_load = None
+        bs = self.block_size
+        claimable = (st.prompt_len - 1) // bs  # never the chunk with the last prompt token
+        start = num_computed_tokens // bs
+        if start >= claimable:
+            return 0, False
+        wanted = st.digests[start:claimable]
+        self.counters["lookups"] += 1
+        present = self.lookup(self.namespaces.keys_for(wanted))
+        hits = self.namespaces.prefix_hits(present, len(wanted))
+        if hits == 0:
+            return 0, False
+        st.pending_load = (start, hits, num_computed_tokens)
+        return (start + hits) * bs - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Turn an accepted lookup into a load job for the blocks vLLM allocated."""
+        st = self._state(request)
+        if st is None:
+            return
+        pending, st.pending_load = st.pending_load, None
+        if num_external_tokens <= 0 or pending is None:
+            return
+        start, hits, computed = pending
+        end = min(start + hits, -(-(computed + num_external_tokens) // self.block_size))
+        block_ids = list(blocks.get_block_ids()[0])
+        if end > len(block_ids):
+            end = len(block_ids)
+        if end <= start:
+            return
+        self._loads.append(BlockJob(st.req_id, st.digests[start:end], block_ids[start:end]))
+        st.loaded_upto = max(st.loaded_upto, end)
+        self.counters["load_jobs"] += 1
+        self.counters["hit_tokens"] += end * self.block_size - computed
+
+    # ------------------------------------------------------------------ per step
+    def build_connector_meta(self, scheduler_output: Any) -> MooncakeConnectorMetadata:
+        """This step's loads (already planned) and saves (chunks this step completes)."""
+        meta = MooncakeConnectorMetadata(loads=self._loads)
+        self._loads = []
+        meta.preempted_req_ids = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for req_id in meta.preempted_req_ids:
+            st = self.requests.get(req_id)
+            if st is not None:
+                st.block_ids = []
+        if not self.can_save:
+            return meta
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self.requests.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            self._plan_save(meta, st, done, block_state)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.requests.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in resumed:
+                    st.block_ids = list(new_ids[0])
+                else:
+                    st.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            self._plan_save(meta, st, done, block_state)
+        return meta
+
+    def _plan_save(self, meta: MooncakeConnectorMetadata, st: RequestState, done_tokens: int,
+                   block_state: Any) -> None:
+        end = min(done_tokens, st.prompt_len) // self.block_size
+        begin = max(st.saved_upto, st.loaded_upto)
+        if end <= begin:
+            return
+        block_ids: Sequence[int] = st.block_ids
+        if block_state is not None:
+            current = block_state.get_block_ids(st.req_id)
+            if current is not None:
+                block_ids = current[0]
+        end = min(end, len(block_ids))
+        if end <= begin:
+            return
+        meta.saves.append(BlockJob(st.req_id, st.digests[begin:end], list(block_ids[begin:end])))
+        st.saved_upto = end
+        st.has_saves = True
+        self.counters["save_jobs"] += 1
+
+    def request_finished(self, request: Any) -> tuple[bool, None]:
+        """Forget the request; keep its blocks while the workers may still be saving them."""
+        st = self.requests.pop(request.request_id, None)
+        return bool(st is not None and st.has_saves), None

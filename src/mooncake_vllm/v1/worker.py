@@ -1,0 +1,191 @@
+"""Worker side of the V1 connector: load before the forward, save after it, off-thread.
+
+* **Loads** run in ``start_load_kv`` (before the forward pass of a step with
+  synchronous loads): one batched, verified ``get_blocks`` for the whole step. A
+  block that is missing, foreign or corrupt is reported through
+  ``get_block_ids_with_load_errors`` and vLLM recomputes it.
+* **Saves** are queued in ``wait_for_save`` (after the forward pass wrote the KV)
+  to one background thread through a bounded queue; a full queue drops the save
+  (a future miss), never stalls the engine. Blocks stay valid while saving
+  because the scheduler side delays freeing a finished request's blocks until
+  :meth:`WorkerLogic.get_finished` reports its saves done, and a preempted
+  request's pending saves are drained in ``handle_preemptions`` before vLLM
+  reuses its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from mooncake_vllm.keys import KeyNamespace
+from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
+from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
+
+__all__ = ["WorkerLogic"]
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class WorkerLogic:
+    """Per-worker loads, saves and save-completion tracking."""
+
+    def __init__(self, namespace: KeyNamespace, expected: ExpectedLayout, client_source: Any, *,
+                 can_load: bool, can_save: bool, queue_size: int = 64,
+                 drain_timeout: float = 30.0) -> None:
+        self.namespace = namespace
+        self.prefix = namespace.prefix()
+        self.expected = expected
+        self.source = client_source  # .get() -> StoreClient | None, .on_connect(cb)
+        self.can_load = can_load
+        self.can_save = can_save
+        self.layout: BlockLayout | None = None
+        self._drain_timeout = drain_timeout
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._cond = threading.Condition()
+        self._pending: dict[str, int] = {}  # req_id -> save jobs not yet finished
+        self._tracked: set[str] = set()  # requests whose blocks the scheduler keeps for us
+        self._finished: set[str] = set()  # tracked requests vLLM has finished
+        self._load_errors: set[int] = set()
+        self.counters = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
+                         "save_jobs": 0, "dropped_jobs": 0}
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ setup
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        """Build the block layout, check it matches the keys' namespace, register memory."""
+        layout = BlockLayout.from_kv_caches(kv_caches, kind=self.expected.kind,
+                                            variant=self.expected.variant)
+        check_layout(self.expected, layout)
+        self.layout = layout
+        self.source.on_connect(lambda client: client.register_layout(layout))
+        if self.can_save and self._thread is None:
+            self._thread = threading.Thread(target=self._save_loop, name="mcv-save", daemon=True)
+            self._thread.start()
+
+    def keys(self, digests: Iterable[str]) -> list[str]:
+        return [f"{self.prefix}/{d}" for d in digests]
+
+    # ------------------------------------------------------------------ loads
+    def start_load_kv(self, meta: MooncakeConnectorMetadata | None) -> None:
+        """Load this step's blocks; failures go to :meth:`take_load_errors`."""
+        if meta is None or not meta.loads:
+            return
+        block_ids = [b for job in meta.loads for b in job.block_ids]
+        client = self.source.get() if self.layout is not None else None
+        if client is None or not self.can_load:
+            self._fail(block_ids)
+            return
+        keys = [k for job in meta.loads for k in self.keys(job.digests)]
+        try:
+            ok = client.get_blocks(keys, self.layout, block_ids)
+        except Exception as exc:  # noqa: BLE001 - never let a load kill the engine
+            log.warning("mooncake-vllm: loading %d blocks failed (%s); vLLM recomputes them",
+                        len(block_ids), exc)
+            ok = [False] * len(block_ids)
+        failed = [b for b, good in zip(block_ids, ok) if not good]
+        self.counters["loaded_blocks"] += len(block_ids) - len(failed)
+        if failed:
+            self._fail(failed)
+
+    def _fail(self, block_ids: list[int]) -> None:
+        self.counters["failed_blocks"] += len(block_ids)
+        self._load_errors.update(block_ids)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ saves
+    def wait_for_save(self, meta: MooncakeConnectorMetadata | None) -> None:
+        """Queue this step's saves (the forward pass has written their KV)."""
+        if meta is None or not meta.saves:
+            return
+        for job in meta.saves:
+            with self._cond:
+                self._tracked.add(job.req_id)
+            if not self.can_save or self.layout is None:
+                continue
+            with self._cond:
+                self._pending[job.req_id] = self._pending.get(job.req_id, 0) + 1
+            try:
+                self._queue.put_nowait(job)
+                self.counters["save_jobs"] += 1
+            except queue.Full:
+                self.counters["dropped_jobs"] += 1
+                self._job_done(job.req_id)
+
+    def _save_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            try:
+                self._save(job)
+            except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
+                log.warning("mooncake-vllm: saving %d blocks failed: %s", len(job.block_ids), exc)
+            finally:
+                self._job_done(job.req_id)
+
+    def _save(self, job: BlockJob) -> None:
+        client = self.source.get()
+        if client is None or self.layout is None:
+            return
+        stored = client.put_blocks(self.keys(job.digests), self.layout, job.block_ids)
+        self.counters["saved_blocks"] += stored
+
+    def _job_done(self, req_id: str) -> None:
+        with self._cond:
+            left = self._pending.get(req_id, 1) - 1
+            if left > 0:
+                self._pending[req_id] = left
+            else:
+                self._pending.pop(req_id, None)
+            self._cond.notify_all()
+
+    def handle_preemptions(self, preempted: Iterable[str]) -> None:
+        """Finish the pending saves of preempted requests before vLLM reuses their blocks."""
+        wanted = set(preempted)
+        if not wanted:
+            return
+        deadline = time.monotonic() + self._drain_timeout
+        with self._cond:
+            while any(r in self._pending for r in wanted):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("mooncake-vllm: saves of preempted requests still running "
+                                "after %.0f s", self._drain_timeout)
+                    break
+                self._cond.wait(left)
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """Finished requests whose saves are all written (their blocks may be freed now)."""
+        with self._cond:
+            self._finished.update(r for r in finished_req_ids if r in self._tracked)
+            done = {r for r in self._finished if r not in self._pending}
+            self._finished -= done
+            self._tracked -= done
+        return done
+
+    def idle(self) -> bool:
+        """No save queued or running (tests and shutdown)."""
+        with self._cond:
+            return not self._pending
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Let queued saves finish (bounded), then stop the save thread."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            return
+        thread.join(timeout)
