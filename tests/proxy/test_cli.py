@@ -1,0 +1,51 @@
+"""``mooncake-vllm proxy`` as a real process (seed-compatible flags) over real stub upstreams."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from mooncake_vllm.services import ManagedProcess, free_port, http_probe
+
+from ._helpers import ADMIN_KEY, MODEL, run, sse_events, stubs
+
+CLI = [sys.executable, "-c", "import sys; from mooncake_vllm.cli import main; sys.exit(main())"]
+
+
+def test_cli_serves_streams_and_admin(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with stubs(1) as (p,), stubs(2) as (d1, d2):
+            port = free_port()
+            argv = [*CLI, "proxy", "--model", f"org/{MODEL}", "-p", p.address, "-d", d1.address,
+                    "--port", str(port), "--scheduling", "least_loaded", "--health-interval", "0.5"]
+            env = {**os.environ, "ADMIN_API_KEY": ADMIN_KEY}
+            proc = ManagedProcess("proxy", argv, workdir=tmp_path, env=env, port=port).start()
+            try:
+                await asyncio.to_thread(proc.wait_ready, http_probe(f"http://127.0.0.1:{port}/health"), 30)
+                url = f"http://127.0.0.1:{port}"
+                async with aiohttp.ClientSession() as c:
+                    async with c.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                        assert r.status == 200 and sse_events(await r.read())[-1] == "[DONE]"
+                    async with c.post(url + "/instances/add", headers={"X-API-Key": ADMIN_KEY},
+                                      json={"type": "decode", "instance": d2.address}) as r:
+                        assert r.status == 200, await r.text()
+                    status = await (await c.get(url + "/status")).json()
+                    assert status["decode_nodes"] == [d1.address, d2.address]
+                    assert status["scheduling"] == "least_loaded" and status["admin_api"] == "enabled"
+            finally:
+                proc.stop()
+            assert ADMIN_KEY not in proc.log_path.read_text()
+
+    run(go, timeout=60)
+
+
+def test_cli_rejects_a_bad_address_naming_the_flag() -> None:
+    out = subprocess.run([*CLI, "proxy", "--model", MODEL, "-p", "::1:8100", "-d", "127.0.0.1:8200"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--prefill" in out.stderr and "must be written in brackets" in out.stderr
