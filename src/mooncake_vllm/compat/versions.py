@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -302,6 +303,7 @@ def _fold(changes: tuple[_Change, ...], upto: Any, key: Any, base: dict[str, Any
     return values, sources
 
 
+@lru_cache(maxsize=256)
 def vllm_facts(version: str, *, strict: bool = True) -> VllmFacts:
     """Facts for vLLM ``version`` (any PEP 440 string: ``0.32.0+cpu``, ``0.8.5.post1``, ``0.21.0.dev3``).
 
@@ -390,6 +392,7 @@ MOONCAKE_CHANGES: tuple[_Change, ...] = (
 )  # fmt: skip
 
 
+@lru_cache(maxsize=256)
 def mooncake_facts(version: str) -> MooncakeFacts:
     """Facts for a Mooncake release (``0.3.3.post2`` < ``0.3.4``; local parts ignored)."""
     parsed = parse_version(version, what="Mooncake version")

@@ -1,0 +1,138 @@
+"""Rules about the fleet as a whole: pool memory, hash seeds, TP sizes, proxies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mooncake_vllm.checker.catalogue import Rule
+from mooncake_vllm.checker.context import Context, check
+from mooncake_vllm.checker.model import HOLDER, PROXY, Finding, Launch
+from mooncake_vllm.checker.rules_mooncake import segment_size
+
+__all__ = ["ADMIN_PROXIES", "V0_DEMO_PROXIES", "proxy_command"]
+
+#: the V0-era demo proxies (plain completions, no kv_transfer_params)
+V0_DEMO_PROXIES = {"disagg_proxy_demo.py", "disagg_demo.py", "proxy_demo.py", "disagg_prefill_proxy_server.py"}
+#: proxies whose /instances/add admin API is open (500) or unguarded without ADMIN_API_KEY
+#: (``mooncake-vllm proxy`` keeps its admin API off without a key)
+ADMIN_PROXIES = {"disagg_proxy_demo.py", "disagg_demo.py", "proxy_demo.py"}
+
+
+def _model(ctx: Context) -> str | None:
+    return next((launch.model for launch in ctx.deployment.instances if launch.model), None)
+
+
+def _uses_p2p(ctx: Context) -> bool:
+    return any("MooncakeConnector" in launch.connector_names() for launch in ctx.deployment.instances)
+
+
+def proxy_command(launch: Launch | None, *, p2p: bool, model: str | None = None) -> str:
+    """The ``mooncake-vllm proxy`` line replacing ``launch`` (a seed/example proxy)."""
+    opts = launch.options if launch else {}
+    model = opts.get("--model") or model or "MODEL"
+    def hosts(value: str | None) -> str:
+        return " ".join(h.split("://", 1)[-1] for h in (value or "HOST:PORT").split())
+    line = f"mooncake-vllm proxy --model {model} --prefill {hosts(opts.get('--prefill'))} " \
+           f"--decode {hosts(opts.get('--decode'))} --port {opts.get('--port') or 8000}"
+    return line + (" --flow p2p" if p2p else "")
+
+
+@check("MCV-E009")
+def no_pool_memory(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    stores = [launch for launch in ctx.deployment.instances if launch.uses_store() and launch.kind != "environment"]
+    if not stores or ctx.deployment.of_kind(HOLDER):
+        return
+    used = {id(c): c for launch in stores for c in ctx.deployment.configs_for(launch)}
+    if used and all(segment_size(c.data.get("global_segment_size")) == 0 for c in used.values()):
+        config = next(iter(used.values()))
+        yield ctx.finding(rule, config.where("global_segment_size"), config=config.path)
+
+
+@check("MCV-E011")
+def p2p_with_legacy_proxy(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if not _uses_p2p(ctx):
+        return
+    for proxy in ctx.deployment.of_kind(PROXY):
+        if proxy.program in V0_DEMO_PROXIES:
+            yield ctx.finding(rule, proxy.where, proxy=proxy.program,
+                              proxy_fix=proxy_command(proxy, p2p=True, model=_model(ctx)))
+
+
+@check("MCV-W010")
+def legacy_proxy(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if ctx.vllm is None or not ctx.vllm.v1_kv_connectors:
+        return
+    v1_flow = not ctx.vllm.v0_kv_connectors or any(ctx.engine(i) == "v1" for i in ctx.deployment.instances)
+    if not v1_flow:
+        return
+    for proxy in ctx.deployment.of_kind(PROXY):
+        if proxy.program == "mooncake-vllm proxy":
+            continue
+        if proxy.program in V0_DEMO_PROXIES:
+            why = ("The V0 demo proxy has no health checks, logs the rejected API key in plain text, rebuilds the "
+                   "wrong list on removal, breaks on IPv6/DNS names and swallows upstream errors; it is slated "
+                   "for removal.")
+        elif ctx.vllm.rejects_unknown_kv_keys and ctx.vllm.in_tree_mooncake_connector == "v1-p2p":
+            why = ("The example P2P proxy never sends transfer_id, which the P2P MooncakeConnector needs from "
+                   "vLLM 0.16.0 (\"Missing transfer_id ... from router!\").")
+        else:
+            why = "The example proxy has no health checks, no admin API and no store-only flow."
+        yield ctx.finding(rule, proxy.where, proxy=proxy.program, why=why,
+                          proxy_fix=proxy_command(proxy, p2p=_uses_p2p(ctx), model=_model(ctx)))
+
+
+@check("MCV-W011")
+def admin_api_without_key(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    for proxy in ctx.deployment.of_kind(PROXY):
+        if proxy.program in ADMIN_PROXIES and not proxy.env.get("ADMIN_API_KEY"):
+            yield ctx.finding(rule, proxy.where, proxy=proxy.program)
+
+
+def _v1_instances(ctx: Context) -> list[Launch]:
+    return [launch for launch in ctx.deployment.instances
+            if launch.kind != "environment" and ctx.engine(launch) == "v1"]
+
+
+@check("MCV-W003")
+def hash_seed_not_shared(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if ctx.vllm is None or not ctx.vllm.needs_shared_hash_seed:
+        return
+    instances = _v1_instances(ctx)
+    processes = sum(max(1, launch.int_option("--data-parallel-size")) for launch in instances)
+    missing = [launch for launch in instances if not launch.env.get("PYTHONHASHSEED")]
+    if processes > 1 and missing:
+        yield ctx.finding(rule, missing[0].where, count=processes)
+
+
+@check("MCV-W004")
+def hash_seed_differs(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if ctx.vllm is None or not ctx.vllm.needs_shared_hash_seed:
+        return
+    seeds: dict[str, Launch] = {}
+    for launch in _v1_instances(ctx):
+        seed = launch.env.get("PYTHONHASHSEED")
+        if seed:
+            seeds.setdefault(seed, launch)
+    if len(seeds) > 1:
+        listing = ", ".join(f"{seed} ({launch.where})" for seed, launch in seeds.items())
+        yield ctx.finding(rule, next(iter(seeds.values())).where, seeds=listing)
+
+
+@check("MCV-W005")
+def hash_seed_inverted(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if ctx.vllm is None or ctx.vllm.v1_hash_seed != "inverted":
+        return
+    for launch in ctx.deployment.instances:
+        if launch.env.get("PYTHONHASHSEED") and ctx.engine(launch) == "v1":
+            yield ctx.finding(rule, launch.where)
+
+
+@check("MCV-W006")
+def tp_size_differs(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    sizes: dict[int, Launch] = {}
+    for launch in ctx.deployment.instances:
+        if launch.uses_store():
+            sizes.setdefault(launch.int_option("--tensor-parallel-size"), launch)
+    if len(sizes) > 1:
+        listing = ", ".join(f"{size} ({launch.where})" for size, launch in sorted(sizes.items()))
+        yield ctx.finding(rule, next(iter(sizes.values())).where, sizes=listing)

@@ -1,0 +1,152 @@
+"""Rules about Mooncake: releases, metadata backends, transport settings."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from mooncake_vllm.checker.catalogue import Rule
+from mooncake_vllm.checker.context import Context, check
+from mooncake_vllm.checker.model import PIP, Deployment, Finding, Where
+from mooncake_vllm.compat.versions import mooncake_facts, parse_version
+from mooncake_vllm.errors import ConfigError
+
+__all__ = ["metadata_urls", "pip_pins"]
+
+_MOONCAKE_REQ = re.compile(r"^(mooncake[-_.]transfer[-_.]engine(?:[-_.][a-z0-9]+)*)(?:\[[^\]]*\])?(?:==([^,;\s]+))?",
+                           re.IGNORECASE)
+
+
+def pip_pins(deployment: Deployment) -> list[tuple[str, str | None, Where]]:
+    """``(package, pinned version or None, where)`` for each Mooncake ``pip install`` in the scripts."""
+    pins = []
+    for launch in deployment.of_kind(PIP):
+        if "install" not in launch.argv:
+            continue
+        for arg in launch.argv[launch.argv.index("install") + 1:]:
+            m = _MOONCAKE_REQ.match(arg)
+            if m:
+                pins.append((m[1].lower().replace("_", "-"), m[2], launch.where))
+    return pins
+
+
+def metadata_urls(ctx: Context) -> list[tuple[str, Where]]:
+    """Every metadata_server in the configs (and in mooncake_client flags / the environment)."""
+    found = [(str(c.data["metadata_server"]), c.where("metadata_server"))
+             for c in ctx.deployment.configs if isinstance(c.data.get("metadata_server"), str)]
+    for launch in ctx.deployment.launches:
+        url = launch.option("--metadata-server", "--metadata")
+        if url:
+            found.append((url, launch.where))
+        if launch.kind == "environment" and launch.env.get("MOONCAKE_TE_META_DATA_SERVER"):
+            found.append((launch.env["MOONCAKE_TE_META_DATA_SERVER"], launch.where))
+    return found
+
+
+def _scheme(url: str) -> str:
+    if url == "P2PHANDSHAKE":
+        return "p2p"
+    scheme, sep, _ = url.partition("://")
+    return scheme.lower() if sep else "bare"
+
+
+@check("MCV-E003")
+def adaptor_mooncake_too_new(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    ceiling = ctx.vllm.max_mooncake if ctx.vllm else None
+    if ceiling is None or not any(launch.uses_store() or launch.kind == "environment"
+                                  for launch in ctx.deployment.instances):
+        return
+    for version, where in ctx.mooncake_versions():
+        if parse_version(version) > parse_version(ceiling):
+            yield ctx.finding(rule, where, mooncake=version)
+
+
+@check("MCV-W015")
+def adaptor_needs_source_build(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    ceiling = ctx.vllm.max_mooncake if ctx.vllm else None
+    if ceiling is None:
+        return
+    for version, where in ctx.mooncake_versions():
+        if parse_version(version) <= parse_version(ceiling):
+            yield ctx.finding(rule, where)
+            return
+
+
+@check("MCV-E004")
+def mooncake_version_skew(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    versions = {v: w for v, w in reversed(ctx.mooncake_versions()) if w is not None or ctx.mooncake_explicit}
+    if len(versions) > 1:
+        ordered = sorted(versions, key=parse_version)
+        where = next((w for w in versions.values() if w is not None), None)
+        listing = ", ".join(f"{v} ({versions[v] or '--target-mooncake'})" for v in ordered)
+        yield ctx.finding(rule, where, versions=listing, newest=ordered[-1])
+
+
+@check("MCV-W014")
+def mooncake_unpinned(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    version = ctx.mooncake.version if ctx.mooncake else "X.Y.Z"
+    for package, pinned, where in pip_pins(ctx.deployment):
+        if pinned is None:
+            yield ctx.finding(rule, where, package=package, version=version)
+
+
+def _unsupported_scheme(ctx: Context, rule: Rule, scheme: str, schemes: tuple[str, ...]) -> Iterable[Finding]:
+    """Findings for metadata URLs in ``schemes`` when a Mooncake in play lacks ``scheme`` support."""
+    for version, _ in ctx.mooncake_versions():
+        if scheme not in mooncake_facts(version).metadata_schemes:
+            for url, where in metadata_urls(ctx):
+                if _scheme(url) in schemes:
+                    yield ctx.finding(rule, where, url=url, mooncake=version)
+            return
+
+
+@check("MCV-E005")
+def etcd_on_http_only_wheel(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    return _unsupported_scheme(ctx, rule, "etcd", ("etcd", "bare"))
+
+
+@check("MCV-E006")
+def p2phandshake_on_old_store(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    return _unsupported_scheme(ctx, rule, "p2p", ("p2p",))
+
+
+@check("MCV-E013")
+def several_mooncake_distributions(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    dists = ctx.installed_mooncake
+    if len(dists) > 1:
+        yield ctx.finding(rule, None, dists=", ".join(str(d) for d in dists), keep=dists[-1].name)
+
+
+@check("MCV-W001")
+def metadata_without_scheme(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    for url, where in metadata_urls(ctx):
+        if _scheme(url) == "bare" and url.strip():
+            yield ctx.finding(rule, where, url=url)
+
+
+@check("MCV-W012")
+def redis_metadata_on_wheel(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if ctx.mooncake is not None and ctx.mooncake.redis_in_wheels:  # Defensive: never true for wheels
+        return
+    for url, where in metadata_urls(ctx):
+        if _scheme(url) in ("redis", "rediss"):
+            yield ctx.finding(rule, where, url=url)
+
+
+@check("MCV-W002")
+def rdma_without_device(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    for config in ctx.deployment.configs:
+        if str(config.data.get("protocol", "")).lower() == "rdma" and not str(config.data.get("device_name") or ""):
+            yield ctx.finding(rule, config.where("device_name" if "device_name" in config.data else "protocol"))
+
+
+def segment_size(value: object) -> int | None:
+    """``global_segment_size`` in bytes, None when absent or unparsable (config.py reports those)."""
+    if value is None:
+        return None
+    from mooncake_vllm.config import parse_size
+
+    try:
+        return parse_size(value, field="global_segment_size")
+    except (ValueError, ConfigError):
+        return None
