@@ -1,17 +1,28 @@
 """Real services for the metadata tests: redis, etcd, mooncake_master, our server, Mooncake clients.
 
-Every process runs on a free 127.0.0.1 port in its own session and is stopped
-by its process-group id (never by name).
+Services come from the shared launchers in :mod:`mooncake_vllm.services` (free
+127.0.0.1 ports, own process group, stopped by PID, logs attached to failing
+tests by tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from md_services import BIN, Client, Server, free_port, start, stop, wait_port
+from md_services import Client
+
+from mooncake_vllm.services import (
+    SETUP_HINT,
+    ManagedProcess,
+    ServiceError,
+    start_etcd,
+    start_http_metadata,
+    start_master,
+    start_redis,
+)
 
 
 @pytest.fixture(scope="session")
@@ -19,48 +30,46 @@ def md_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("metadata-services")
 
 
+def _started(start: Callable[[], ManagedProcess]) -> ManagedProcess:
+    try:
+        return start()
+    except ServiceError as exc:
+        pytest.fail(f"{exc}\n(if a binary is missing, run `{SETUP_HINT}`)", pytrace=False)
+
+
+# Session-scoped on purpose: these tests use distinct keys, and one etcd/redis/master
+# for the whole module set saves ~3 s of start/stop per test on 2 shared cores.
 @pytest.fixture(scope="session")
 def md_redis_url(md_workdir: Path) -> Iterator[str]:
-    port = free_port()
-    proc = start(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                  "--dir", str(md_workdir)], md_workdir / "redis.log")
-    wait_port(port, proc, "redis-server")
-    yield f"redis://127.0.0.1:{port}"
-    stop(proc)
+    """A real redis-server; ``redis://127.0.0.1:P``."""
+    proc = _started(lambda: start_redis(md_workdir))
+    yield str(proc.url)
+    proc.stop()
 
 
 @pytest.fixture(scope="session")
 def md_etcd_url(md_workdir: Path) -> Iterator[str]:
-    port, peer = free_port(), free_port()
-    proc = start(["etcd", "--name", "mdtest", "--data-dir", str(md_workdir / "etcd"),
-                  "--listen-client-urls", f"http://127.0.0.1:{port}",
-                  "--advertise-client-urls", f"http://127.0.0.1:{port}",
-                  "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                  "--initial-cluster", f"mdtest=http://127.0.0.1:{peer}"], md_workdir / "etcd.log")
-    wait_port(port, proc, "etcd")
-    yield f"etcd://127.0.0.1:{port}"
-    stop(proc)
+    """A real etcd 3.4; ``etcd://127.0.0.1:P``."""
+    proc = _started(lambda: start_etcd(md_workdir))
+    yield f"etcd://{proc.address}"
+    proc.stop()
 
 
 @pytest.fixture(scope="session")
 def md_master(md_workdir: Path) -> Iterator[str]:
-    port = free_port()
-    proc = start([str(BIN / "mooncake_master"), "--rpc_address=127.0.0.1", f"--rpc_port={port}",
-                  "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}", "--client_ttl=2"],
-                 md_workdir / "master.log")
-    wait_port(port, proc, "mooncake_master")
-    yield f"127.0.0.1:{port}"
-    stop(proc)
+    """A real mooncake_master (client_ttl 2 s); its ``master_server_address``."""
+    proc = _started(lambda: start_master(md_workdir, client_ttl=2))
+    yield str(proc.address)
+    proc.stop()
 
 
 @pytest.fixture
 def md_server(tmp_path: Path) -> Iterator:
-    """Factory: ``md_server(backend)`` starts our server; all are stopped after the test."""
-    servers: list[Server] = []
+    """Factory: ``md_server(backend)`` starts our server (``.url``); all are stopped after the test."""
+    servers: list[ManagedProcess] = []
 
-    def make(backend: str = "memory") -> Server:
-        servers.append(Server(backend, tmp_path / f"server-{len(servers)}.log"))
+    def make(backend: str = "memory") -> ManagedProcess:
+        servers.append(_started(lambda: start_http_metadata(tmp_path, "embedded", backend)))
         return servers[-1]
 
     yield make

@@ -6,35 +6,22 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-__all__ = ["BIN", "HERE", "Client", "Server", "child_env", "free_port", "readline", "start", "stop", "wait_port"]
+from mooncake_vllm.services import client_env, free_port
+
+__all__ = ["HERE", "Client", "Server", "child_env", "free_port", "readline", "stop"]
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
-BIN = Path(sys.executable).parent
-CLIENT_ENV = {
-    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-    "MC_STORE_CLIENT_SETUP_RETRIES": "1",
-    "MC_RPC_TIMEOUT_MS": "2000",
-    "MC_LOG_LEVEL": "ERROR",
-}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH", "")) if p)
-    env.update(CLIENT_ENV)
+    env.update(client_env())  # MC_TCP_BIND_ADDRESS=127.0.0.1, setup retries 1, RPC timeout 2 s, glog ERROR
     env.update(extra)
     return env
 
@@ -52,24 +39,6 @@ def stop(proc: subprocess.Popen, *, sig: int = signal.SIGTERM, grace: float = 10
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
     return proc.returncode
-
-
-def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} before listening on {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout} s")
-
-
-def start(cmd: list[str], log: Path, **kw) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, **kw)
 
 
 class Server:

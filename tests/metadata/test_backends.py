@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -18,8 +16,9 @@ from mooncake_vllm.metadata.backends import (
     redact_url,
 )
 from mooncake_vllm.metadata.etcd import EtcdBackend
+from mooncake_vllm.services import start_http_metadata
 
-from md_services import free_port, stop, wait_port
+from md_services import free_port
 
 
 @pytest.fixture(params=["memory", "redis", "etcd", "http"])
@@ -122,16 +121,9 @@ def test_redis_credentials_from_env(md_redis_url: str) -> None:
 
 def test_http_list_against_mooncakes_own_server_says_why(tmp_path) -> None:
     """Mooncake's bundled server has no listing: the error says what to use instead."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(__import__("pathlib").Path(sys.executable).parent / "mooncake_http_metadata_server"),
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
+    proc = start_http_metadata(tmp_path, "mooncake")
     try:
-
-        wait_port(port, proc, "mooncake_http_metadata_server")
-        b = HttpBackend(f"http://127.0.0.1:{port}/metadata")
+        b = HttpBackend(str(proc.url))
         b.put("mooncake/ram/1.2.3.4:5", b'{"a":1}')
         assert b.get("mooncake/ram/1.2.3.4:5") == b'{"a":1}'
         with pytest.raises(StoreError, match="mooncake-vllm metadata serve"):
@@ -139,5 +131,4 @@ def test_http_list_against_mooncakes_own_server_says_why(tmp_path) -> None:
         b.delete("mooncake/ram/1.2.3.4:5")
         b.delete("mooncake/ram/1.2.3.4:5")  # its 404 on a missing key is tolerated
     finally:
-
-        stop(proc)
+        proc.stop()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import urllib.parse
+from typing import Any
 
 import aiohttp
 import pytest
@@ -17,18 +17,20 @@ RPC = b'{"ip_or_host_name":"127.0.0.1","rpc_port":15228}'
 RAM = b'{"buffers":[{"addr":1,"length":2,"name":"127.0.0.1:12345"}],"name":"127.0.0.1:12345","protocol":"tcp"}'
 
 
-def req(server: Server, method: str, key: str | None, body: bytes | None = None, raw_query: str | None = None):
+def req(server: Any, method: str, key: str | None, body: bytes | None = None, raw_query: str | None = None):
     query = raw_query if raw_query is not None else ("" if key is None else "key=" + urllib.parse.quote(key, safe=""))
     return http_request(method, f"{server.url}?{query}" if query else server.url, body,
                         headers={"Content-Type": "application/json"})
 
 
-def test_ready_line_health_and_defaults(md_server) -> None:
-    server = md_server("memory")
+def test_ready_line_port_0_health_and_loopback_default(tmp_path) -> None:
+    server = Server("memory", tmp_path / "server.log")  # python -m ... --port 0, no --host
+    assert server.url.startswith("http://127.0.0.1:")
     assert server.ready_line.startswith("mooncake-vllm metadata server ready at http://127.0.0.1:")
     assert server.ready_line.endswith("(backend memory)")
     status, body = http_request("GET", server.url.replace("/metadata", "/health"))
     assert status == 200 and json.loads(body)["status"] == "ok"
+    assert server.stop() == 0
 
 
 @pytest.mark.parametrize("backend_name", ["memory", "redis", "etcd"])
@@ -59,7 +61,7 @@ def test_protocol_exactly(md_server, request: pytest.FixtureRequest, backend_nam
     req(server, "DELETE", rpc)
 
 
-def _get_with_type(server: Server, key: str) -> tuple[int, bytes, str]:
+def _get_with_type(server: Any, key: str) -> tuple[int, bytes, str]:
     import http.client
 
     parts = urllib.parse.urlsplit(server.url)
@@ -128,7 +130,7 @@ def test_sigterm_stops_cleanly_and_redis_keeps_data(md_server, md_redis_url: str
     key = f"mooncake/{unique}/ram/1.1.1.1:1"
     server = md_server(md_redis_url + "/4")
     assert req(server, "PUT", key, RAM)[0] == 200
-    assert server.stop(signal.SIGTERM) == 0
+    assert server.stop() == 0  # SIGTERM
     again = md_server(md_redis_url + "/4")
     assert req(again, "GET", key) == (200, RAM)  # it was in redis, not in the process
     req(again, "DELETE", key)
