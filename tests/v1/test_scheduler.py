@@ -1,0 +1,178 @@
+"""Pure logic of the V1 scheduler side: lookups, load plans, save plans, delayed frees.
+
+The ``lookup`` callable stands in for the pool's batched existence query; the
+engine-level behaviour is proven against real vLLM + Mooncake in test_connector.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from mooncake_vllm.keys import KeyNamespace, RequestExtras, chunk_keys
+from mooncake_vllm.v1.namespace import RankNamespaces
+from mooncake_vllm.v1.scheduler import SchedulerLogic
+
+BS = 4
+
+
+def _ns(tp: int = 0, tp_size: int = 1) -> KeyNamespace:
+    return KeyNamespace("m", "float32", "cpu:vec:float32:L2:2x4x64", BS, tp, tp_size, 0)
+
+
+@dataclass
+class FakePool:
+    keys: set[str] = field(default_factory=set)
+    calls: list[list[str]] = field(default_factory=list)
+
+    def __call__(self, keys):  # noqa: ANN001, ANN204 - the lookup callable
+        self.calls.append(list(keys))
+        return [k in self.keys for k in keys]
+
+
+def _request(req_id: str, tokens: list[int], **kw: object) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, lora_request=None,
+                           cache_salt=kw.get("cache_salt"), mm_features=[])
+
+
+class Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+def _output(new=(), cached=None, scheduled=None, preempted=None):  # noqa: ANN001, ANN202
+    cached = cached or SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                       num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached,
+                           num_scheduled_tokens=scheduled or {}, preempted_req_ids=preempted,
+                           kv_connector_block_state=None)
+
+
+def _logic(pool: FakePool, *, load: bool = True, save: bool = True,
+           ranks: tuple[KeyNamespace, ...] = (_ns(),)) -> SchedulerLogic:
+    return SchedulerLogic(RankNamespaces(ranks), BS, pool, can_load=load, can_save=save)
+
+
+TOKENS = list(range(100, 118))  # 18 tokens: 4 full chunks + 2
+
+
+def test_lookup_counts_leading_chunks_in_one_query_and_never_the_last_token() -> None:
+    keys = chunk_keys(_ns(), TOKENS)
+    pool = FakePool(set(keys))  # every full chunk is stored
+    logic = _logic(pool)
+    assert logic.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (16, False)
+    assert len(pool.calls) == 1 and pool.calls[0] == keys
+    # a prompt of exactly 16 tokens: the 4th chunk holds the last token → 3 chunks
+    assert logic.get_num_new_matched_tokens(_request("s", TOKENS[:16]), 0) == (12, False)
+    assert pool.calls[-1] == keys[:3]
+
+
+def test_lookup_starts_after_local_hits_and_stops_at_first_gap() -> None:
+    keys = chunk_keys(_ns(), TOKENS)
+    pool = FakePool({keys[0], keys[1], keys[3]})
+    logic = _logic(pool)
+    assert logic.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (8, False)
+    assert logic.get_num_new_matched_tokens(_request("r", TOKENS), 4) == (4, False)
+    assert pool.calls[-1] == keys[1:4]
+    assert logic.get_num_new_matched_tokens(_request("r", TOKENS), 16) == (0, False)
+
+
+def test_lookup_needs_every_tp_rank() -> None:
+    r0, r1 = _ns(0, 2), _ns(1, 2)
+    pool = FakePool(set(chunk_keys(r0, TOKENS)) | set(chunk_keys(r1, TOKENS)[:2]))
+    logic = _logic(pool, ranks=(r0, r1))
+    assert logic.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (8, False)
+    assert len(pool.calls) == 1 and len(pool.calls[0]) == 8  # one query, both ranks
+
+
+def test_extras_change_keys() -> None:
+    salted = chunk_keys(_ns(), TOKENS, RequestExtras(cache_salt="s"))
+    logic = _logic(FakePool(set(salted)))
+    assert logic.get_num_new_matched_tokens(_request("a", TOKENS), 0) == (0, False)
+    assert logic.get_num_new_matched_tokens(_request("b", TOKENS, cache_salt="s"), 0) == (16, False)
+
+
+def test_producer_never_looks_up() -> None:
+    pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
+    logic = _logic(pool, load=False)
+    assert logic.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (0, False)
+    assert pool.calls == []
+
+
+def test_alloc_turns_hit_into_load_job_for_the_right_blocks() -> None:
+    keys = chunk_keys(_ns(), TOKENS)
+    logic = _logic(FakePool(set(keys)))
+    req = _request("r", TOKENS)
+    assert logic.get_num_new_matched_tokens(req, 4) == (12, False)
+    logic.update_state_after_alloc(req, Blocks([7, 8, 9, 10, 11]), 12)
+    new = SimpleNamespace(req_id="r", block_ids=([7, 8, 9, 10, 11],), num_computed_tokens=16)
+    meta = logic.build_connector_meta(_output([new], scheduled={"r": 2}))
+    assert [(j.req_id, j.block_ids) for j in meta.loads] == [("r", [8, 9, 10])]
+    assert [f"{_ns().prefix()}/{d}" for d in meta.loads[0].digests] == keys[1:4]
+    # chunks loaded from the pool (and the local hit before them) are not saved again
+    assert meta.saves == []
+    assert logic.build_connector_meta(_output()).loads == []  # handed out once
+
+
+def test_zero_external_tokens_means_no_load() -> None:
+    logic = _logic(FakePool(set(chunk_keys(_ns(), TOKENS))))
+    req = _request("r", TOKENS)
+    logic.get_num_new_matched_tokens(req, 0)
+    logic.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), 0)
+    assert logic.build_connector_meta(_output()).loads == []
+
+
+def test_saves_follow_chunked_prefill_and_delay_the_free() -> None:
+    logic = _logic(FakePool())
+    req = _request("r", TOKENS)
+    assert logic.get_num_new_matched_tokens(req, 0) == (0, False)
+    logic.update_state_after_alloc(req, Blocks([3, 4]), 0)
+    new = SimpleNamespace(req_id="r", block_ids=([3, 4],), num_computed_tokens=0)
+    m1 = logic.build_connector_meta(_output([new], scheduled={"r": 6}))  # tokens 0..5
+    assert [j.block_ids for j in m1.saves] == [[3]]
+    cached = SimpleNamespace(req_ids=["r"], resumed_req_ids=set(), new_block_ids=[([5, 6, 7],)],
+                             num_computed_tokens=[6])
+    m2 = logic.build_connector_meta(_output(cached=cached, scheduled={"r": 12}))  # 6..17
+    assert [j.block_ids for j in m2.saves] == [[4, 5, 6]]
+    assert m1.saves[0].digests + m2.saves[0].digests == [
+        k.rsplit("/", 1)[1] for k in chunk_keys(_ns(), TOKENS)]
+    decode = SimpleNamespace(req_ids=["r"], resumed_req_ids=set(), new_block_ids=[None],
+                             num_computed_tokens=[18])
+    assert logic.build_connector_meta(_output(cached=decode, scheduled={"r": 1})).saves == []
+    assert logic.request_finished(req) == (True, None)
+    assert "r" not in logic.requests
+
+
+def test_consumer_never_saves_and_never_delays_the_free() -> None:
+    logic = _logic(FakePool(), save=False)
+    req = _request("r", TOKENS)
+    logic.get_num_new_matched_tokens(req, 0)
+    logic.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), 0)
+    new = SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0)
+    assert logic.build_connector_meta(_output([new], scheduled={"r": 18})).saves == []
+    assert logic.request_finished(req) == (False, None)
+
+
+def test_preemption_is_forwarded_to_workers() -> None:
+    logic = _logic(FakePool())
+    meta = logic.build_connector_meta(_output(preempted={"x"}))
+    assert meta.preempted_req_ids == {"x"}
+
+
+def test_prompt_embeds_are_ignored() -> None:
+    logic = _logic(FakePool())
+    req = SimpleNamespace(request_id="e", prompt_token_ids=None)
+    assert logic.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert logic.request_finished(req) == (False, None)
+
+
+@pytest.mark.parametrize("present,expected", [([True] * 6, 3), ([True, True, False] + [True] * 3, 2),
+                                               ([True] * 3 + [True, False, True], 1)])
+def test_prefix_hits_is_the_minimum_over_ranks(present: list[bool], expected: int) -> None:
+    ranks = RankNamespaces((_ns(0, 2), _ns(1, 2)))
+    assert ranks.prefix_hits(present, 3) == expected
