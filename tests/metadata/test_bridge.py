@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
-from md_services import free_port
+from md_services import HERE, child_env, free_port, readline, stop
 
 from mooncake_vllm.errors import StoreUnavailableError
 from mooncake_vllm.metadata import bridge
-from mooncake_vllm.metadata.backends import backend_for
+from mooncake_vllm.metadata.backends import backend_for, http_request
 from mooncake_vllm.metadata.bridge import mooncake_supports_redis, resolve_metadata_url
 
 
@@ -89,10 +94,6 @@ def test_redis_url_works_end_to_end_in_a_real_mooncake_client(
 
 def test_without_the_bridge_the_wheel_aborts_on_redis(md_master: str, md_redis_url: str, tmp_path) -> None:
     """The premise: the installed wheel dies with SIGABRT (exit 134 / -6) when handed redis:// directly."""
-    import subprocess
-    import sys
-
-    from md_services import HERE, child_env
 
     proc = subprocess.run(
         [sys.executable, str(HERE / "mc_client.py"), "--metadata", md_redis_url, "--master", md_master],
@@ -100,3 +101,34 @@ def test_without_the_bridge_the_wheel_aborts_on_redis(md_master: str, md_redis_u
     )
     assert proc.returncode in (134, -6), proc.stderr[-500:]
     assert b"ready" not in proc.stdout
+
+
+def test_bridge_dies_with_its_parent(md_redis_url: str) -> None:
+    """No orphan: when the process that started the bridge is SIGKILLed, the bridge exits by itself."""
+
+    code = ("import time; from mooncake_vllm.metadata.bridge import bridge_redis_url; "
+            f"print(bridge_redis_url({md_redis_url + '/10'!r}), flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(),
+                              start_new_session=True)
+    try:
+        url = readline(parent, 30)
+        assert url.startswith("http://127.0.0.1:"), url
+        status, body = http_request("GET", url.replace("/metadata", "/health"))
+        bridge_pid = json.loads(body)["pid"]
+        assert status == 200 and bridge_pid != parent.pid
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(bridge_pid):
+            time.sleep(0.1)
+        assert not _alive(bridge_pid)
+    finally:
+        stop(parent, sig=signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False

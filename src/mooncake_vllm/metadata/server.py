@@ -17,7 +17,7 @@ plugin uses it (mooncake-store-api.md §7):
 * ``DELETE ?key=K``: 200, also when the key is missing.
 * A key that is empty, not under ``mooncake/``, longer than 1024 characters or
   has control characters gets 400 with the reason; nothing is stored.
-* ``GET /health``: 200 ``{"status": "ok", "backend": ...}``.
+* ``GET /health``: 200 ``{"status": "ok", "backend": ..., "pid": ...}``.
 * Extension (not in Mooncake's protocol, never sent by Mooncake):
   ``GET <path>?prefix=P`` → 200 ``{"keys": [...]}``; used by
   ``mooncake-vllm metadata list|gc`` via :class:`~mooncake_vllm.metadata.backends.HttpBackend`.
@@ -159,7 +159,7 @@ class MetadataServer:
         return _text(200, "metadata deleted")
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "backend": self.backend.url})
+        return web.json_response({"status": "ok", "backend": self.backend.url, "pid": os.getpid()})
 
     async def start(self) -> str:
         """Bind and start serving; returns the metadata URL (with the real port)."""
