@@ -1,0 +1,279 @@
+#!/usr/bin/env python3
+"""Build (or reuse) an isolated env holding a REAL old vLLM wheel next to the CPU torch.
+
+Contract tests import the real modules of vLLM releases whose wheels are CUDA
+builds. Recipe (docs: running-on-cpu.md section 7):
+
+1. the vLLM wheel itself with ``--no-deps``;
+2. its Requires-Dist minus GPU-only packages, with torch pinned to the CPU build,
+   everything else resolved *as of the release date* (uv ``--exclude-newer``
+   = newest file in the wheel + 2 days) so old vLLM meets the library versions
+   it was released against;
+3. our package (editable, ``--no-deps``), the test tools, a Mooncake wheel, and a
+   test-only ``vllm.platform_plugins`` entry point returning vLLM's own
+   ``CpuPlatform`` (old CUDA wheels cannot infer a device on a CPU-only box).
+
+Envs live under ``$MOONCAKE_VLLM_CACHE`` (default ``~/.cache/mooncake-vllm``):
+``envs/vllm-<version>``, keyed by version and by a digest of the inputs, so a
+second run with nothing changed returns at once. Downloads are cached by pip and
+uv. Only stdlib is needed to run this script; it bootstraps ``uv`` into
+``<cache>/tools``.
+
+Usage::
+
+    python scripts/make_vllm_env.py 0.10.0                 # build/reuse, print the env path
+    python scripts/make_vllm_env.py 0.10.0 --run -- python -m pytest tests/contract
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+__all__ = ["main", "build_env", "env_path"]
+
+REPO = Path(__file__).resolve().parent.parent
+CPU_TORCH = "torch==2.13.0+cpu"
+UV_VERSION = "0.13.9"
+RECIPE = 1  # bump to rebuild every env after changing the recipe
+PYTHON = os.environ.get("MOONCAKE_VLLM_ENV_PYTHON", "python3.11")
+# GPU-only (or CUDA-build-only) packages kept out of every env; uv overrides with an
+# impossible marker remove them even when another package depends on them.
+GPU_ONLY = (
+    "torchaudio", "torchvision", "torchcodec", "xformers", "triton", "ray",
+    "flashinfer-python", "cupy-cuda12x", "nvidia-ml-py", "pynvml",
+)
+# Mooncake wheel per vLLM range (vLLM <= 0.8.4 imports mooncake_vllm_adaptor, which
+# PyPI wheels stopped shipping in 0.3.4; the store tests need the store module only).
+DEFAULT_MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+TEST_TOOLS = ("pytest", "pytest-timeout", "xxhash")
+PLATFORM_PLUGIN_SRC = '''"""Test-only vLLM platform plugin: vLLM's own CpuPlatform (contract envs only)."""
+
+
+def cpu_platform() -> str:
+    return "vllm.platforms.cpu.CpuPlatform"
+'''
+PLATFORM_PLUGIN_NAME = "mooncake_vllm_test_cpu_platform"
+
+
+def log(msg: str) -> None:
+    print(f"[make-vllm-env] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOONCAKE_VLLM_CACHE", Path.home() / ".cache" / "mooncake-vllm"))
+
+
+def env_path(version: str) -> Path:
+    """Where the env for ``vllm==version`` lives."""
+    return cache_root() / "envs" / f"vllm-{version}"
+
+
+def run(cmd: list[str], **kw) -> None:
+    log("$ " + " ".join(cmd))
+    subprocess.run(cmd, check=True, **kw)
+
+
+def pip_settings() -> dict[str, list[str]]:
+    """find-links / index URLs / constraints from pip's config files (uv does not read them)."""
+    files = ["/etc/pip.conf", "/etc/xdg/pip/pip.conf", str(Path.home() / ".config/pip/pip.conf"),
+             str(Path.home() / ".pip/pip.conf")]
+    if os.environ.get("PIP_CONFIG_FILE"):
+        files.append(os.environ["PIP_CONFIG_FILE"])
+    out: dict[str, list[str]] = {"find-links": [], "extra-index-url": [], "index-url": [],
+                                 "constraint": []}
+    for f in files:
+        cp = configparser.ConfigParser()
+        try:
+            cp.read(f)
+        except configparser.Error:
+            continue
+        for section in ("global", "install"):
+            if not cp.has_section(section):
+                continue
+            for key in out:
+                if cp.has_option(section, key):
+                    out[key] += cp.get(section, key).split()
+    return out
+
+
+def uv_index_args() -> list[str]:
+    s = pip_settings()
+    args: list[str] = ["--index-strategy", "unsafe-best-match"]
+    for v in s["find-links"]:
+        args += ["--find-links", v]
+    for v in s["index-url"]:
+        args += ["--index-url", v]
+    for v in s["extra-index-url"]:
+        args += ["--extra-index-url", v]
+    for v in s["constraint"]:
+        if Path(v).is_file():
+            args += ["--constraint", v]
+    return args
+
+
+def ensure_tools() -> Path:
+    """A small venv holding uv (and pip for wheel downloads)."""
+    tools = cache_root() / "tools"
+    uv = tools / "bin" / "uv"
+    if not uv.exists():
+        run([PYTHON, "-m", "venv", str(tools)])
+        run([str(tools / "bin" / "pip"), "install", "-q", f"uv=={UV_VERSION}"])
+    return tools
+
+
+def fetch_wheel(tools: Path, dist: str, version: str) -> Path:
+    wheels = cache_root() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    norm = dist.replace("-", "_")
+    found = sorted(wheels.glob(f"{norm}-{version}-*.whl"))
+    if not found:
+        run([str(tools / "bin" / "pip"), "download", "-q", "--disable-pip-version-check",
+             "--no-deps", f"{dist}=={version}", "-d", str(wheels)])
+        found = sorted(wheels.glob(f"{norm}-{version}-*.whl"))
+    if not found:
+        raise SystemExit(f"no wheel for {dist}=={version} in {wheels}")
+    return found[-1]
+
+
+def wheel_facts(wheel: Path) -> tuple[list[str], dt.datetime]:
+    """(Requires-Dist lines without extras, newest file time in the wheel)."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+        newest = max(dt.datetime(*i.date_time) for i in z.infolist())
+    reqs = [line.split(":", 1)[1].strip() for line in text.splitlines()
+            if line.startswith("Requires-Dist:")]
+    return [r for r in reqs if "extra ==" not in r and "extra==" not in r], newest
+
+
+def req_name(req: str) -> str:
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
+    return re.sub(r"[-_.]+", "-", m.group(1)).lower() if m else req
+
+
+def write_platform_plugin(env: Path) -> None:
+    """Install the test-only platform plugin as a plain dist-info (no build needed)."""
+    site = next((env / "lib").glob("python3*/site-packages"))
+    (site / f"{PLATFORM_PLUGIN_NAME}.py").write_text(PLATFORM_PLUGIN_SRC)
+    info = site / f"{PLATFORM_PLUGIN_NAME}-0.0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {PLATFORM_PLUGIN_NAME}\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(
+        f"[vllm.platform_plugins]\ncpu_for_tests = {PLATFORM_PLUGIN_NAME}:cpu_platform\n")
+    (info / "RECORD").write_text("")
+    (info / "INSTALLER").write_text("mooncake-vllm-make-env\n")
+
+
+def build_env(version: str, *, mooncake: str = DEFAULT_MOONCAKE, force: bool = False,
+              exclude_newer: str | None = None) -> Path:
+    """Build or reuse the env for ``vllm==version``; return its path."""
+    env = env_path(version)
+    tools = ensure_tools()
+    wheel = fetch_wheel(tools, "vllm", version)
+    reqs, newest = wheel_facts(wheel)
+    cutoff = exclude_newer or (newest + dt.timedelta(days=2)).strftime("%Y-%m-%dT00:00:00Z")
+    keep = [r for r in reqs if req_name(r) not in GPU_ONLY and req_name(r) != "torch"]
+    overrides = [CPU_TORCH] + [f'{n}; sys_platform == "never"' for n in GPU_ONLY]
+    digest = hashlib.sha256(json.dumps(
+        [RECIPE, version, wheel.name, cutoff, keep, overrides, mooncake, TEST_TOOLS]).encode()
+    ).hexdigest()[:16]
+    stamp = env / "mooncake-vllm-env.json"
+    if not force and stamp.exists() and json.loads(stamp.read_text()).get("digest") == digest:
+        log(f"reusing {env}")
+        return env
+    t0 = time.monotonic()
+    if env.exists():
+        shutil.rmtree(env)
+    env.parent.mkdir(parents=True, exist_ok=True)
+    uv = str(tools / "bin" / "uv")
+    py = str(env / "bin" / "python")
+    uenv = dict(os.environ, UV_CACHE_DIR=str(cache_root() / "uv-cache"))
+    idx = uv_index_args()
+    run([uv, "venv", "-q", "--python", PYTHON, str(env)], env=uenv)
+    (env / "reqs.txt").write_text("\n".join(keep + list(TEST_TOOLS)) + "\n")
+    (env / "overrides.txt").write_text("\n".join(overrides) + "\n")
+    # torch first, from the local wheel (no upload date, so outside --exclude-newer).
+    run([uv, "pip", "install", "-q", "--python", py, *idx, CPU_TORCH], env=uenv)
+    run([uv, "pip", "install", "-q", "--python", py, "--no-deps", str(wheel)], env=uenv)
+    run([uv, "pip", "install", "-q", "--python", py, *idx, "--exclude-newer", cutoff,
+         "-r", str(env / "reqs.txt"), "--override", str(env / "overrides.txt"),
+         "--constraint", str(_freeze(uv, py, env, uenv, only=("torch",)))], env=uenv)
+    # Late packages (Mooncake, our package) must not move anything already resolved.
+    frozen = _freeze(uv, py, env, uenv)
+    if mooncake and mooncake != "none":
+        run([uv, "pip", "install", "-q", "--python", py, *idx, "--constraint", str(frozen),
+             "--override", str(env / "overrides.txt"), mooncake], env=uenv)
+    run([uv, "pip", "install", "-q", "--python", py, "--no-deps", "-e", str(REPO)], env=uenv)
+    write_platform_plugin(env)
+    took = time.monotonic() - t0
+    size = _du(env)
+    stamp.write_text(json.dumps({
+        "digest": digest, "vllm": version, "wheel": wheel.name, "exclude_newer": cutoff,
+        "mooncake": mooncake, "build_seconds": round(took, 1), "size_bytes": size,
+    }, indent=1))
+    log(f"built {env} in {took:.0f} s, {size / 2**30:.2f} GiB apparent size")
+    return env
+
+
+def _freeze(uv: str, py: str, env: Path, uenv: dict, only: tuple[str, ...] = ()) -> Path:
+    out = subprocess.run([uv, "pip", "freeze", "--python", py], check=True, env=uenv,
+                         capture_output=True, text=True).stdout.splitlines()
+    lines = [ln for ln in out if "==" in ln and (not only or req_name(ln) in only)]
+    path = env / ("pins-" + ("-".join(only) or "all") + ".txt")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("version", help="vLLM release, e.g. 0.10.0")
+    p.add_argument("--mooncake", default=DEFAULT_MOONCAKE,
+                   help=f"Mooncake requirement to add, or 'none' (default {DEFAULT_MOONCAKE})")
+    p.add_argument("--exclude-newer", default=None, help="override the release-date cutoff")
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument("--run", action="store_true",
+                   help="after building, run the command given after `--` with the env's bin/ "
+                        "first on PATH, from the repository root")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    args = p.parse_args(argv)
+    env = build_env(args.version, mooncake=args.mooncake, force=args.force,
+                    exclude_newer=args.exclude_newer)
+    if not args.run:
+        print(env)
+        return 0
+    if not cmd:
+        p.error("--run needs a command after `--`")
+    child = dict(os.environ, VIRTUAL_ENV=str(env), PATH=f"{env / 'bin'}{os.pathsep}{os.environ['PATH']}",
+                 MOONCAKE_VLLM_CONTRACT_ENV=args.version, TORCHDYNAMO_DISABLE="1")
+    child.pop("PYTHONHOME", None)
+    return subprocess.run(cmd, env=child, cwd=REPO).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The V0 ``MooncakeStoreConnector`` (vLLM 0.8.3 - 0.10.0, ``VLLM_USE_V1=0``).
+
+It stores KV in the SAME pool, under the SAME per-block keys
+(:func:`~mooncake_vllm.keys.chunk_keys`) and value format
+(:meth:`~mooncake_vllm.store.StoreClient.put_blocks`) as the V1 connector, so a
+V0 producer warms a V1 consumer of the same model and layout.
+
+* **send** (producer, after the forward pass): every full chunk of every prefill
+  sequence goes to the pool straight from its physical block; one small *tail*
+  value per prompt (:class:`~mooncake_vllm.v0.batch.Tail`: the partial last
+  block's KV and the final hidden state) lets a V0 consumer skip the forward.
+* **recv** (consumer, before the forward pass): the forward pass is bypassed
+  only when EVERY sequence of the batch is fully covered (all chunk keys and the
+  tail present and verified) and nothing needs more than the last token's hidden
+  state; otherwise nothing is loaded and vLLM recomputes.
+
+vLLM V0 caches are FlashAttention-layout tensors ``[2, num_blocks, block_size,
+kv_heads, head_size]`` per layer (or MLA ``[num_blocks, block_size, dim]``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
+
+from mooncake_vllm.config import load_store_config
+from mooncake_vllm.keys import KeyNamespace, chunk_keys
+from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.store import StoreClient
+from mooncake_vllm.v0.batch import SeqSpan, Tail, prefill_spans, tail_key
+from mooncake_vllm.v1.namespace import model_id
+
+__all__ = ["MooncakeStoreConnector"]
+
+log = logging.getLogger("vllm.mooncake_vllm.v0")
+
+#: V0 attention-metadata class name -> the KV layout kind its caches have.
+_LAYOUT_BY_METADATA = {"FlashAttentionMetadata": "nhd", "MLACommonMetadata": "mla",
+                       "FlashMLAMetadata": "mla", "TritonMLAMetadata": "mla"}
+
+
+class MooncakeStoreConnector(KVConnectorBase):
+    """V0 KV connector on the shared :class:`~mooncake_vllm.store.StoreClient`."""
+
+    def __init__(self, rank: int, local_rank: int, config: Any,
+                 store: StoreClient | None = None) -> None:
+        self.config = config
+        parallel = config.parallel_config
+        self.tp_size = int(parallel.tensor_parallel_size)
+        self.pp_size = int(parallel.pipeline_parallel_size)
+        # vLLM ranks are TP-major inside a PP stage: rank = pp_rank * tp_size + tp_rank
+        self.tp_rank = rank % self.tp_size
+        self.pp_rank = (rank // self.tp_size) % self.pp_size
+        self.local_rank = local_rank
+        self.block_size = int(config.cache_config.block_size)
+        self.model_id = model_id(config)
+        extra = config.kv_transfer_config.kv_connector_extra_config or {}
+        self.variant = str(extra.get("layout_variant", ""))
+        self.store = store if store is not None else StoreClient.connect(load_store_config())
+        self._layout: BlockLayout | None = None
+        self._layout_key: tuple[int, ...] = ()
+        self.namespace: KeyNamespace | None = None
+        self._skipped: set[str] = set()
+
+    # ------------------------------------------------------------------ helpers
+    def _bind(self, kv_caches: list[torch.Tensor], attn_metadata: Any) -> BlockLayout | None:
+        """The block layout of ``kv_caches`` (registered once), or None if unsupported."""
+        key = tuple(int(t.data_ptr()) for t in kv_caches)
+        if self._layout is not None and key == self._layout_key:
+            return self._layout
+        kind = _LAYOUT_BY_METADATA.get(type(attn_metadata).__name__)
+        if kind is None:
+            self._skip(f"attention backend {type(attn_metadata).__name__} (only FlashAttention "
+                       f"and MLA KV layouts are supported)")
+            return None
+        layout = BlockLayout.from_kv_caches(kv_caches, kind=kind, variant=self.variant)
+        if layout.block_size != self.block_size:
+            self._skip(f"KV block size {layout.block_size} != cache_config.block_size {self.block_size}")
+            return None
+        self.store.register_layout(layout)
+        self._layout, self._layout_key = layout, key
+        self.namespace = KeyNamespace(model_id=self.model_id, dtype=layout.dtype,
+                                      layout=layout.fingerprint, block_size=layout.block_size,
+                                      tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                      pp_rank=self.pp_rank)
+        return layout
+
+    def _skip(self, why: str) -> None:
+        if why not in self._skipped:
+            self._skipped.add(why)
+            log.warning("mooncake-vllm V0: not using the pool for batches with %s", why)
+
+    def _unsupported(self, model_input: Any) -> str | None:
+        if getattr(model_input, "lora_requests", None):
+            return "LoRA adapters"
+        if getattr(model_input, "multi_modal_kwargs", None):
+            return "multimodal inputs"
+        if getattr(model_input, "inputs_embeds", None) is not None:
+            return "prompt embeddings"
+        return None
+
+    # ------------------------------------------------------------------ send
+    def send_kv_caches_and_hidden_states(self, model_executable: Any, model_input: Any,
+                                         kv_caches: list[torch.Tensor],
+                                         hidden_or_intermediate_states: Any) -> None:
+        """Store the full blocks and the tail of every prefill sequence of the batch."""
+        why = self._unsupported(model_input)
+        if why:
+            return self._skip(why)
+        layout = self._bind(kv_caches, model_input.attn_metadata)
+        if layout is None or self.namespace is None:
+            return None
+        hidden = hidden_or_intermediate_states if isinstance(
+            hidden_or_intermediate_states, torch.Tensor) else None
+        for span in prefill_spans(model_input, self.block_size):
+            if not span.keyable or span.num_tokens == 0:
+                continue
+            keys = chunk_keys(self.namespace, span.tokens)
+            if keys:
+                self.store.put_blocks(keys, layout, list(span.block_ids))
+            if hidden is not None and layout.kind == "nhd":
+                tail = Tail.gather(kv_caches, span.tail_slots, hidden[span.end - 1])
+                self.store.put_value(tail_key(self.namespace, span.tokens), tail.pack())
+        return None
+
+    # ------------------------------------------------------------------ recv
+    def recv_kv_caches_and_hidden_states(self, model_executable: Any, model_input: Any,
+                                         kv_caches: list[torch.Tensor]) -> tuple[Any, bool, Any]:
+        """Load every sequence and skip the forward pass, or load nothing and recompute."""
+        miss = (None, False, model_input)
+        why = self._unsupported(model_input)
+        if why:
+            self._skip(why)
+            return miss
+        meta = model_input.attn_metadata
+        if self.pp_size > 1 or int(getattr(meta, "num_decode_tokens", 0) or 0) > 0:
+            return miss  # a bypass must cover every rank and every token of the batch
+        if _needs_all_hidden_states(model_input):
+            return miss
+        layout = self._bind(kv_caches, meta)
+        if layout is None or self.namespace is None or layout.kind != "nhd":
+            return miss
+        spans = prefill_spans(model_input, self.block_size)
+        if not spans or not all(s.keyable for s in spans):
+            return miss
+        plans: list[tuple[SeqSpan, list[str], Tail]] = []
+        for span in spans:
+            keys = chunk_keys(self.namespace, span.tokens)
+            if keys and not all(self.store.exists(keys)):
+                return miss
+            raw = self.store.get_value(tail_key(self.namespace, span.tokens))
+            tail = Tail.unpack(raw) if raw is not None else None
+            if tail is None or not tail.fits(kv_caches, span.tail_slots):
+                return miss
+            plans.append((span, keys, tail))
+        for span, keys, _tail in plans:
+            if keys and not all(self.store.get_blocks(keys, layout, list(span.block_ids))):
+                return miss  # what was written is recomputed by the forward pass
+        num_tokens = int(model_input.input_tokens.shape[0])
+        first = plans[0][2].hidden
+        hidden = torch.zeros(num_tokens, first.shape[0], dtype=first.dtype,
+                             device=kv_caches[0].device)
+        for span, _keys, tail in plans:
+            tail.scatter(kv_caches, span.tail_slots)
+            hidden[span.end - 1] = tail.hidden.to(hidden.device, hidden.dtype)
+        return hidden, True, model_input
+
+    def close(self) -> None:
+        """Close the pool client."""
+        self.store.close()
+
+
+def _needs_all_hidden_states(model_input: Any) -> bool:
+    """True if sampling needs more than each sequence's last hidden state (prompt logprobs)."""
+    sampling = getattr(model_input, "sampling_metadata", None)
+    for group in getattr(sampling, "seq_groups", None) or ():
+        params = getattr(group, "sampling_params", None)
+        if params is not None and getattr(params, "prompt_logprobs", None) is not None:
+            return True
+    return False

@@ -1,0 +1,198 @@
+"""The V0 connector driven by REAL vLLM V0 batch objects against a REAL Mooncake pool.
+
+Runs inside an old-vLLM env (see conftest.py): real ``ModelInputForGPUWithSamplingMetadata``
+and ``FlashAttentionMetadata`` on CPU tensors, GPU-layout KV tensors on CPU, a real
+mooncake_master + holder, and the V1 worker logic for the cross-engine cases.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from v0.v0_inputs import flash_caches, prefill_input, v0_config
+
+BS, LAYERS, HEADS, HEAD = 16, 2, 2, 32
+NUM_BLOCKS = 32
+HIDDEN = 64
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30000) for _ in range(n)]
+
+
+@pytest.fixture
+def stack_env(module_local_stack, monkeypatch):
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(module_local_stack.config_path))
+    for k, v in module_local_stack.env().items():
+        monkeypatch.setenv(k, v)
+    return module_local_stack
+
+
+def _connector(**kw):
+    from mooncake_vllm.v0.connector import MooncakeStoreConnector
+
+    return MooncakeStoreConnector(0, 0, v0_config(BS, **kw))
+
+
+def _tokens_kv(caches, table, n):
+    """K and V of the first n tokens of a sequence with block table ``table``, all layers."""
+    out = []
+    for kv in caches:
+        flat = kv.view(2, -1, HEADS, HEAD)
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(n)])
+        out.append(flat[:, slots])
+    return torch.stack(out)
+
+
+def test_v0_producer_then_v0_consumer_bypasses_with_exact_kv(stack_env) -> None:
+    prompts = [_prompt(1, 40), _prompt(2, 35)]  # 2 full blocks + 8 tail, 2 full + 3 tail
+    prod_tables = [[3, 7, 11], [20, 4, 9]]
+    cons_tables = [[30, 1, 2], [5, 6, 8]]  # different physical blocks on the consumer
+    producer, consumer = _connector(), _connector()
+    try:
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=7)
+        batch = prefill_input(prompts, prod_tables, BS)
+        hidden = torch.randn(75, HIDDEN)
+        producer.send_kv_caches_and_hidden_states(None, batch, src, hidden)
+
+        dst = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD)
+        out, bypass, _ = consumer.recv_kv_caches_and_hidden_states(
+            None, prefill_input(prompts, cons_tables, BS), dst)
+        assert bypass is True
+        for i, p in enumerate(prompts):
+            assert torch.equal(_tokens_kv(dst, cons_tables[i], len(p)),
+                               _tokens_kv(src, prod_tables[i], len(p)))
+        assert out.shape == (75, HIDDEN)
+        assert torch.equal(out[39], hidden[39]) and torch.equal(out[74], hidden[74])
+        untouched = set(range(NUM_BLOCKS)) - {b for t in cons_tables for b in t}
+        assert all(float(kv[:, b].abs().sum()) == 0.0 for kv in dst for b in untouched)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_partial_hit_loads_nothing_and_recomputes(stack_env) -> None:
+    known, unknown = _prompt(11, 33), _prompt(12, 33)
+    producer, consumer = _connector(), _connector()
+    try:
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=3)
+        producer.send_kv_caches_and_hidden_states(
+            None, prefill_input([known], [[1, 2, 3]], BS), src, torch.randn(33, HIDDEN))
+        dst = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD)
+        out, bypass, model_input = consumer.recv_kv_caches_and_hidden_states(
+            None, prefill_input([known, unknown], [[4, 5, 6], [7, 8, 9]], BS), dst)
+        assert (out, bypass) == (None, False)
+        assert all(float(kv.abs().sum()) == 0.0 for kv in dst)  # nothing written
+        # the known prompt alone is a full hit
+        _out, bypass, _ = consumer.recv_kv_caches_and_hidden_states(
+            None, prefill_input([known], [[4, 5, 6]], BS), dst)
+        assert bypass is True
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_prefix_cached_sequences_are_never_keyed(stack_env) -> None:
+    """A sequence whose batch slice does not start at token 0 is neither saved nor served."""
+    prompt = _prompt(21, 48)
+    producer = _connector()
+    try:
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=5)
+        batch = prefill_input([prompt], [[1, 2, 3]], BS, context_lens=[16])
+        producer.send_kv_caches_and_hidden_states(None, batch, src, torch.randn(32, HIDDEN))
+        from mooncake_vllm.keys import chunk_keys
+
+        assert producer.namespace is not None
+        assert not any(producer.store.exists(chunk_keys(producer.namespace, prompt)))
+        out, bypass, _ = producer.recv_kv_caches_and_hidden_states(None, batch, src)
+        assert bypass is False
+    finally:
+        producer.close()
+
+
+def test_different_model_is_a_miss(stack_env) -> None:
+    prompt = _prompt(31, 32)
+    producer, other = _connector(model="/m/model-a"), _connector(model="/m/model-b")
+    try:
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=9)
+        producer.send_kv_caches_and_hidden_states(
+            None, prefill_input([prompt], [[1, 2]], BS), src, torch.randn(32, HIDDEN))
+        dst = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD)
+        _out, bypass, _ = other.recv_kv_caches_and_hidden_states(
+            None, prefill_input([prompt], [[3, 4]], BS), dst)
+        assert bypass is False
+    finally:
+        producer.close()
+        other.close()
+
+
+# ---------------------------------------------------------------- cross-engine: V0 -> V1
+def _v1_worker(stack, kind: str, caches, model_id: str):
+    from mooncake_vllm.config import load_store_config
+    from mooncake_vllm.keys import KeyNamespace
+    from mooncake_vllm.v1.client import shared_client
+    from mooncake_vllm.v1.namespace import ExpectedLayout
+    from mooncake_vllm.v1.worker import WorkerLogic
+
+    shape = (2, BS, HEADS, HEAD) if kind == "nhd" else (HEADS, BS, 2 * HEAD)
+    expected = ExpectedLayout(kind, "", "float32", LAYERS, shape)
+    ns = KeyNamespace(model_id=model_id, dtype="float32", layout=expected.fingerprint, block_size=BS)
+    source = shared_client(load_store_config(stack.config_path))
+    assert source.start() is not None
+    worker = WorkerLogic(ns, expected, source, can_load=True, can_save=False)
+    worker.register_kv_caches({f"layers.{i}.attn": t for i, t in enumerate(caches)})
+    return worker, source
+
+
+def _v1_load(worker, prompt, block_ids):
+    from mooncake_vllm.keys import chunk_digests
+    from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
+
+    digests = [d.hex() for d in chunk_digests(prompt, BS)]
+    worker.start_load_kv(MooncakeConnectorMetadata(loads=[BlockJob("r", digests, list(block_ids))]))
+    return worker.take_load_errors()
+
+
+def test_v0_saved_blocks_load_bit_exact_through_v1_worker(stack_env) -> None:
+    prompt = _prompt(41, 50)  # 3 full blocks
+    producer = _connector(model="/models/shared-llama")
+    try:
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=13)
+        producer.send_kv_caches_and_hidden_states(
+            None, prefill_input([prompt], [[9, 2, 17, 5]], BS), src, torch.randn(50, HIDDEN))
+        v1_caches = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD)  # V1 GPU flash layout, on CPU
+        worker, source = _v1_worker(stack_env, "nhd", v1_caches, "shared-llama")
+        try:
+            errors = _v1_load(worker, prompt, [20, 21, 22])
+            assert errors == set()
+            for layer in range(LAYERS):
+                for v0_block, v1_block in zip([9, 2, 17], [20, 21, 22]):
+                    assert torch.equal(v1_caches[layer][:, v1_block], src[layer][:, v0_block])
+        finally:
+            worker.shutdown()
+            source.close()
+    finally:
+        producer.close()
+
+
+def test_v0_blocks_are_a_miss_for_v1_with_cpu_layout(stack_env) -> None:
+    prompt = _prompt(51, 32)
+    producer = _connector(model="/models/shared-llama")
+    try:
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=17)
+        producer.send_kv_caches_and_hidden_states(
+            None, prefill_input([prompt], [[3, 4]], BS), src, torch.randn(32, HIDDEN))
+        cpu_caches = [torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * HEAD) for _ in range(LAYERS)]
+        worker, source = _v1_worker(stack_env, "cpu", cpu_caches, "shared-llama")
+        try:
+            assert _v1_load(worker, prompt, [1, 2]) == {1, 2}
+            assert all(float(t.abs().sum()) == 0.0 for t in cpu_caches)
+        finally:
+            worker.shutdown()
+            source.close()
+    finally:
+        producer.close()

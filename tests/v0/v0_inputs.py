@@ -1,0 +1,70 @@
+"""Real vLLM V0 batch objects built on CPU tensors (for the V0 connector tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+
+def flash_caches(layers: int, num_blocks: int, block_size: int, heads: int, head: int,
+                 *, fill: str = "zeros", seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """V0 FlashAttention-layout caches ``[2, num_blocks, block_size, heads, head]`` per layer."""
+    shape = (2, num_blocks, block_size, heads, head)
+    if fill == "zeros":
+        return [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype) for _ in range(layers)]
+
+
+def prefill_input(prompts: Sequence[Sequence[int]], blocks: Sequence[Sequence[int]], block_size: int,
+                  *, context_lens: Sequence[int] | None = None) -> Any:
+    """A real ``ModelInputForGPUWithSamplingMetadata`` + ``FlashAttentionMetadata`` prefill batch.
+
+    ``blocks[i]`` lists the physical blocks of prompt ``i`` (its block table).
+    """
+    from vllm.attention.backends.flash_attn import FlashAttentionMetadata
+    from vllm.worker.model_runner import ModelInputForGPUWithSamplingMetadata
+
+    tokens: list[int] = []
+    slots: list[int] = []
+    positions: list[int] = []
+    ctx = list(context_lens or [0] * len(prompts))
+    for prompt, table, c in zip(prompts, blocks, ctx):
+        for pos in range(c, len(prompt)):
+            tokens.append(prompt[pos])
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            positions.append(pos)
+    seq_lens = [len(p) for p in prompts]
+    query_lens = [len(p) - c for p, c in zip(prompts, ctx)]
+    width = max(len(t) for t in blocks)
+    table = torch.tensor([list(t) + [0] * (width - len(t)) for t in blocks], dtype=torch.int32)
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()), dtype=torch.int32)
+    ssl = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0).tolist()), dtype=torch.int32)
+    meta = FlashAttentionMetadata(
+        num_prefills=len(prompts), num_prefill_tokens=len(tokens), num_decode_tokens=0,
+        slot_mapping=torch.tensor(slots, dtype=torch.long), multi_modal_placeholder_index_maps=None,
+        enable_kv_scales_calculation=False, seq_lens=seq_lens,
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32), max_prefill_seq_len=max(seq_lens),
+        max_decode_seq_len=0, context_lens_tensor=torch.tensor(ctx, dtype=torch.int32),
+        block_tables=table, use_cuda_graph=False, max_query_len=max(query_lens),
+        max_decode_query_len=0, query_start_loc=qsl, seq_start_loc=ssl)
+    return ModelInputForGPUWithSamplingMetadata(
+        input_tokens=torch.tensor(tokens, dtype=torch.long),
+        input_positions=torch.tensor(positions, dtype=torch.long),
+        seq_lens=seq_lens, query_lens=query_lens, attn_metadata=meta, is_prompt=True)
+
+
+def v0_config(block_size: int, *, model: str = "/models/tiny-llama", tp_size: int = 1,
+              role: str = "kv_both") -> Any:
+    """The parts of a VllmConfig the V0 connector reads, with vLLM's REAL KVTransferConfig."""
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role=role)
+    return SimpleNamespace(
+        kv_transfer_config=ktc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
+        model_config=SimpleNamespace(model=model, dtype=torch.float32))
