@@ -101,8 +101,16 @@ def test_malformed_requests_get_400_with_reason_and_change_nothing(
     assert backend_for(server.url).list() == [good]
 
 
-def test_1000_concurrent_put_get_lose_nothing(md_server) -> None:
-    server = md_server("memory")
+@pytest.mark.parametrize("backend_name", ["memory", "redis"])
+def test_1000_concurrent_put_get_lose_nothing(md_server, request: pytest.FixtureRequest, backend_name: str) -> None:
+    """1000 simultaneous connections PUT, then 1000 GET; redis exercises the server's thread pool."""
+    backend = "memory"
+    if backend_name == "redis":
+        backend = request.getfixturevalue("md_redis_url") + "/13"  # a database of its own, emptied first
+        store = backend_for(backend)
+        for key in store.list():
+            store.delete(key)
+    server = md_server(backend)
 
     async def run() -> tuple[list[int], list[bytes]]:
         conn = aiohttp.TCPConnector(limit=0, force_close=True)
