@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -77,11 +79,23 @@ def start_redis(workdir: str | os.PathLike, *, timeout: float = 30.0) -> Managed
     return with_port_retry(launch, None, "redis")
 
 
-def vllm_env(workdir: str | os.PathLike, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def _short_dir() -> Path:
+    """A short per-run directory for unix sockets (sun_path is limited to 107 bytes)."""
+    return Path(tempfile.mkdtemp(prefix="mcv-", dir="/tmp" if os.path.isdir("/tmp") else None))
+
+
+def vllm_env(workdir: str | os.PathLike, extra: Mapping[str, str] | None = None,
+             *, socket_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """Environment for a vLLM process on CPU (running-on-cpu.md 2.3): offline, no telemetry,
-    per-run temp/cache directories under ``workdir``, one reserved core, quiet Mooncake clients."""
+    per-run temp/cache directories, one reserved core, quiet Mooncake clients.
+
+    Caches go under ``workdir``; TMPDIR and VLLM_RPC_BASE_PATH (ZMQ IPC sockets,
+    whose paths must stay short) under ``socket_dir`` (default: ``workdir``).
+    """
     root = Path(workdir)
-    dirs = {name: root / name for name in ("tmp", "rpc", "vllm-cache", "inductor", "hf-home")}
+    sockets = Path(socket_dir) if socket_dir is not None else root
+    dirs = {name: root / name for name in ("vllm-cache", "inductor", "hf-home")}
+    dirs.update(tmp=sockets / "tmp", rpc=sockets / "rpc")
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -110,15 +124,18 @@ def start_vllm_server(
     env: Mapping[str, str] | None = None,
     *,
     extra_args: tuple[str, ...] = (),
-    timeout: float = 120.0,
+    timeout: float | None = None,
     name: str = "vllm",
 ) -> ManagedProcess:
     """Start vLLM's OpenAI server on CPU (float32, block 32, 64 MiB KV, eager) on 127.0.0.1.
 
-    Ready when ``GET /v1/models`` answers 200; ``.url`` is ``http://127.0.0.1:P``.
+    Ready when ``GET /v1/models`` answers 200 (within ``timeout``, default
+    ``$MOONCAKE_VLLM_SERVER_TIMEOUT`` or 300 s: 20-30 s on an idle 2-core box, far
+    more when the cores are shared); ``.url`` is ``http://127.0.0.1:P``.
     ``env`` is added on top of :func:`vllm_env` (e.g. MOONCAKE_CONFIG_PATH).
     """
     wd = Path(workdir)
+    wait = timeout if timeout is not None else float(os.environ.get("MOONCAKE_VLLM_SERVER_TIMEOUT", "300"))
 
     def launch(p: int) -> ManagedProcess:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -128,10 +145,14 @@ def start_vllm_server(
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         run_dir = wd / f"{name}-{p}"
-        proc = ManagedProcess(name, argv, workdir=run_dir, env=vllm_env(run_dir, env), port=p).start()
+        sockets = _short_dir()
+        proc = ManagedProcess(name, argv, workdir=run_dir, env=vllm_env(run_dir, env, socket_dir=sockets),
+                              port=p)
+        proc.after_stop.append(lambda _p: shutil.rmtree(sockets, ignore_errors=True))
+        proc.start()
         proc.address, proc.url = f"127.0.0.1:{p}", f"http://127.0.0.1:{p}"
         models = http_probe(f"{proc.url}/v1/models", lambda s, b: s == 200)
-        proc.wait_ready(lambda: proc.listens_on(p) and models(), timeout, "serving /v1/models on " + proc.url)
+        proc.wait_ready(lambda: proc.listens_on(p) and models(), wait, "serving /v1/models on " + proc.url)
         return proc
 
     return with_port_retry(launch, port, name)

@@ -372,7 +372,7 @@ class LocalStack:
         """Stop holder, metadata and master (in that order); idempotent."""
         for attr in ("holder", "metadata_server", "master"):
             proc = getattr(self, attr)
-            if proc is not None:
+            if proc is not None and not proc.stopped:
                 proc.stop()
                 self.progress(attr.split("_")[0], "stopped", f"exit code {proc.returncode}")
 

@@ -212,6 +212,11 @@ class ManagedProcess:
     def returncode(self) -> int | None:
         return None if self._popen is None else self._popen.poll()
 
+    @property
+    def stopped(self) -> bool:
+        """True once :meth:`stop` ran (whatever the exit code)."""
+        return self._stopped
+
     def alive(self) -> bool:
         """True while the main process has not exited."""
         return self._popen is not None and self._popen.poll() is None
