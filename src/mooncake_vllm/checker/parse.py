@@ -74,7 +74,7 @@ def _kind_of(path: Path, text: str | None = None) -> str | None:
         return "env"
     if name.endswith((".sh", ".bash")):
         return "shell"
-    if text is None:
+    if text is None or path.suffix.lower() not in ("", ".txt", ".conf", ".cfg", ".bashrc", ".profile"):
         return None
     return "json" if text.lstrip().startswith("{") else "shell"
 
@@ -136,7 +136,10 @@ def read_deployment(paths: Iterable[str | os.PathLike[str]], *, env: Mapping[str
         if text is None:
             continue
         kind = _kind_of(path, text)
-        if kind == "json":
+        if kind is None:
+            problems.append(ConfigProblem(str(path), "is not a shell script, env file or Mooncake JSON config",
+                                          "pass *.sh launch scripts, *.env files or mooncake*.json configs"))
+        elif kind == "json":
             _add_config(deployment, text, str(path), problems)
         elif kind == "shell":
             try:
@@ -150,7 +153,7 @@ def read_deployment(paths: Iterable[str | os.PathLike[str]], *, env: Mapping[str
 
 def _raise(problems: list[ConfigProblem]) -> None:
     if problems:
-        raise ConfigError("the checked inputs", problems)
+        raise ConfigError("the given paths", problems)
 
 
 def _add_config(deployment: Deployment, text: str, path: str, problems: list[ConfigProblem]) -> None:

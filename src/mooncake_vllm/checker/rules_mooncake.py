@@ -50,11 +50,17 @@ def _scheme(url: str) -> str:
     return scheme.lower() if sep else "bare"
 
 
+def _adaptor_ceiling(ctx: Context) -> str | None:
+    """The newest usable Mooncake when the target imports mooncake_vllm_adaptor and a store is in play."""
+    ceiling = ctx.vllm.max_mooncake if ctx.vllm else None
+    store = any(launch.uses_store() or launch.kind == "environment" for launch in ctx.deployment.instances)
+    return ceiling if store else None
+
+
 @check("MCV-E003")
 def adaptor_mooncake_too_new(ctx: Context, rule: Rule) -> Iterable[Finding]:
-    ceiling = ctx.vllm.max_mooncake if ctx.vllm else None
-    if ceiling is None or not any(launch.uses_store() or launch.kind == "environment"
-                                  for launch in ctx.deployment.instances):
+    ceiling = _adaptor_ceiling(ctx)
+    if ceiling is None:
         return
     for version, where in ctx.mooncake_versions():
         if parse_version(version) > parse_version(ceiling):
@@ -63,7 +69,7 @@ def adaptor_mooncake_too_new(ctx: Context, rule: Rule) -> Iterable[Finding]:
 
 @check("MCV-W015")
 def adaptor_needs_source_build(ctx: Context, rule: Rule) -> Iterable[Finding]:
-    ceiling = ctx.vllm.max_mooncake if ctx.vllm else None
+    ceiling = _adaptor_ceiling(ctx)
     if ceiling is None:
         return
     for version, where in ctx.mooncake_versions():

@@ -59,7 +59,13 @@ def run(args: argparse.Namespace) -> int:
             from mooncake_vllm.checker.fix import write_migration
 
             written = write_migration(ctx, args.fix, force=args.force)
-    except (ConfigError, UnsupportedVersionError, OSError) as exc:
+    except ConfigError as exc:  # bad input: one message listing every problem
+        count = len(exc.problems)
+        problems = "\n".join(f"  - {p}" for p in exc.problems)
+        print(f"mooncake-vllm check: cannot check {exc.source}: {count} problem{'s' * (count != 1)}\n{problems}",
+              file=sys.stderr)
+        return EXIT_TOOL
+    except (UnsupportedVersionError, OSError) as exc:
         print(f"mooncake-vllm check: {exc}", file=sys.stderr)
         return EXIT_TOOL
     sys.stdout.write(render(result, args.format))

@@ -1,0 +1,110 @@
+"""``--probe``: live checks against a REAL mooncake_master, metadata servers and a real pool holder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from checker_cases import CONFIG
+
+from mooncake_vllm.checker import probe, run_check
+from mooncake_vllm.services import ManagedProcess, free_port, start_holder, start_http_metadata
+
+
+def _probe_ids(tmp_path: Path, config: dict[str, Any], **kwargs: Any) -> dict[str, list[str]]:
+    path = tmp_path / f"mooncake-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(config))
+    result, _ = run_check([path], target_vllm="0.32.0", target_mooncake="0.3.13.post1", probe=True, **kwargs)
+    found: dict[str, list[str]] = {}
+    for f in result.findings:
+        found.setdefault(f.id, []).append(f.message)
+    return found
+
+
+def _closed_port() -> int:
+    return free_port()  # free = nobody listens there
+
+
+def test_master_and_metadata_reachable(tmp_path: Path, mooncake_master: ManagedProcess, metadata_url: str) -> None:
+    up = _probe_ids(tmp_path, {**CONFIG, "master_server_address": mooncake_master.address,
+                               "metadata_server": metadata_url})
+    assert "MCV-E101" not in up and "MCV-E102" not in up
+    down = _probe_ids(tmp_path, {**CONFIG, "master_server_address": f"127.0.0.1:{_closed_port()}",
+                                 "metadata_server": f"http://127.0.0.1:{_closed_port()}/metadata"})
+    assert "MCV-E101" in down and "MCV-E102" in down
+    assert "refused" in down["MCV-E101"][0].lower()
+
+
+def test_probes_are_opt_in(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({**CONFIG, "master_server_address": f"127.0.0.1:{_closed_port()}"}))
+    result, _ = run_check([path], target_vllm="0.32.0", target_mooncake="0.3.13.post1")
+    assert not [f for f in result.findings if f.rule.probe]
+
+
+def test_etcd_metadata_reachable(tmp_path: Path, etcd_server: str) -> None:
+    assert "MCV-E102" not in _probe_ids(tmp_path, {**CONFIG, "metadata_server": f"etcd://{etcd_server}"})
+    assert "MCV-E102" in _probe_ids(tmp_path, {**CONFIG, "metadata_server": f"127.0.0.1:{_closed_port()}"})
+
+
+def test_stale_metadata_of_a_killed_holder(tmp_path: Path, workdir: Path, mooncake_master: ManagedProcess) -> None:
+    """A real mooncake_client registers in a listable metadata server; after SIGKILL its entries are stale."""
+    meta = start_http_metadata(workdir, "embedded")  # mooncake-vllm's server: lists keys
+    try:
+        holder = start_holder(workdir, mooncake_master.address, meta.url, 64 << 20, 16 << 20)
+        config = {**CONFIG, "master_server_address": mooncake_master.address, "metadata_server": meta.url}
+        alive = _probe_ids(tmp_path, config)
+        assert "MCV-W101" not in alive and "MCV-E102" not in alive
+        holder.kill()
+        holder.stop()
+        stale = _probe_ids(tmp_path, config)
+        assert "MCV-W101" in stale, stale
+        assert holder.address.split(":")[0] in stale["MCV-W101"][0]
+    finally:
+        meta.stop()
+
+
+def test_rdma_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    present = os.listdir(probe.IB_SYSFS) if os.path.isdir(probe.IB_SYSFS) else []
+    rdma = {**CONFIG, "protocol": "rdma", "device_name": "mcv_missing_0"}
+    found = _probe_ids(tmp_path, rdma)
+    assert "MCV-E103" in found  # this host: no such device (and on this CI box no RDMA at all)
+    assert ("no RDMA devices" in found["MCV-E103"][0]) == (not present)
+    assert "MCV-E103" not in _probe_ids(tmp_path, CONFIG)  # tcp needs none
+    fake = tmp_path / "infiniband"
+    (fake / "mlx5_0").mkdir(parents=True)
+    monkeypatch.setattr(probe, "IB_SYSFS", str(fake))
+    assert "MCV-E103" not in _probe_ids(tmp_path, {**rdma, "device_name": "mlx5_0"})
+
+
+def test_local_hostname(tmp_path: Path) -> None:
+    assert "MCV-W102" not in _probe_ids(tmp_path, {**CONFIG, "local_hostname": "127.0.0.1"})
+    assert "MCV-W102" not in _probe_ids(tmp_path, {**CONFIG, "local_hostname": "localhost:12345"})
+    assert "MCV-W102" in _probe_ids(tmp_path, {**CONFIG, "local_hostname": "192.0.2.77"})  # TEST-NET-1
+
+
+def test_installed_mooncake_libraries_resolve(tmp_path: Path) -> None:
+    directory = probe.mooncake_package_dir()
+    assert directory is not None and list(directory.glob("*.so"))
+    assert probe.missing_libraries(directory) == {}
+    assert "MCV-E104" not in _probe_ids(tmp_path, CONFIG)
+
+
+def test_missing_library_is_found(tmp_path: Path) -> None:
+    """A real shared object whose dependency is gone, as ldd sees it."""
+    dep, ext = tmp_path / "libmcvgone.so", tmp_path / "broken" / "engine.so"
+    ext.parent.mkdir()
+    (tmp_path / "d.c").write_text("int gone(void) { return 1; }\n")
+    (tmp_path / "e.c").write_text("int gone(void); int use(void) { return gone(); }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(dep), str(tmp_path / "d.c")], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(ext), str(tmp_path / "e.c"), f"-L{tmp_path}", "-lmcvgone"],
+                   check=True)
+    dep.unlink()
+    assert probe.missing_libraries(ext.parent) == {"engine.so": ["libmcvgone.so"]}
+    assert "libibverbs1" in probe.library_fix(["libibverbs.so.1"])
+    assert "-non-cuda" in probe.library_fix(["libcudart.so.12"])
