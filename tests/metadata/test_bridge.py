@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -132,3 +133,22 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_forked_child_leaves_the_parents_bridge_alone(md_redis_url: str) -> None:
+    """vLLM forks workers: a child's exit hooks must not stop the bridge its parent started."""
+    url = md_redis_url + "/14"
+    http_url = bridge.bridge_redis_url(url)
+    proc = bridge._bridges[url].proc
+    try:
+        pid = os.fork()
+        if pid == 0:  # child: run the exit hook and a release, as a dying worker would
+            bridge._stop_all()
+            bridge.release_bridge(url)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert proc.poll() is None
+        assert http_request("GET", http_url.replace("/metadata", "/health"))[0] == 200
+    finally:
+        bridge.release_bridge(url)
+    assert proc.wait(10) == 0

@@ -58,6 +58,7 @@ class _Bridge:
     proc: subprocess.Popen
     url: str = ""
     users: int = 0
+    owner: int = field(default_factory=os.getpid)  # a forked child must not stop its parent's bridge
     output: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
     ready: threading.Event = field(default_factory=threading.Event)
 
@@ -105,6 +106,8 @@ def _start(redis_url: str, timeout: float) -> _Bridge:
 
 
 def _stop(bridge: _Bridge) -> None:
+    if bridge.owner != os.getpid():
+        return
     if bridge.proc.poll() is None:
         bridge.proc.terminate()
         try:
@@ -126,7 +129,7 @@ def bridge_redis_url(url: str, *, timeout: float = 15.0) -> str:
     """
     with _lock:
         bridge = _bridges.get(url)
-        if bridge is None or bridge.proc.poll() is not None:
+        if bridge is None or bridge.owner != os.getpid() or bridge.proc.poll() is not None:
             bridge = _start(url, timeout)
             _bridges[url] = bridge
         bridge.users += 1
