@@ -21,23 +21,27 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=child_env(), timeout=60)
 
 
-@pytest.mark.parametrize("backend_name", ["memory", "etcd"])
+@pytest.mark.parametrize("backend_name", ["memory", "etcd", "etcd-native"])
 def test_sigkilled_client_is_collected_while_survivor_serves(
     md_server, md_clients, md_master: str, request: pytest.FixtureRequest, backend_name: str, unique: str
 ) -> None:
+    """memory/etcd: clients use our server; etcd-native: clients use the wheel's own etcd plugin
+    (bare ``host:port``), so gc reads exactly what Mooncake itself wrote."""
     backend = "memory" if backend_name == "memory" else request.getfixturevalue("md_etcd_url")
-    server = md_server(backend)
-    survivor = md_clients(server.url, md_master, segment_mb=32)
-    victim = md_clients(server.url, md_master, segment_mb=32)
-    reader = md_clients(server.url, md_master, segment_mb=0)
+    if backend_name == "etcd-native":
+        client_url = url = backend.removeprefix("etcd://")
+    else:
+        client_url = md_server(backend).url
+        url = client_url if backend_name == "memory" else backend  # gc reads our server, or etcd directly
+    survivor = md_clients(client_url, md_master, segment_mb=32)
+    victim = md_clients(client_url, md_master, segment_mb=32)
+    reader = md_clients(client_url, md_master, segment_mb=0)
     assert survivor.call("put", unique, 10) == 10
     assert victim.call("put", unique + "-v", 5) == 5
     assert reader.call("get", unique, 10) == 10
 
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(10)
-    # gc talks to whatever metadata store the cluster uses: our server, or etcd directly
-    url = server.url if backend_name == "memory" else backend
     store = backend_for(url)
     dead_keys = {f"mooncake/ram/{victim.hostname}", f"mooncake/rpc_meta/{victim.hostname}"}
     assert dead_keys <= set(store.list())
