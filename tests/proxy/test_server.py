@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from mooncake_vllm.errors import UnsupportedVersionError
+from mooncake_vllm.errors import ConfigError, UnsupportedVersionError
 from mooncake_vllm.proxy.server import ProxyConfig, ProxyServer
 from ._helpers import MODEL, proxy, run, sse_events, stubs, wait_for
 
@@ -249,3 +249,8 @@ def test_p2p_handoff_flow_forwards_the_prefill_params() -> None:
 def test_p2p_needs_vllm_0_13() -> None:
     with pytest.raises(UnsupportedVersionError, match="vLLM >= 0.13.0"):
         ProxyServer(ProxyConfig(model=MODEL, flow="p2p", target_vllm="0.12.0"))
+
+
+def test_unknown_flow_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="--flow: 'pd' is not a flow"):
+        ProxyServer(ProxyConfig(model=MODEL, flow="pd"))

@@ -33,6 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-vllm", metavar="X.Y.Z", default=None,
                         help="vLLM version of the instances for --flow p2p (default: ask GET /version)")
     parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
+    parser.add_argument("--health-failures", type=int, default=2,
+                        help="consecutive failed health checks before an instance leaves rotation (default 2)")
     parser.add_argument("--drain-timeout", type=float, default=300.0,
                         help="seconds /instances/remove waits for in-flight requests")
     parser.add_argument("--request-timeout", type=float, default=None,
@@ -66,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
         server = ProxyServer(config_from_env(
             model=args.model, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
             scheduling=args.scheduling, flow=args.flow, target_vllm=args.target_vllm,
-            health_interval=args.health_interval, drain_timeout=args.drain_timeout,
-            request_timeout=args.request_timeout))
+            health_interval=args.health_interval, health_failures=args.health_failures,
+            drain_timeout=args.drain_timeout, request_timeout=args.request_timeout))
     except (ConfigError, UnsupportedVersionError) as exc:
         print(f"mooncake-vllm proxy: {exc}", file=sys.stderr)
         return 2

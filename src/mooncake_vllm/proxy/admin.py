@@ -94,14 +94,18 @@ async def check_all(server: ProxyServer) -> None:
     for inst, res in zip(insts, results):
         if isinstance(res, BaseException):
             res = f"{type(res).__name__}: {res}"
-        if res is None and not inst.healthy:
-            log.info("%s instance %s is healthy and in rotation", inst.kind, inst.key)
-            inst.healthy, inst.last_error = True, ""
-        elif res is not None and inst.healthy:
-            log.warning("%s instance %s leaves rotation: %s", inst.kind, inst.key, res)
-            inst.healthy, inst.last_error = False, res
-        elif res is not None:
-            inst.last_error = res
+        if res is None:
+            inst.probe_failures = 0
+            if not inst.healthy:
+                log.info("%s instance %s is healthy and in rotation", inst.kind, inst.key)
+                inst.healthy, inst.last_error = True, ""
+            continue
+        inst.probe_failures += 1
+        inst.last_error = res
+        if inst.healthy and inst.probe_failures >= server.config.health_failures:
+            log.warning("%s instance %s leaves rotation after %d failed health checks: %s",
+                        inst.kind, inst.key, inst.probe_failures, res)
+            inst.healthy = False
     server.pool.refresh()
 
 

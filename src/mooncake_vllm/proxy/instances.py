@@ -117,6 +117,7 @@ class Instance:
     errors: int = 0
     last_error: str = ""
     validated: bool = False
+    probe_failures: int = 0  # consecutive failed health checks
     #: P2P: dp rank -> engine id, from the prefill's bootstrap server ``/query``
     engine_ids: dict[int, str] = field(default_factory=dict)
     _rr: int = 0

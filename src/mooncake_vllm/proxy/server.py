@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.proxy import flows
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.metrics import ProxyMetrics
@@ -51,6 +52,7 @@ class ProxyConfig:
     upstream_api_key: str | None = None  # sent as Bearer when the client sends none
     health_interval: float = 5.0
     health_timeout: float = 2.0
+    health_failures: int = 2  # consecutive failed checks before leaving rotation
     connect_timeout: float = 5.0
     request_timeout: float | None = None  # whole upstream request; None = no limit
     drain_timeout: float = 300.0
@@ -93,7 +95,8 @@ class ProxyServer:
         self.policies = {k: make_policy(config.scheduling) for k in ("prefill", "decode")}
         self._use_prefix = config.scheduling == "prefix"
         if config.flow not in flows.FLOWS:
-            raise ValueError(f"--flow: {config.flow!r} is not one of {', '.join(flows.FLOWS)}")
+            raise ConfigError("--flow", [ConfigProblem("--flow", f"{config.flow!r} is not a flow",
+                                                       f"use one of {', '.join(flows.FLOWS)}")])
         self.p2p_mode: str | None = None
         if config.flow == "p2p" and config.target_vllm:
             self.p2p_mode = flows.p2p_mode(flows.parse_version(config.target_vllm))
@@ -128,7 +131,9 @@ class ProxyServer:
 
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=30, keepalive_timeout=60)
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=self.config.connect_timeout)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+        # bodies are relayed as they come: ask upstreams for identity encoding, never decode
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                             skip_auto_headers=("Accept-Encoding",))
         await admin.check_all(self)  # the first round before serving: no 503 at start-up
         self._health_task = asyncio.create_task(admin.health_loop(self))
 
