@@ -122,6 +122,13 @@ def test_v0_only_flag_counts_as_a_v0_request(check_ids) -> None:  # noqa: ANN001
     assert "MCV-E001" not in check_ids(script=serve(extra="--num-scheduler-steps 8"), target_vllm="0.10.0")
 
 
+def test_data_parallel_ranks_count_as_engines(check_ids) -> None:  # noqa: ANN001
+    one_dp2 = serve(extra="--data-parallel-size 2")
+    assert "MCV-W003" in check_ids(script=one_dp2, target_vllm="0.28.0")
+    assert "MCV-W003" not in check_ids(script=serve(), target_vllm="0.28.0")  # one engine: nothing to share with
+    assert "MCV-W003" not in check_ids(script=one_dp2, target_vllm="0.29.0")  # deterministic from 0.29
+
+
 def test_removed_and_rejected_keys(check_ids) -> None:  # noqa: ANN001
     unknown = serve('{"kv_connector":"MooncakeStoreConnector","kv_role":"kv_both","bogus":1}')
     assert "MCV-E007" in check_ids(script=unknown, target_vllm="0.16.0")

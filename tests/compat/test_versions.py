@@ -26,6 +26,18 @@ def test_any_version_string_maps_to_its_release(version: str, release: str) -> N
     assert vllm_facts(version).release == release
 
 
+def test_tables_are_sorted_and_name_real_facts() -> None:
+    versions.check_tables()
+    bad = versions._c("0.1.0", "typo row", no_such_fact=True)
+    original = versions.VLLM_CHANGES
+    try:
+        versions.VLLM_CHANGES = (*original, bad)
+        with pytest.raises(AssertionError, match="no_such_fact"):
+            versions.check_tables()
+    finally:
+        versions.VLLM_CHANGES = original
+
+
 def test_every_known_release_has_facts() -> None:
     for v in KNOWN_VLLM_RELEASES:
         facts = vllm_facts(v, strict=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
 
 from mooncake_vllm.checker.catalogue import Rule
@@ -65,6 +64,8 @@ def kv_config_key_rejected(ctx: Context, rule: Rule) -> Iterable[Finding]:
 def kv_config_key_ignored(ctx: Context, rule: Rule) -> Iterable[Finding]:
     if ctx.vllm is None or ctx.vllm.rejects_unknown_kv_keys:
         return
+    import difflib
+
     for launch, key, removed in _unknown_keys(ctx):
         if not removed:
             close = difflib.get_close_matches(key, sorted(ctx.vllm.kv_config_fields), n=1)

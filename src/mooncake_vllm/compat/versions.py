@@ -34,6 +34,7 @@ __all__ = [
     "MooncakeFacts",
     "VLLM_CHANGES",
     "VllmFacts",
+    "check_tables",
     "mooncake_facts",
     "parse_version",
     "release_of",
@@ -403,18 +404,16 @@ def mooncake_facts(version: str) -> MooncakeFacts:
     return MooncakeFacts(version=str(version).strip(), known=known, sources=MappingProxyType(sources), **values)
 
 
-def _check_tables() -> None:
-    """Import-time sanity check: rows sorted and naming real fields."""
+def check_tables() -> None:
+    """Sanity check of both tables (rows sorted, naming real fields); run by the tests."""
     for changes, cls, key in ((VLLM_CHANGES, VllmFacts, _rel_key), (MOONCAKE_CHANGES, MooncakeFacts, parse_version)):
         names = {f.name for f in fields(cls)}
         prev = None
         for change in changes:
             unknown = set(change.facts) - names
-            if unknown:  # Defensive: a typo in the table
+            if unknown:
                 raise AssertionError(f"{cls.__name__} row {change.since} sets unknown facts {sorted(unknown)}")
-            if prev is not None and key(change.since) <= prev:  # Defensive
+            if prev is not None and key(change.since) <= prev:
                 raise AssertionError(f"{cls.__name__} rows out of order at {change.since}")
             prev = key(change.since)
 
-
-_check_tables()
