@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from checker_cases import CONFIG, DATA, OURS, serve
 
-from mooncake_vllm.checker import run_check
+from mooncake_vllm.checker import render, run_check
 
 V0, V1 = DATA / "seed_v0", DATA / "seed_v1"
 CLI = Path(sys.executable).parent / "mooncake-vllm"  # the console script users run
@@ -154,6 +154,12 @@ def test_bad_target_version(tmp_path: Path) -> None:
     (tmp_path / "x").mkdir()
     old = _cli(str(_clean(tmp_path / "x")), "--target-vllm", "0.7.3")
     assert old.returncode == 1 and "0.8.3" in old.stderr
+
+
+def test_targets_newer_than_the_tables_are_flagged(tmp_path: Path) -> None:
+    result, _ = run_check([_clean(tmp_path)], target_vllm="0.40.0", target_mooncake="0.3.13.post1")
+    assert result.beyond_reference == ["vLLM 0.40.0"]
+    assert "newer than the version tables: vLLM 0.40.0" in render(result)
 
 
 def test_list_rules() -> None:

@@ -129,6 +129,12 @@ def test_data_parallel_ranks_count_as_engines(check_ids) -> None:  # noqa: ANN00
     assert "MCV-W003" not in check_ids(script=one_dp2, target_vllm="0.29.0")  # deterministic from 0.29
 
 
+def test_pinned_release_differs_from_the_target(check_ids) -> None:  # noqa: ANN001
+    pinned = "pip install mooncake-transfer-engine==0.3.5\n"
+    assert "MCV-E004" in check_ids(script=pinned, target_mooncake="0.3.13.post1")
+    assert "MCV-E004" not in check_ids(script=pinned, target_mooncake="0.3.5")
+
+
 def test_removed_and_rejected_keys(check_ids) -> None:  # noqa: ANN001
     unknown = serve('{"kv_connector":"MooncakeStoreConnector","kv_role":"kv_both","bogus":1}')
     assert "MCV-E007" in check_ids(script=unknown, target_vllm="0.16.0")

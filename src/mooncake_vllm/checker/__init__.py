@@ -109,5 +109,8 @@ def run_check(
     result = CheckResult(findings, inputs=list(deployment.sources), ignored=sorted(ignored),
                          vllm=ctx.vllm.version if ctx.vllm else None, vllm_origin=ctx.vllm_origin,
                          mooncake=ctx.mooncake.version if ctx.mooncake else None,
-                         mooncake_origin=ctx.mooncake_origin, rules_run=rules_run, probe=probe)
+                         mooncake_origin=ctx.mooncake_origin, rules_run=rules_run, probe=probe,
+                         beyond_reference=[f"{name} {facts.version}" for name, facts in
+                                           (("vLLM", ctx.vllm), ("Mooncake", ctx.mooncake))
+                                           if facts is not None and not facts.known])
     return result, ctx

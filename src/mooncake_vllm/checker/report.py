@@ -30,6 +30,7 @@ class CheckResult:
     ignored: list[str] = field(default_factory=list)
     rules_run: int = 0
     probe: bool = False
+    beyond_reference: list[str] = field(default_factory=list)  #: targets newer than the version tables
 
     def of(self, severity: str) -> list[Finding]:
         return [f for f in self.findings if f.severity == severity]
@@ -45,6 +46,7 @@ class CheckResult:
             "schema": SCHEMA,
             "target": {"vllm": self.vllm, "vllm_origin": self.vllm_origin or None,
                        "mooncake": self.mooncake, "mooncake_origin": self.mooncake_origin or None},
+            "beyond_reference": self.beyond_reference,
             "inputs": self.inputs,
             "probe": self.probe,
             "summary": {"errors": len(self.of(ERROR)), "warnings": len(self.of(WARNING)),
@@ -70,7 +72,10 @@ def _versions(result: CheckResult) -> str:
         parts.append(f"vLLM {result.vllm} ({result.vllm_origin})")
     if result.mooncake:
         parts.append(f"Mooncake {result.mooncake} ({result.mooncake_origin})")
-    return ", ".join(parts) or "no vLLM or Mooncake installed or targeted (version rules skipped)"
+    text = ", ".join(parts) or "no vLLM or Mooncake installed or targeted (version rules skipped)"
+    if result.beyond_reference:
+        text += f"; newer than the version tables: {', '.join(result.beyond_reference)} (newest facts assumed)"
+    return text
 
 
 def _summary(result: CheckResult) -> str:
