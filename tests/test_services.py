@@ -34,6 +34,7 @@ from mooncake_vllm.services import (
     start_master,
     start_redis,
     start_vllm_server,
+    watch_dev_shm,
 )
 
 PY = sys.executable
@@ -76,7 +77,13 @@ def test_free_port_is_bindable() -> None:
 
 def test_stop_ends_the_whole_process_group(workdir: Path) -> None:
     # The leader forks a grandchild into the same group; stop() must end both.
-    code = "import os, time\nif os.fork() == 0:\n    time.sleep(300)\nelse:\n    print('READY' + '-OK', flush=True); time.sleep(300)"
+    code = textwrap.dedent("""
+        import os, time
+        if os.fork() == 0:
+            time.sleep(300)
+        print('READY' + '-OK', flush=True)
+        time.sleep(300)
+    """)
     proc = ManagedProcess("sleeper", [PY, "-c", code], workdir=workdir).start()
     proc.wait_ready(lambda: "READY-OK" in proc.log_tail(), 10)
     deadline = time.monotonic() + 5
@@ -92,7 +99,12 @@ def test_stop_ends_the_whole_process_group(workdir: Path) -> None:
 
 
 def test_stop_escalates_to_sigkill(workdir: Path) -> None:
-    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('READY' + '-OK', flush=True)\ntime.sleep(300)"
+    code = textwrap.dedent("""
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print('READY' + '-OK', flush=True)
+        time.sleep(300)
+    """)
     proc = ManagedProcess("stubborn", [PY, "-c", code], workdir=workdir).start()
     proc.wait_ready(lambda: "READY-OK" in proc.log_tail(), 10)
     t0 = time.monotonic()
@@ -173,6 +185,20 @@ def test_clean_dev_shm_removes_only_unused_new_mooncake_files(tmp_path: Path) ->
         keep_open.close()
         for f in (stale, held, other):
             f.unlink(missing_ok=True)
+
+
+def test_sigkilled_process_leaves_no_dev_shm_file(workdir: Path) -> None:
+    name = f"mooncake-test-{os.getpid()}-{time.monotonic_ns()}"
+    code = (f"import time; f = open('/dev/shm/{name}', 'wb'); f.write(b'x' * 4096); f.flush(); "
+            "print('READY' + '-OK', flush=True); time.sleep(300)")
+    proc = watch_dev_shm(ManagedProcess("shm-user", [PY, "-c", code], workdir=workdir)).start()
+    try:
+        proc.wait_ready(lambda: "READY-OK" in proc.log_tail(), 10)
+        assert (Path("/dev/shm") / name).exists()
+        proc.kill()  # SIGKILL: the file is left behind, then cleaned by the stop hook
+        assert not (Path("/dev/shm") / name).exists()
+    finally:
+        (Path("/dev/shm") / name).unlink(missing_ok=True)
 
 
 # -- Mooncake services ----------------------------------------------------------------
@@ -293,15 +319,40 @@ def test_vllm_server_on_tiny_model(tiny_model: Path, workdir: Path) -> None:
                                      headers={"Content-Type": "application/json"})
         out = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert out["usage"]["completion_tokens"] == 4
-        group = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == proc.pid]
-        assert len(group) >= 2  # api server + engine core
+        assert len(proc.group_pids()) >= 2  # api server + engine core
     finally:
         proc.stop()
-    assert not [p.pid for p in psutil.process_iter() if _pgid(p.pid) == proc.pid]
+    assert _live_group(proc.pid) == []
 
 
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
+def _live_group(pgid: int) -> list[str]:
+    """Non-zombie processes in process group ``pgid`` (zombies are dead, only unreaped)."""
+    out = []
+    for p in psutil.process_iter(["pid", "status", "cmdline"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:100]}")
+        except OSError:
+            pass
+    return out
+
+
+def test_children_of_a_crashed_leader_are_stopped(workdir: Path) -> None:
+    # The leader exits by itself, leaving a child in its group: stop() still ends the child.
+    code = textwrap.dedent("""
+        import os, sys, time
+        if os.fork() == 0:
+            time.sleep(300)
+        print('READY' + '-OK', flush=True)
+        time.sleep(0.5)
+        sys.exit(7)
+    """)
+    proc = ManagedProcess("crasher", [PY, "-c", code], workdir=workdir).start()
+    proc.wait_ready(lambda: "READY-OK" in proc.log_tail(), 10)
+    child = next(pid for pid in proc.group_pids() if pid != proc.pid)
+    deadline = time.monotonic() + 10
+    while proc.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.returncode == 7 and _live_group(proc.pid) != []
+    assert proc.stop(grace=2) == 7
+    assert _live_group(proc.pid) == [], f"child {child} survived"

@@ -17,7 +17,7 @@ import pytest
 
 from mooncake_vllm.cli import up
 from mooncake_vllm.config import load_store_config
-from mooncake_vllm.services import client_env, free_port, tcp_probe
+from mooncake_vllm.services import cli_argv, client_env, free_port, tcp_probe
 
 CLIENT = """
 import json, os, sys
@@ -37,8 +37,7 @@ class Up:
 
     def __init__(self, workdir: Path, *extra: str) -> None:
         self.workdir = workdir
-        argv = [sys.executable, "-c", "import sys; from mooncake_vllm.cli import main; sys.exit(main(sys.argv[1:]))",
-                "up", "--workdir", str(workdir), "--client-ttl", "2", *extra]
+        argv = [*cli_argv("up"), "--workdir", str(workdir), "--client-ttl", "2", *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
         self.lines: list[str] = []
@@ -117,7 +116,8 @@ def test_up_serves_then_stops_everything(workdir: Path, sig: int, metadata: str)
             assert f'"kv_role":"{role}"' in out
         # A pure client in another process uses the written config: the pool works.
         env = {**os.environ, **client_env(), "MOONCAKE_CONFIG_PATH": str(config_path)}
-        client = subprocess.run([sys.executable, "-c", CLIENT], env=env, capture_output=True, text=True, timeout=60)
+        client = subprocess.run([sys.executable, "-c", CLIENT], env=env, capture_output=True, text=True,
+                                timeout=60)
         assert client.returncode == 0, client.stderr[-2000:]
         os.kill(run.proc.pid, sig)
         rc, stdout, stderr = run.finish()

@@ -32,9 +32,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="where logs and mooncake_config.json go (default ./mooncake-stack)")
     parser.add_argument("--metadata", choices=("embedded", "mooncake", "p2p"), default="embedded",
                         help="metadata service: embedded = mooncake-vllm's HTTP server (default), "
-                             "mooncake = the wheel's mooncake_http_metadata_server, p2p = P2PHANDSHAKE (no server)")
+                             "mooncake = the wheel's mooncake_http_metadata_server, "
+                             "p2p = P2PHANDSHAKE (no server)")
     parser.add_argument("--metadata-backend", default="memory",
-                        help="storage of the embedded metadata server: memory (default), redis://h:p or etcd://h:p")
+                        help="storage of the embedded metadata server: memory (default), "
+                             "redis://h:p or etcd://h:p")
     parser.add_argument("--segment-size", default="1GB", help="pool memory held by the holder (default 1GB)")
     parser.add_argument("--local-buffer", default="256MB",
                         help="local_buffer_size written for vLLM clients and used by the holder (default 256MB)")
@@ -84,7 +86,7 @@ def vllm_serve_lines(config_path: str | os.PathLike, model: str = SEED_MODEL) ->
 
 
 class _Stop(Exception):
-    """Raised in the main thread by SIGTERM / SIGINT."""
+    """Raised in the main thread by SIGTERM, SIGINT (Ctrl-C) or SIGHUP (terminal closed)."""
 
 
 def _raise_stop(signum: int, frame: Any) -> None:
@@ -110,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mooncake-vllm up: {exc}", file=sys.stderr)
         return 2
     # Our handlers first: the services registry then leaves SIGTERM to us.
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in stop_signals}
     workdir = Path(args.workdir).resolve()
     steps = {"master": 1, "metadata": 2, "holder": 3}
 

@@ -13,10 +13,12 @@ from mooncake_vllm.services.mooncake import (
     METADATA_KINDS,
     LocalStack,
     clean_dev_shm,
+    cli_argv,
     client_env,
     start_holder,
     start_http_metadata,
     start_master,
+    watch_dev_shm,
 )
 from mooncake_vllm.services.process import (
     SETUP_HINT,
@@ -40,6 +42,7 @@ __all__ = [
     "ManagedProcess",
     "ServiceError",
     "clean_dev_shm",
+    "cli_argv",
     "client_env",
     "find_binary",
     "free_port",
@@ -56,4 +59,5 @@ __all__ = [
     "stop_all",
     "tcp_probe",
     "vllm_env",
+    "watch_dev_shm",
 ]

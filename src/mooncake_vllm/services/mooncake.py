@@ -32,6 +32,7 @@ __all__ = [
     "start_holder",
     "start_http_metadata",
     "start_master",
+    "watch_dev_shm",
 ]
 
 METADATA_KINDS = ("mooncake", "embedded", "p2p")
@@ -125,7 +126,8 @@ def clean_dev_shm(before: set[str]) -> list[str]:
     return removed
 
 
-def _watch_shm(proc: ManagedProcess) -> ManagedProcess:
+def watch_dev_shm(proc: ManagedProcess) -> ManagedProcess:
+    """Arrange for /dev/shm leftovers of ``proc`` to be removed once it stops; call before start()."""
     before = _shm_names()
     proc.after_stop.append(lambda _p: clean_dev_shm(before))
     return proc
@@ -160,13 +162,13 @@ def start_master(
             f"--client_ttl={client_ttl}",
             *extra_args,
         ]
-        proc = ManagedProcess(name, argv, workdir=workdir, env=_env(), port=rpc_port).start()
+        proc = watch_dev_shm(ManagedProcess(name, argv, workdir=workdir, env=_env(), port=rpc_port)).start()
         proc.address = f"127.0.0.1:{rpc_port}"
         proc.url = f"http://127.0.0.1:{mport}"
         serving = http_probe(f"{proc.url}/metrics/summary", lambda s, b: s == 200 and b"service_ready=true" in b)
         proc.wait_ready(lambda: proc.listens_on(rpc_port) and proc.listens_on(mport) and serving(),
                         timeout, "serving on " + proc.address)
-        return _watch_shm(proc)
+        return proc
 
     return with_port_retry(launch, port, name)
 
@@ -253,11 +255,11 @@ def start_holder(
                     "--local-buffer", str(local_buffer), "--ready-port", str(p)]
 
     def launch(p: int) -> ManagedProcess:
-        proc = ManagedProcess(name, argv(p), workdir=workdir, env=_env(), port=p).start()
+        proc = watch_dev_shm(ManagedProcess(name, argv(p), workdir=workdir, env=_env(), port=p)).start()
         proc.address = f"127.0.0.1:{p}"
         # Both kinds open their port only after setup() mounted the segment.
         proc.wait_ready(lambda: proc.listens_on(p), timeout, "holding a mounted segment")
-        return _watch_shm(proc)
+        return proc
 
     return with_port_retry(launch, port, name)
 

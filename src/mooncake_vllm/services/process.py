@@ -178,6 +178,8 @@ class ManagedProcess:
         self.log_path = self.workdir / (log_name or f"{name}.log")
         self._popen: subprocess.Popen[bytes] | None = None
         self._stopped = False
+        #: Callbacks run once after the process was stopped (e.g. /dev/shm cleanup).
+        self.after_stop: list[Callable[[ManagedProcess], None]] = []
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> ManagedProcess:
@@ -232,7 +234,10 @@ class ManagedProcess:
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of the log file ("" if there is none yet)."""
         try:
-            data = self.log_path.read_bytes()
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 256 * max(n, 1)))  # lines of ~256 bytes are plenty
+                data = f.read()
         except OSError:
             return ""
         lines = data.decode("utf-8", "replace").splitlines()
@@ -272,18 +277,26 @@ class ManagedProcess:
             return self._popen.returncode
         self._stopped = True
         pgid = self._popen.pid
-        _signal_group(pgid, signal.SIGTERM)
-        try:
-            self._popen.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            _signal_group(pgid, signal.SIGKILL)
-            self._popen.wait(timeout=10)
-        # Children that ignored SIGTERM but share the group: make sure they go too.
+        if self._popen.poll() is None:
+            # The leader is not reaped yet, so its PID (= the group id) cannot be reused.
+            _signal_group(pgid, signal.SIGTERM)
+            try:
+                self._popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(pgid, signal.SIGKILL)
+                self._popen.wait(timeout=10)
+        elif _group_members(pgid):
+            # The leader died on its own; its children still hold the group id: SIGTERM them.
+            _signal_group(pgid, signal.SIGTERM)
+        # Members left in the group keep its id reserved; give them a moment, then SIGKILL.
         deadline = time.monotonic() + min(grace, 5.0)
         while _group_members(pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
         if _group_members(pgid):
             _signal_group(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + 5.0
+            while _group_members(pgid) and time.monotonic() < deadline:
+                time.sleep(0.05)
         _unregister(self)
         for hook in self.after_stop:
             try:
@@ -299,13 +312,6 @@ class ManagedProcess:
         _signal_group(self._popen.pid, signal.SIGKILL)
         self._popen.wait(timeout=10)
         self.stop(grace=1.0)
-
-    @property
-    def after_stop(self) -> list[Callable[[ManagedProcess], None]]:
-        """Callbacks run once after the process was stopped (e.g. /dev/shm cleanup)."""
-        if not hasattr(self, "_after_stop"):
-            self._after_stop: list[Callable[[ManagedProcess], None]] = []
-        return self._after_stop
 
     def __enter__(self) -> ManagedProcess:
         return self
