@@ -65,6 +65,13 @@ def run_client(stack: LocalStack, op: str, key: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def forking_script(leader_exit_after: float | None) -> str:
+    """A leader that forks a long-sleeping child into its group, says READY-OK, then sleeps or exits 7."""
+    end = "time.sleep(300)" if leader_exit_after is None else f"time.sleep({leader_exit_after}); sys.exit(7)"
+    return ("import os, sys, time\nif os.fork() == 0:\n    time.sleep(300)\n"
+            f"print('READY' + '-OK', flush=True)\n{end}\n")
+
+
 def listen_addresses(pid: int) -> set[str]:
     return {c.laddr.ip for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
 
@@ -77,14 +84,7 @@ def test_free_port_is_bindable() -> None:
 
 def test_stop_ends_the_whole_process_group(workdir: Path) -> None:
     # The leader forks a grandchild into the same group; stop() must end both.
-    code = textwrap.dedent("""
-        import os, time
-        if os.fork() == 0:
-            time.sleep(300)
-        print('READY' + '-OK', flush=True)
-        time.sleep(300)
-    """)
-    proc = ManagedProcess("sleeper", [PY, "-c", code], workdir=workdir).start()
+    proc = ManagedProcess("sleeper", [PY, "-c", forking_script(leader_exit_after=None)], workdir=workdir).start()
     proc.wait_ready(lambda: "READY-OK" in proc.log_tail(), 10)
     deadline = time.monotonic() + 5
     while len(psutil.Process(proc.pid).children()) < 1 and time.monotonic() < deadline:
@@ -339,15 +339,7 @@ def _live_group(pgid: int) -> list[str]:
 
 def test_children_of_a_crashed_leader_are_stopped(workdir: Path) -> None:
     # The leader exits by itself, leaving a child in its group: stop() still ends the child.
-    code = textwrap.dedent("""
-        import os, sys, time
-        if os.fork() == 0:
-            time.sleep(300)
-        print('READY' + '-OK', flush=True)
-        time.sleep(0.5)
-        sys.exit(7)
-    """)
-    proc = ManagedProcess("crasher", [PY, "-c", code], workdir=workdir).start()
+    proc = ManagedProcess("crasher", [PY, "-c", forking_script(leader_exit_after=0.5)], workdir=workdir).start()
     proc.wait_ready(lambda: "READY-OK" in proc.log_tail(), 10)
     child = next(pid for pid in proc.group_pids() if pid != proc.pid)
     deadline = time.monotonic() + 10
@@ -356,3 +348,42 @@ def test_children_of_a_crashed_leader_are_stopped(workdir: Path) -> None:
     assert proc.returncode == 7 and _live_group(proc.pid) != []
     assert proc.stop(grace=2) == 7
     assert _live_group(proc.pid) == [], f"child {child} survived"
+
+
+SESSION_TEST = """
+import json, os, time
+def test_hold(local_stack, redis_server):
+    pids = [p.pid for p in local_stack.processes]
+    with open(os.environ["PIDS_FILE"] + ".tmp", "w") as f:
+        json.dump(pids, f)
+    os.rename(os.environ["PIDS_FILE"] + ".tmp", os.environ["PIDS_FILE"])
+    time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupted_pytest_session_leaves_nothing_running(tmp_path: Path, sig: int) -> None:
+    """The fixtures' processes die with an interrupted pytest session (Ctrl-C or SIGTERM)."""
+    (tmp_path / "conftest.py").write_text((Path(__file__).parent / "conftest.py").read_text())
+    (tmp_path / "test_hold.py").write_text(SESSION_TEST)
+    pids_file = tmp_path / "pids.json"
+    env = {**os.environ, "PIDS_FILE": str(pids_file)}
+    session = subprocess.Popen([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                                str(tmp_path / "test_hold.py")], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not pids_file.exists():
+            assert session.poll() is None and time.monotonic() < deadline, session.stdout.read()
+            time.sleep(0.1)
+        pids = json.loads(pids_file.read_text())
+        assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+        session.send_signal(sig)
+        session.communicate(timeout=60)
+        time.sleep(0.2)
+        left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert left == [], f"still running after {signal.Signals(sig).name}: {left}"
+    finally:
+        if session.poll() is None:
+            session.kill()
+            session.wait()
