@@ -217,8 +217,8 @@ def test_mooncake_metadata_server_round_trip(metadata_server: ManagedProcess, me
 
 
 def test_embedded_metadata_server_starts(workdir: Path) -> None:
-    pytest.importorskip("mooncake_vllm.metadata.server", reason="our metadata server is not written yet")
     proc = start_http_metadata(workdir, "embedded")
+    assert listen_addresses(proc.pid) == {"127.0.0.1"}
     try:
         url = f"{proc.url}?key=mooncake%2Fram%2Ftest"
         req = urllib.request.Request(url, data=b'{"b": 2}', method="PUT")
