@@ -55,6 +55,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                       + "mooncake-vllm proxy --model m --prefill localhost:8100 --decode localhost:8200 --flow p2p\n")),
     "MCV-E012": (dict(script=serve(multi("kv_producer")), target_vllm="0.8.5"),
                  dict(script=serve(multi("kv_producer")), target_vllm="0.13.0")),
+    "MCV-E014": (dict(config=_c(protocol="udp", master_server_address="h")), dict(config=CONFIG)),
     "MCV-W001": (dict(config=_c(metadata_server="127.0.0.1:2379")), dict(config=_c(metadata_server="etcd://127.0.0.1:2379"))),
     "MCV-W002": (dict(config=_c(protocol="rdma", device_name="")), dict(config=_c(protocol="rdma", device_name="mlx5_0"))),
     "MCV-W003": (dict(script=_two(), target_vllm="0.28.0"),

@@ -121,6 +121,12 @@ _ALL: tuple[Rule, ...] = (
          "so the last one installed silently overwrote the others' files.",
          "pip uninstall all of them, then install exactly one: pip install {keep}",
          "mooncake §10 Distributions"),
+    Rule("MCV-E014", ERROR, "mooncake-config-invalid",
+         "{field} {problem}",
+         "The connector validates MOONCAKE_CONFIG_PATH before Mooncake's setup(); a missing key, a size it cannot "
+         "parse or an unknown scheme stops the instance (Mooncake itself would raise TypeError or abort).",
+         "{fix}",
+         "mooncake §8 Config files; vllm §4 Config, §10 Config JSON"),
     # ------------------------------------------------------------------ warnings
     Rule("MCV-W001", WARNING, "metadata-without-scheme",
          "metadata_server {url!r} has no scheme and is treated as etcd endpoints",

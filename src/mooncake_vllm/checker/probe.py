@@ -69,7 +69,7 @@ def _backends(ctx: Context) -> Iterator[tuple[str, Where, MetadataBackend]]:
     for url, where in dict(metadata_urls(ctx)).items():
         try:
             backend = backend_for(url, timeout=ctx.timeout)
-        except ConfigError:
+        except (ConfigError, ValueError):
             continue  # other rules report bad URLs; P2PHANDSHAKE has no server
         try:
             yield url, where, backend
@@ -88,6 +88,8 @@ def metadata_unreachable(ctx: Context, rule: Rule) -> Iterable[Finding]:
             yield ctx.finding(rule, where, url=url, reason=str(exc).split(";")[0])
         except StoreError:
             pass  # it answered
+        except (ValueError, OSError) as exc:  # an address the client cannot even use (e.g. bare "::1")
+            yield ctx.finding(rule, where, url=url, reason=f"unusable address ({exc})")
 
 
 @check("MCV-W101")
@@ -97,8 +99,8 @@ def stale_metadata(ctx: Context, rule: Rule) -> Iterable[Finding]:
     for url, where, backend in _backends(ctx):
         try:
             dead = [s for s in scan(backend, timeout=ctx.timeout) if s.state == DEAD]
-        except (StoreError, StoreUnavailableError):
-            continue  # not listable (Mooncake's own HTTP server) or down (MCV-E102)
+        except (StoreError, StoreUnavailableError, ValueError, OSError):
+            continue  # not listable (Mooncake's own HTTP server), down or unusable (MCV-E102)
         if dead:
             names = ", ".join(s.segment for s in dead[:5]) + (" ..." if len(dead) > 5 else "")
             yield ctx.finding(rule, where, count=len(dead), segments=names, url=url)

@@ -123,6 +123,20 @@ def several_mooncake_distributions(ctx: Context, rule: Rule) -> Iterable[Finding
         yield ctx.finding(rule, None, dists=", ".join(str(d) for d in dists), keep=dists[-1].name)
 
 
+@check("MCV-E014")
+def mooncake_config_invalid(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    from mooncake_vllm.config import load_store_config
+
+    for config in ctx.deployment.configs:
+        if config.shape == "v0-pipe":
+            continue  # the V0 P2P pipe connector's file, not a store config
+        try:
+            load_store_config(config.data, env={})
+        except ConfigError as exc:
+            for p in exc.problems:
+                yield ctx.finding(rule, config.where(p.field), field=p.field, problem=p.problem, fix=p.fix)
+
+
 @check("MCV-W001")
 def metadata_without_scheme(ctx: Context, rule: Rule) -> Iterable[Finding]:
     for url, where in metadata_urls(ctx):
