@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -87,6 +88,21 @@ def _wait_saves_idle(timeout: float = 30.0) -> None:
             time.sleep(0.02)
 
 
+def _reset_prefix_cache(llm: Any, timeout: float = 10.0) -> None:
+    """Reset vLLM's local prefix cache, stepping the engine until delayed frees are done.
+
+    Blocks of a finished request stay held until the workers report its saves
+    written, which happens on the engine's next step; an offline ``LLM`` does not
+    step between ``generate`` calls, so step it here.
+    """
+    deadline = time.monotonic() + timeout
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError("vLLM's prefix cache could not be reset: blocks still held")
+        _wait_saves_idle()
+        llm.llm_engine.step()
+
+
 def _instance(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -101,32 +117,39 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     results = []
+    kill_pid, kill_after = (int(x) for x in args.kill_after.split(":")) if args.kill_after else (0, -1)
     for _ in range(args.warmup):
         llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], first, use_tqdm=False)
-        llm.reset_prefix_cache()
-    for ids in prompts:
+        _reset_prefix_cache(llm)
+    for n, ids in enumerate(prompts):
+        if n == kill_after:  # fault injection for tests: kill a service mid-run
+            os.kill(kill_pid, signal.SIGKILL)
         if args.reset_prefix_cache:
-            llm.reset_prefix_cache()
+            _reset_prefix_cache(llm)
         t = time.perf_counter()
         llm.generate([{"prompt_token_ids": ids}], first, use_tqdm=False)
         ttft = time.perf_counter() - t
         tokens: list[int] = []
-        if args.max_tokens > 1 or not args.ttft_only:
+        if not args.ttft_only:
             if args.reset_prefix_cache:
-                llm.reset_prefix_cache()
+                _reset_prefix_cache(llm)
             out = llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)
             tokens = list(out[0].outputs[0].token_ids)
-        results.append({"prompt_len": len(ids), "ttft_s": ttft, "tokens": tokens})
+        results.append({"prompt_len": len(ids), "ttft_s": ttft, "tokens": tokens,
+                        "rss_kb": _rss_kb()})
     _wait_saves_idle()
-    rss_kb = 0
+    return {"init_s": init_s, "results": results, "metrics": _metric_totals(llm),
+            "connector": _connector_counters(), "rss_kb": _rss_kb()}
+
+
+def _rss_kb() -> int:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
-                rss_kb = int(line.split()[1])
+                return int(line.split()[1])
     except OSError:
         pass
-    return {"init_s": init_s, "results": results, "metrics": _metric_totals(llm),
-            "connector": _connector_counters(), "rss_kb": rss_kb}
+    return 0
 
 
 def run_instance(model: str | os.PathLike, prompts: Sequence[Sequence[int]], workdir: Path, *,
@@ -134,7 +157,8 @@ def run_instance(model: str | os.PathLike, prompts: Sequence[Sequence[int]], wor
                  kv_config: Mapping[str, Any] | None = None, max_tokens: int = 8,
                  block_size: int = 32, kv_bytes: int = 64 << 20, max_model_len: int = 4096,
                  reset_prefix_cache: bool = False, warmup: int = 0, ttft_only: bool = False,
-                 timeout: float = 600.0, name: str = "instance") -> dict[str, Any]:
+                 kill_after: tuple[int, int] | None = None, timeout: float = 600.0,
+                 name: str = "instance") -> dict[str, Any]:
     """Run one instance in a fresh Python process and return its result dict."""
     workdir.mkdir(parents=True, exist_ok=True)
     prompts_path = workdir / f"{name}-prompts.json"
@@ -152,6 +176,8 @@ def run_instance(model: str | os.PathLike, prompts: Sequence[Sequence[int]], wor
         argv.append("--reset-prefix-cache")
     if ttft_only:
         argv.append("--ttft-only")
+    if kill_after is not None:
+        argv += ["--kill-after", f"{kill_after[0]}:{kill_after[1]}"]
     full_env = {**os.environ, **INSTANCE_ENV, "TMPDIR": str(workdir), **(env or {})}
     log_path = workdir / f"{name}.log"
     with open(log_path, "wb") as log:
@@ -184,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--reset-prefix-cache", action="store_true")
     parser.add_argument("--ttft-only", action="store_true")
+    parser.add_argument("--kill-after", default="", help="PID:N - SIGKILL PID before prompt N")
     args = parser.parse_args(argv)
     result = _instance(args)
     Path(args.out).write_text(json.dumps(result))

@@ -59,15 +59,21 @@ _BASE_TAKES_KV_CACHE_CONFIG = "kv_cache_config" in inspect.signature(
 
 
 def _ensure_log_handler() -> None:
-    """Make our INFO lines visible the way vLLM's are, unless logging is configured."""
+    """Make our INFO/WARNING lines visible in vLLM's format (once per process).
+
+    Unless someone already gave the ``mooncake_vllm`` logger a handler, it gets one
+    on stderr at INFO and stops propagating (so no line is printed twice).
+    """
     pkg = logging.getLogger("mooncake_vllm")
-    if pkg.handlers or logging.getLogger().handlers:
+    if pkg.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s",
                                            "%m-%d %H:%M:%S"))
     pkg.addHandler(handler)
-    pkg.setLevel(logging.INFO)
+    if pkg.level == logging.NOTSET:
+        pkg.setLevel(logging.INFO)
+    pkg.propagate = False
 
 
 def _settings(extra: dict[str, Any]) -> dict[str, Any]:
@@ -108,6 +114,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
+        _ensure_log_handler()
         if _BASE_TAKES_KV_CACHE_CONFIG:
             super().__init__(vllm_config, role, kv_cache_config)
         else:  # pragma: no cover - vLLM < 0.11.1
@@ -124,7 +131,6 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         block_size = int(vllm_config.cache_config.block_size)
         self.scheduler: SchedulerLogic | None = None
         self.worker: WorkerLogic | None = None
-        _ensure_log_handler()
         if role == KVConnectorRole.SCHEDULER:
             if settings["policy"] == "recompute" and hasattr(ktc, "kv_load_failure_policy"):
                 # The scheduler reads this right after building us: a pool miss is never fatal.
@@ -240,4 +246,6 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         client = self.shared.get()
         if client is not None:
             out.update({f"store_{k}": v for k, v in client.stats.snapshot().items()})
+            out.update({f"store_{op}_us": int(sec * 1e6)
+                        for op, sec in dict(client.stats.latency_sum).items()})
         return out

