@@ -64,6 +64,20 @@ def test_commands_are_classified(line: str, kind: str, program: str) -> None:
     assert (launch.kind, launch.program) == (kind, program)
 
 
+def test_vllm_in_docker_run() -> None:
+    script = """export PYTHONHASHSEED=3
+docker run --rm --gpus all -p 8100:8000 -e VLLM_USE_V1=0 --env MOONCAKE_CONFIG_PATH=/cfg/mooncake.json \\
+  -e PYTHONHASHSEED -v /srv/cfg:/cfg --ipc=host vllm/vllm-openai:v0.9.2 \\
+  --model org/m --kv-transfer-config '{"kv_connector":"MooncakeStoreConnector","kv_role":"kv_both"}'
+podman run -d docker.io/library/vllm-cpu:latest vllm serve org/n --port 8200
+docker run -d redis:7
+"""
+    first, second = parse_shell(script, "d.sh")
+    assert first.kind == VLLM and first.model == "org/m" and first.kv_config["kv_role"] == "kv_both"
+    assert first.env == {"VLLM_USE_V1": "0", "MOONCAKE_CONFIG_PATH": "/cfg/mooncake.json", "PYTHONHASHSEED": "3"}
+    assert (second.program, second.model, second.options["--port"]) == ("vllm serve", "org/n", "8200")
+
+
 def test_other_commands_are_ignored_and_separators_split() -> None:
     launches = parse_shell("cd vllm && vllm serve m; curl -s localhost:8000/v1/models | jq\necho hi\n", "s.sh")
     assert [launch.kind for launch in launches] == [VLLM]

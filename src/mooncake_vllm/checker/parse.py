@@ -324,11 +324,44 @@ def _unwrap(argv: list[str], prefix: dict[str, str]) -> list[str]:
     return argv
 
 
+#: ``docker run`` options that take a value (the rest are flags)
+_DOCKER_VALUE_OPTS = {"-e", "--env", "-v", "--volume", "-p", "--publish", "--name", "--gpus", "--network", "--net",
+                      "--ipc", "--shm-size", "--env-file", "-w", "--workdir", "--entrypoint", "--runtime", "--device",
+                      "-u", "--user", "--mount", "--cpus", "--memory", "-m", "--label", "-l", "--restart", "--ulimit",
+                      "--cap-add", "--security-opt", "--pid", "--hostname", "-h", "--add-host", "--platform"}
+
+
+def _docker(argv: list[str], env: dict[str, str], where: Where) -> Launch | None:
+    """A ``docker|podman run ... IMAGE ARGS`` of a vLLM image, with the container's ``-e`` environment."""
+    container_env: dict[str, str] = {}
+    i = 2
+    while i < len(argv) and argv[i].startswith("-"):
+        opt, eq, value = argv[i].partition("=")
+        if not eq and opt in _DOCKER_VALUE_OPTS and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 1
+        if opt in ("-e", "--env"):
+            name, has, val = value.partition("=")
+            if has or name in env:
+                container_env[name] = val if has else env[name]
+        i += 1
+    if i >= len(argv) or "vllm" not in argv[i].lower():
+        return None
+    args = argv[i + 1:]
+    if args and (os.path.basename(args[0]) in ("vllm",) or re.fullmatch(r"python[0-9.]*", os.path.basename(args[0]))):
+        return classify(args, container_env, where)
+    # the vllm/vllm-openai image's entrypoint is the OpenAI API server
+    return classify(["python3", "-m", "vllm.entrypoints.openai.api_server", *args], container_env, where)
+
+
 def classify(argv: list[str], env: dict[str, str], where: Where) -> Launch:
-    """Recognise vLLM, proxy, master, holder, metadata and pip commands."""
+    """Recognise vLLM, proxy, master, holder, metadata and pip commands (also vLLM in ``docker run``)."""
     head = os.path.basename(argv[0])
     rest = argv[1:]
     kind, program = OTHER, head
+    if head in ("docker", "podman") and rest[:1] == ["run"]:
+        launch = _docker(argv, env, where)
+        if launch is not None:
+            return launch
     if head == "vllm" and rest[:1] == ["serve"]:
         kind, program, rest = VLLM, "vllm serve", rest[1:]
     elif re.fullmatch(r"python[0-9.]*", head):
