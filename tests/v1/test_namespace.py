@@ -1,0 +1,83 @@
+"""Config-derived namespaces: what the scheduler keys by must be what the workers hold.
+
+The prediction is checked against a real vLLM CPU KV cache in test_connector.py
+(the worker refuses to start on a mismatch); here: the pure parts.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from mooncake_vllm.keys import KeyNamespace, RequestExtras
+from mooncake_vllm.v1.namespace import (
+    ExpectedLayout,
+    RankNamespaces,
+    check_layout,
+    model_id,
+    rank_namespaces,
+    request_extras,
+)
+
+
+class _Model:
+    model = "/models/tiny-llama/"
+    dtype = "torch.float32"
+    use_mla = False
+
+    def get_head_size(self) -> int:
+        return 32
+
+    def get_num_kv_heads(self, parallel: SimpleNamespace) -> int:
+        return max(1, 4 // parallel.tensor_parallel_size)
+
+    def get_total_num_hidden_layers(self) -> int:
+        return 6
+
+
+def _config(tp: int = 1, pp: int = 1, **extra: object) -> SimpleNamespace:
+    return SimpleNamespace(
+        model_config=_Model(),
+        cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=dict(extra)))
+
+
+def test_model_id_is_the_model_dir_name_unless_configured() -> None:
+    assert model_id(_config()) == "tiny-llama"
+    assert model_id(_config(model_id="shared")) == "shared"
+
+
+def test_one_namespace_per_tp_and_pp_rank_without_dp() -> None:
+    ranks = rank_namespaces(_config(tp=2, pp=2)).namespaces
+    assert [(n.tp_rank, n.tp_size, n.pp_rank) for n in ranks] == [
+        (0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]
+    assert len({n.prefix() for n in ranks}) == 4
+    assert all("L3:" in n.layout and ":2x32x64" in n.layout for n in ranks)  # 6 layers / 2 stages
+    (only,) = rank_namespaces(_config(tp=2, pp=2), only=(1, 1)).namespaces
+    assert only == ranks[3]
+
+
+def test_layout_variant_override_and_mismatch_message() -> None:
+    (ns,) = rank_namespaces(_config(layout_variant="amx")).namespaces
+    assert ns.layout.startswith("cpu:amx:float32:L6:")
+    expected = ExpectedLayout("cpu", "vec", "float32", 6, (4, 32, 64))
+    with pytest.raises(RuntimeError, match="cpu:vec:float32:L6:4x32x64"):
+        check_layout(expected, SimpleNamespace(fingerprint="cpu:vec:float32:L5:4x32x64"))
+
+
+def test_keys_for_is_rank_major() -> None:
+    a = KeyNamespace("m", "f", "l", 4, 0, 2)
+    b = KeyNamespace("m", "f", "l", 4, 1, 2)
+    keys = RankNamespaces((a, b)).keys_for(["d1", "d2"])
+    assert keys == [f"{a.prefix()}/d1", f"{a.prefix()}/d2", f"{b.prefix()}/d1", f"{b.prefix()}/d2"]
+
+
+def test_request_extras_collects_lora_salt_and_multimodal_hashes() -> None:
+    feature = SimpleNamespace(mm_position=SimpleNamespace(offset=5, length=10), mm_hash="h1",
+                              identifier="id1")
+    req = SimpleNamespace(lora_request=SimpleNamespace(lora_name="sql"), cache_salt="salt",
+                          mm_features=[feature])
+    assert request_extras(req) == RequestExtras("sql", "salt", ((5, 10, "h1"),))
+    assert request_extras(SimpleNamespace()) == RequestExtras()
