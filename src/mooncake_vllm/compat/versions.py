@@ -49,14 +49,15 @@ LAST_V0_RELEASE = "0.10.0"
 NEWEST_KNOWN_VLLM = "0.33.0"
 NEWEST_KNOWN_MOONCAKE = "0.3.13.post1"
 
-#: The vLLM releases the reference covers (vllm §1, §5, §6, §11 and the wheel list in running-on-cpu.md).
+#: The vLLM releases the reference names (vllm §1-§11, running-on-cpu.md wheel list; 0.8.1 and 0.8.5.post1
+#: fall inside its ranges). Releases it never mentions (e.g. 0.26.0) are left out rather than guessed.
 KNOWN_VLLM_RELEASES: tuple[str, ...] = (
     "0.6.4.post1", "0.6.5", "0.6.6", "0.6.6.post1", "0.7.0", "0.7.1", "0.7.2", "0.7.3",
     "0.8.0", "0.8.1", "0.8.2", "0.8.3", "0.8.4", "0.8.5", "0.8.5.post1",
     "0.9.0", "0.9.1", "0.9.2", "0.10.0", "0.10.1", "0.10.1.1", "0.10.2",
     "0.11.0", "0.11.1", "0.11.2", "0.12.0", "0.13.0", "0.14.0", "0.15.0", "0.15.1",
     "0.16.0", "0.17.0", "0.18.0", "0.19.0", "0.19.1", "0.20.0", "0.21.0", "0.22.0",
-    "0.23.0", "0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0",
+    "0.23.0", "0.24.0", "0.25.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0",
     "0.31.0", "0.32.0", "0.33.0",
 )  # fmt: skip
 
