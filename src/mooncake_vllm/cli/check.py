@@ -13,6 +13,8 @@ __all__ = ["configure", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("exit codes: 0 clean, 2 warnings only, 3 blocking errors, 1 the tool itself failed (bad input). "
+                     "Rules: --list-rules; silence one with --ignore ID.")
     parser.add_argument("paths", nargs="*", metavar="PATH",
                         help="launch scripts, mooncake*.json configs, env files or directories "
                              "(default: the current environment and installed packages)")
