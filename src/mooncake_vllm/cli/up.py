@@ -48,9 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"holder service port (default {DEFAULT_PORTS['holder']}, or a free one if taken)")
     parser.add_argument("--client-ttl", type=int, default=10,
                         help="seconds until the master drops a silent client's memory (default 10)")
-    parser.add_argument("--holder", choices=("mooncake_client", "python"), default="mooncake_client",
-                        help="holder process: the wheel's mooncake_client (default, Mooncake >= 0.3.8) "
-                             "or `mooncake-vllm holder`")
+    parser.add_argument("--holder", choices=("auto", "mooncake_client", "python"), default="auto",
+                        help="holder process: the wheel's mooncake_client (Mooncake >= 0.3.8) or "
+                             "`mooncake-vllm holder`; auto (default) = mooncake_client when present")
     parser.add_argument("--model", default=SEED_MODEL, help="model shown in the printed vllm serve lines")
 
 

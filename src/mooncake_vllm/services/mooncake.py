@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 METADATA_KINDS = ("mooncake", "embedded", "p2p")
-HOLDER_KINDS = ("mooncake_client", "python")
+HOLDER_KINDS = ("auto", "mooncake_client", "python")
 P2P = "P2PHANDSHAKE"
 
 #: Progress callback: (component, state, detail); state is "starting" | "ready" | "stopped".
@@ -225,7 +225,7 @@ def start_holder(
     segment_size: int = 256 << 20,
     local_buffer: int = 64 << 20,
     *,
-    kind: str = "mooncake_client",
+    kind: str = "auto",
     port: int | None = None,
     timeout: float = 30.0,
     name: str = "pool_holder",
@@ -235,12 +235,19 @@ def start_holder(
     ``kind="mooncake_client"`` runs the wheel's standalone ``mooncake_client``
     (verified: pure clients in other processes put into it with ordinary
     ``setup(..., 0, ...)``, and data outlives them); ``kind="python"`` runs
-    ``mooncake-vllm holder``. Ready once its segment is mounted.
+    ``mooncake-vllm holder``; ``kind="auto"`` picks mooncake_client when the wheel
+    has it (Mooncake >= 0.3.8), else the Python holder. Ready once its segment is mounted.
     """
     if kind not in HOLDER_KINDS:
         raise ValueError(f"holder kind: got {kind!r}, expected one of {HOLDER_KINDS}")
     if segment_size <= 0:
         raise ValueError(f"segment_size: got {segment_size}, expected > 0 bytes (the holder's pool memory)")
+    if kind == "auto":
+        try:
+            find_binary("mooncake_client", name)
+            kind = "mooncake_client"
+        except ServiceError:
+            kind = "python"
     if kind == "mooncake_client":
         binary = find_binary("mooncake_client", name)
 
@@ -284,7 +291,7 @@ class LocalStack:
         master_port: int | None = None,
         metadata_port: int | None = None,
         holder_port: int | None = None,
-        holder: str = "mooncake_client",
+        holder: str = "auto",
         metadata_backend: str = "memory",
         progress: Progress | None = None,
     ) -> None:
