@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from mooncake_vllm.services import ManagedProcess, free_port, http_probe
 
@@ -49,3 +51,32 @@ def test_cli_rejects_a_bad_address_naming_the_flag() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--prefill" in out.stderr and "must be written in brackets" in out.stderr
+
+
+def test_sigterm_lets_streams_in_flight_finish(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with stubs(1) as (p,), stubs(1, tokens=10, delay=0.1) as (d,):
+            port = free_port()
+            argv = [*CLI, "proxy", "--model", MODEL, "-p", p.address, "-d", d.address, "--port", str(port)]
+            proc = ManagedProcess("proxy", argv, workdir=tmp_path, port=port).start()
+            try:
+                await asyncio.to_thread(proc.wait_ready, http_probe(f"http://127.0.0.1:{port}/health"), 30)
+                async with aiohttp.ClientSession() as c:
+                    async with c.post(f"http://127.0.0.1:{port}/v1/completions",
+                                      json={"prompt": "x", "stream": True}) as r:
+                        first = await r.content.readline()
+                        os.kill(proc.pid, signal.SIGTERM)  # mid-stream, by PID
+                        rest = await r.read()
+                    events = sse_events(first + rest)
+                    assert len(events) == 11 and events[-1] == "[DONE]"
+                    for _ in range(200):
+                        if proc.returncode is not None:
+                            break
+                        await asyncio.sleep(0.1)
+                    assert proc.returncode == 0
+                    with pytest.raises(aiohttp.ClientConnectionError):  # no longer listening
+                        await c.get(f"http://127.0.0.1:{port}/health")
+            finally:
+                proc.stop()
+
+    run(go, timeout=60)

@@ -36,24 +36,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-failures", type=int, default=2,
                         help="consecutive failed health checks before an instance leaves rotation (default 2)")
     parser.add_argument("--drain-timeout", type=float, default=300.0,
-                        help="seconds /instances/remove waits for in-flight requests")
+                        help="seconds /instances/remove and shutdown (SIGTERM) wait for requests in flight")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="upper bound on one upstream request, seconds (default: none)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
 async def _serve(server) -> None:  # noqa: ANN001 - ProxyServer, imported lazily
+    """Serve until SIGTERM/SIGINT, then stop listening and let requests in flight finish."""
+    import signal
+
+    log = logging.getLogger("mooncake_vllm.proxy")
     port = await server.start()
     cfg = server.config
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-    logging.getLogger("mooncake_vllm.proxy").info(
-        "proxy for %s on http://%s:%d (%d prefill, %d decode, flow=%s, scheduling=%s, admin API %s)",
-        cfg.model, host, port, len(cfg.prefill), len(cfg.decode), cfg.flow, cfg.scheduling,
-        "enabled" if cfg.admin_api_key else "disabled")
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await server.stop()
+    log.info("proxy for %s on http://%s:%d (%d prefill, %d decode, flow=%s, scheduling=%s, admin API %s)",
+             cfg.model, host, port, len(cfg.prefill), len(cfg.decode), cfg.flow, cfg.scheduling,
+             "enabled" if cfg.admin_api_key else "disabled")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping: no new connections, waiting up to %.0f s for requests in flight", cfg.drain_timeout)
+    await server.stop()
 
 
 def run(args: argparse.Namespace) -> int:

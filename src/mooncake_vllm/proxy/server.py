@@ -149,7 +149,8 @@ class ProxyServer:
 
     async def start(self) -> int:
         """Serve on ``config.host:config.port`` (0 = a free port); returns the port."""
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # on stop: listening ends at once, handlers in flight get up to drain_timeout to finish
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=self.config.drain_timeout)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=1024)
         await site.start()
