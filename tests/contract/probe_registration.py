@@ -3,6 +3,10 @@ loader, then resolve the seed's JSON through that release's real factory and
 KVTransferConfig. Prints one JSON object (read by test_contract.py).
 
 Usage: python probe_registration.py '<seed json>'   (MOONCAKE_CONFIG_PATH must be set)
+
+With ``MOONCAKE_VLLM_DISABLE=1`` it probes the opt-out instead: the registry is
+left alone, the plain name resolves to vLLM's own class, and
+``kv_connector_module_path`` selects ours explicitly where the release honours it.
 """
 
 from __future__ import annotations
@@ -75,6 +79,21 @@ def _parse_cli(seed: str) -> Any:
     return EngineArgs.from_cli_args(args).kv_transfer_config
 
 
+def disabled(F: Any, facts: Any) -> None:
+    """The opt-out: what the plain name and the explicit module path resolve to."""
+    from vllm.config import KVTransferConfig
+
+    if NAME in F._registry:
+        out["plain"] = _loader_target(F._registry[NAME])
+    if hasattr(F, "get_connector_class"):
+        ktc = KVTransferConfig(kv_connector=NAME, kv_role="kv_both",
+                               kv_connector_module_path="mooncake_vllm.compat.facade")
+        try:
+            out["module_path"] = {"class": _describe(F.get_connector_class(ktc))}
+        except Exception as exc:  # noqa: BLE001
+            out["module_path"] = {"error": _error(exc)}
+
+
 def main() -> None:
     from mooncake_vllm.compat import installed_vllm, vllm_facts
 
@@ -97,6 +116,9 @@ def main() -> None:
     register()
     out["idempotent"] = F._registry.get(NAME) is loader
     out["log"] = log_buffer.getvalue().splitlines()
+    if os.environ.get("MOONCAKE_VLLM_DISABLE") == "1":
+        disabled(F, facts)
+        return
 
     try:
         ktc = _parse_cli(SEED)

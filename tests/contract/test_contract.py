@@ -113,7 +113,7 @@ def probe(module_local_stack, tmp_path_factory) -> dict:
     env.pop("VLLM_PLUGINS", None)
     script = Path(__file__).with_name("probe_registration.py")
     proc = subprocess.run([sys.executable, str(script), SEED_JSON], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path_factory.mktemp("probe"))
+                          text=True, timeout=900, cwd=tmp_path_factory.mktemp("probe"))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE-JSON ")]
     assert lines, f"probe printed no result (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     result = json.loads(lines[-1].removeprefix("PROBE-JSON "))
@@ -151,3 +151,29 @@ def test_v0_path_builds_our_v0_class_or_fails_clearly(probe: dict) -> None:
         err = v0["error"]
         assert err and err["type"] == "UnsupportedVersionError", v0
         assert LAST_V0_RELEASE in err["message"] and "mooncake-vllm check" in err["message"]
+
+
+@pytest.fixture(scope="module")
+def probe_disabled(module_local_stack, tmp_path_factory) -> dict:
+    """The same probe with MOONCAKE_VLLM_DISABLE=1 (the user keeps vLLM's own connector)."""
+    env = {**os.environ, **module_local_stack.env(), "MOONCAKE_VLLM_DISABLE": "1"}
+    env.pop("VLLM_USE_V1", None)
+    script = Path(__file__).with_name("probe_registration.py")
+    proc = subprocess.run([sys.executable, str(script), SEED_JSON], env=env, capture_output=True,
+                          text=True, timeout=900, cwd=tmp_path_factory.mktemp("probe-disabled"))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE-JSON ")]
+    assert lines, f"probe printed no result (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    result = json.loads(lines[-1].removeprefix("PROBE-JSON "))
+    assert "fatal" not in result, result.get("traceback")
+    return result
+
+
+def test_opt_out_leaves_vllms_own_connector_and_module_path_still_selects_ours(probe_disabled: dict) -> None:
+    assert probe_disabled["after"] == probe_disabled["before"]
+    taken = FACTS.in_tree_v0_store or FACTS.in_tree_v1_store
+    if taken:
+        assert FACADE not in probe_disabled["plain"]
+    if FACTS.max_mooncake:  # vLLM <= 0.8.4's own connector imports mooncake_vllm_adaptor
+        assert any("mooncake_vllm_adaptor" in ln and FACTS.max_mooncake in ln for ln in probe_disabled["log"])
+    if "module_path" in probe_disabled:  # releases with get_connector_class (0.10.1+)
+        assert probe_disabled["module_path"] == {"class": "mooncake_vllm.v1.connector.MooncakeStoreConnector"}
