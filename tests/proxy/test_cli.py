@@ -80,3 +80,11 @@ def test_sigterm_lets_streams_in_flight_finish(tmp_path: Path) -> None:
                 proc.stop()
 
     run(go, timeout=60)
+
+
+def test_vllm_p2p_proxy_prefill_form_is_accepted() -> None:
+    from mooncake_vllm.cli.proxy import join_bootstrap_ports
+
+    items = ["http://10.0.0.2:8100", "9000", "http://10.0.0.3:8100", "none", "[::1]:8100", "h:1@5", "7"]
+    assert join_bootstrap_ports(items) == ["http://10.0.0.2:8100@9000", "http://10.0.0.3:8100", "[::1]:8100",
+                                           "h:1@5", "7"]

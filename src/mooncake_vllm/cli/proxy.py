@@ -10,7 +10,20 @@ import argparse
 import asyncio
 import logging
 
-__all__ = ["configure", "run"]
+__all__ = ["configure", "join_bootstrap_ports", "run"]
+
+
+def join_bootstrap_ports(items: list[str]) -> list[str]:
+    """Accept vLLM's P2P proxy form ``--prefill URL [BOOTSTRAP_PORT|none]``: a bare port
+    (or ``none``) after an address becomes its ``@port`` suffix."""
+    out: list[str] = []
+    for item in items:
+        if out and "@" not in out[-1] and (item.isdigit() or item.lower() == "none"):
+            if item.isdigit():
+                out[-1] = f"{out[-1]}@{item}"
+            continue
+        out.append(item)
+    return out
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -19,8 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", "-m", required=True, help="model every instance must serve (basename match)")
     parser.add_argument("--prefill", "-p", nargs="+", action="extend", default=[], metavar="HOST:PORT",
-                        help="prefill instances: host:port, [ipv6]:port or dns:port; "
-                             "P2P bootstrap port as host:port@8998")
+                        help="prefill instances: host:port, [ipv6]:port or dns:port (http:// optional); "
+                             "P2P bootstrap port as host:port@8998 or 'host:port 8998'")
     parser.add_argument("--decode", "-d", nargs="+", action="extend", default=[], metavar="HOST:PORT",
                         help="decode instances")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -72,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = ProxyServer(config_from_env(
-            model=args.model, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
+            model=args.model, prefill=join_bootstrap_ports(args.prefill), decode=args.decode,
+            host=args.host, port=args.port,
             scheduling=args.scheduling, flow=args.flow, target_vllm=args.target_vllm,
             health_interval=args.health_interval, health_failures=args.health_failures,
             drain_timeout=args.drain_timeout, request_timeout=args.request_timeout))
