@@ -146,11 +146,12 @@ def tiny_model() -> Path:
 _LOG_LINES = int(os.environ.get("MOONCAKE_VLLM_TEST_LOG_LINES", "60"))
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    item.stash[_FIRST] = len(started())
-
-
 _FIRST = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_FIRST] = len(started())  # before this test's fixtures start anything
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -165,7 +166,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     shared = [p for p in running() if p not in mine]  # module/session fixtures still up
     for proc in [*shared, *mine]:
         state = "alive" if proc.alive() else f"exit code {proc.returncode}"
-        title = f"{proc.name} pid {proc._popen.pid if proc._popen else '?'} ({state}) log {proc.log_path}"
+        title = f"{proc.name} pid {proc.pid} ({state}) log {proc.log_path}"
         report.sections.append((title, proc.log_tail(_LOG_LINES) or "(empty log)"))
 
 
