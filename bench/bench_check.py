@@ -8,8 +8,11 @@ Two figures, median of ``--runs`` each:
               command costs when the 2 shared cores are not busy with other work
 * in-process: ``run_check`` alone in a warm interpreter (parsing + rules)
 
-The exit status is 0 when the CLI's median CPU time is under the target and 1
-otherwise; the load average is printed because wall time tracks it.
+Each CLI figure is taken twice: with Python's bytecode cache (kept in a temp
+dir via PYTHONPYCACHEPREFIX, as a normal install has it) and without one
+(PYTHONDONTWRITEBYTECODE=1: every module compiled on each run). The exit
+status is 0 when the cached CLI's median CPU time is under the target; the load
+average is printed because wall time tracks it.
 
 Input: the seed's V0 and V1 examples (tests/checker/data), plus a synthetic
 directory of ``--instances`` launch lines to show how it scales.
@@ -51,13 +54,29 @@ def _synthetic(directory: Path, instances: int) -> Path:
     return directory
 
 
-def _cli_times(paths: list[Path], runs: int) -> tuple[list[float], list[float]]:
+def _cli_env(pycache: str | None) -> dict[str, str]:
+    """The child's environment: with ``pycache``, bytecode is cached there (as a normal install does)."""
+    env = dict(os.environ)
+    if pycache is None:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        env.pop("PYTHONPYCACHEPREFIX", None)
+    else:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = pycache  # keeps the source tree free of __pycache__
+    return env
+
+
+def _cli_times(paths: list[Path], runs: int, pycache: str | None) -> tuple[list[float], list[float]]:
     cli = Path(sys.executable).parent / "mooncake-vllm"
     wall, cpu = [], []
+    env = _cli_env(pycache)
+    if pycache is not None:  # warm the bytecode cache once
+        subprocess.run([str(cli), "check", *map(str, paths)], capture_output=True, env=env)
     for _ in range(runs):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
-        proc = subprocess.run([str(cli), "check", *map(str, paths), "--format", "json"], capture_output=True)
+        proc = subprocess.run([str(cli), "check", *map(str, paths), "--format", "json"], capture_output=True,
+                              env=env)
         wall.append(time.perf_counter() - start)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
@@ -97,15 +116,17 @@ def main(argv: list[str] | None = None) -> int:
               f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
         worst_wall = worst_cpu = 0.0
         for label, paths in cases.items():
-            wall, cpu = _cli_times(paths, args.runs)
+            for cache, pycache in (("bytecode cached", str(Path(tmp) / "pycache")), ("no bytecode", None)):
+                wall, cpu = _cli_times(paths, args.runs, pycache)
+                print(_row(f"cli wall  {cache:<15} {label}", wall))
+                print(_row(f"cli cpu   {cache:<15} {label}", cpu))
+                if pycache is not None:  # a normal install has its bytecode cached: that is the target case
+                    worst_wall = max(worst_wall, statistics.median(wall))
+                    worst_cpu = max(worst_cpu, statistics.median(cpu))
             warm, findings = _inprocess_times(paths, args.runs)
-            print(_row(f"cli wall     {label}", wall))
-            print(_row(f"cli cpu      {label}", cpu))
-            print(_row(f"in-process   {label}", warm) + f"  ({findings} findings)")
-            worst_wall = max(worst_wall, statistics.median(wall))
-            worst_cpu = max(worst_cpu, statistics.median(cpu))
-    print(f"worst CLI median: wall {worst_wall * 1000:.1f} ms, cpu {worst_cpu * 1000:.1f} ms; target "
-          f"{TARGET_S * 1000:.0f} ms: {'within target' if worst_cpu < TARGET_S else 'OVER TARGET'} (cpu)")
+            print(_row(f"in-process                {label}", warm) + f"  ({findings} findings)")
+    print(f"worst CLI median with cached bytecode: wall {worst_wall * 1000:.1f} ms, cpu {worst_cpu * 1000:.1f} ms; "
+          f"target {TARGET_S * 1000:.0f} ms: {'within target' if worst_cpu < TARGET_S else 'OVER TARGET'} (cpu)")
     return 0 if worst_cpu < TARGET_S else 1
 
 
