@@ -232,9 +232,15 @@ def test_pool_holder_fixture_mounts_memory(mooncake_master: ManagedProcess, pool
     assert "/ 256.00 MB" in summary, summary[:300]
 
 
-def test_unknown_metadata_kind_is_rejected(workdir: Path) -> None:
-    with pytest.raises(ValueError, match="metadata: got 'zookeeper'"):
-        LocalStack(workdir, metadata="zookeeper")
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"metadata": "zookeeper"}, "metadata: got 'zookeeper'"),
+    ({"holder": "memcached"}, "holder: got 'memcached'"),
+    ({"segment_size": 0}, "segment_size: got 0"),
+    ({"local_buffer_size": -1}, "local_buffer_size: got -1"),
+])
+def test_bad_stack_parameters_name_the_field(workdir: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LocalStack(workdir, **kwargs)
 
 
 @pytest.mark.parametrize(("holder", "metadata"), [

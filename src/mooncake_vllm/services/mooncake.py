@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mooncake_vllm.services.process import (
@@ -57,12 +57,12 @@ def client_env() -> dict[str, str]:
     }
 
 
-def _env(extra: Mapping[str, str] | None = None, *, quiet: bool = False) -> dict[str, str]:
+def _env() -> dict[str, str]:
+    """Environment of our Mooncake servers/holders: client_env() but with glog INFO kept
+    (their logs are attached to failing tests)."""
     env = dict(os.environ)
     env.update(client_env())
-    if not quiet:  # servers keep INFO logs: they are attached to failing tests
-        env.pop("MC_LOG_LEVEL", None)
-    env.update(extra or {})
+    env.pop("MC_LOG_LEVEL", None)
     return env
 
 
@@ -299,6 +299,10 @@ class LocalStack:
             raise ValueError(f"metadata: got {metadata!r}, expected one of {', '.join(METADATA_KINDS)}")
         if local_buffer_size <= 0:
             raise ValueError(f"local_buffer_size: got {local_buffer_size}, expected > 0 bytes")
+        if segment_size <= 0:
+            raise ValueError(f"segment_size: got {segment_size}, expected > 0 bytes (the holder's pool memory)")
+        if holder not in HOLDER_KINDS:
+            raise ValueError(f"holder: got {holder!r}, expected one of {', '.join(HOLDER_KINDS)}")
         self.workdir = Path(workdir)
         self.metadata_kind = metadata
         self.segment_size = segment_size
@@ -358,6 +362,7 @@ class LocalStack:
     def start(self) -> LocalStack:
         """Start master, metadata and holder; write the config. On failure stop what started."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.unlink(missing_ok=True)  # a stale config would point at dead ports
         try:
             self.master = self._step("master", lambda: start_master(
                 self.workdir, self.client_ttl, port=self.ports["master"]))
