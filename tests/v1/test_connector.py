@@ -231,7 +231,7 @@ def test_serving_path_with_the_seed_config(tiny_model: Path, stack: LocalStack,
     for name in ("serve-a", "serve-b"):
         server = start_vllm_server(tiny_model, None, tmp_path, seed_json, stack.env(),
                                    extra_args=("--served-model-name", "m"), name=name,
-                                   timeout=240)
+                                   timeout=600)
         try:
             answers.append(_complete(server.url, prompt)["choices"][0]["text"])
             time.sleep(0.5)  # saves run off-thread

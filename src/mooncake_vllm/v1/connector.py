@@ -6,7 +6,9 @@ Select it with::
 
 (after ``pip install mooncake-vllm`` the ``vllm.general_plugins`` entry point makes
 the name resolve to this class), or explicitly with
-``"kv_connector_module_path": "mooncake_vllm.v1.connector"``. The Mooncake
+``"kv_connector_module_path": "mooncake_vllm.v1.connector"``. To keep vLLM's
+in-tree class of the same name (vLLM >= 0.21) set ``MOONCAKE_VLLM_DISABLE=1``
+(the plugin then leaves the name alone). The Mooncake
 settings come from ``$MOONCAKE_CONFIG_PATH`` (both the V0 and the V1 JSON shapes,
 ``"global_segment_size": "0"`` included). Private settings go in
 ``kv_connector_extra_config``:
