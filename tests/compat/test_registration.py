@@ -52,15 +52,25 @@ def real_factory():
     reg._installed.pop(id(KVConnectorFactory), None)
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 @pytest.fixture
-def our_log(caplog):
+def our_log():
     """Records of our "vllm.mooncake_vllm" loggers (vLLM's "vllm" logger may not propagate to root)."""
     logger = logging.getLogger("vllm.mooncake_vllm")
     old = logger.level
-    logger.addHandler(caplog.handler)
+    handler = _Records()
+    logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    yield caplog
-    logger.removeHandler(caplog.handler)
+    yield handler
+    logger.removeHandler(handler)
     logger.setLevel(old)
 
 
