@@ -254,3 +254,34 @@ def test_p2p_needs_vllm_0_13() -> None:
 def test_unknown_flow_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--flow: 'pd' is not a flow"):
         ProxyServer(ProxyConfig(model=MODEL, flow="pd"))
+
+
+def test_p2p_prefill_without_registered_engine_stays_out_of_rotation() -> None:
+    async def go() -> None:
+        async with stubs(1, engine_id=None) as (p,), stubs(1) as (d,), \
+                proxy([f"{p.address}@{p.port}"], [d], flow="p2p") as (s, url, c):
+            async with c.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 503
+                assert "has no engine registered yet" in (await r.json())["error"]["message"]
+            p.engine_id = "eng-late"
+            await wait_for(lambda: bool(s.pool.available("prefill")))
+            async with c.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 200
+            assert d.received[-1]["kv_transfer_params"]["remote_engine_id"] == "eng-late"
+
+    run(go)
+
+
+def test_prefix_scheduling_keeps_a_prompt_prefix_on_one_instance() -> None:
+    async def go() -> None:
+        async with stubs(3) as ps, stubs(3) as ds, proxy(ps, ds, scheduling="prefix") as (_s, url, c):
+            system = "You are a careful assistant. " * 12
+            for k in range(6):
+                msgs = [{"role": "system", "content": system}, {"role": "user", "content": "q"}]
+                body = {"messages": msgs + [{"role": "user", "content": f"turn {k}"}] * k}
+                async with c.post(url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+            assert sorted(len(p.received) for p in ps) == [0, 0, 6]
+            assert sorted(len(d.received) for d in ds) == [0, 0, 6]
+
+    run(go)

@@ -29,7 +29,7 @@ class StubUpstream:
     fail_status: int | None = None  # answer completions with this status
     unhealthy: bool = False  # /health answers 503
     die_after: int | None = None  # cut the stream after this many chunks
-    engine_id: str = "engine-0"
+    engine_id: str | None = "engine-0"  # None: the bootstrap /query has no engine yet
     kv_params_out: dict[str, Any] | None = None  # returned in a non-stream answer
     host: str = "127.0.0.1"
     port: int = 0
@@ -77,6 +77,8 @@ class StubUpstream:
         return web.json_response({"version": self.version})
 
     async def _query(self, _r: web.Request) -> web.Response:
+        if self.engine_id is None:
+            return web.json_response({})
         return web.json_response({"0": {"engine_id": self.engine_id, "worker_addr": {"0": {"0": "x:1"}}}})
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
