@@ -107,6 +107,13 @@ class MooncakeStoreConnector(KVConnectorBase):
                                          kv_caches: list[torch.Tensor],
                                          hidden_or_intermediate_states: Any) -> None:
         """Store the full blocks and the tail of every prefill sequence of the batch."""
+        try:
+            self._send(model_input, kv_caches, hidden_or_intermediate_states)
+        except Exception:  # noqa: BLE001 - a failed save is a future miss, never a dead engine
+            log.warning("mooncake-vllm V0: saving a batch failed; continuing", exc_info=True)
+
+    def _send(self, model_input: Any, kv_caches: list[torch.Tensor],
+              hidden_or_intermediate_states: Any) -> None:
         why = self._unsupported(model_input)
         if why:
             return self._skip(why)
@@ -130,6 +137,13 @@ class MooncakeStoreConnector(KVConnectorBase):
     def recv_kv_caches_and_hidden_states(self, model_executable: Any, model_input: Any,
                                          kv_caches: list[torch.Tensor]) -> tuple[Any, bool, Any]:
         """Load every sequence and skip the forward pass, or load nothing and recompute."""
+        try:
+            return self._recv(model_input, kv_caches)
+        except Exception:  # noqa: BLE001 - recompute rather than fail the request
+            log.warning("mooncake-vllm V0: loading a batch failed; vLLM recomputes it", exc_info=True)
+            return None, False, model_input
+
+    def _recv(self, model_input: Any, kv_caches: list[torch.Tensor]) -> tuple[Any, bool, Any]:
         miss = (None, False, model_input)
         why = self._unsupported(model_input)
         if why:
