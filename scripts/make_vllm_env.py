@@ -41,7 +41,7 @@ import time
 import zipfile
 from pathlib import Path
 
-__all__ = ["main", "build_env", "env_path"]
+__all__ = ["build_env", "env_path", "main", "pip_settings", "plan_requirements", "wheel_facts"]
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_TORCH = "torch==2.13.0+cpu"
@@ -163,6 +163,13 @@ def req_name(req: str) -> str:
     return re.sub(r"[-_.]+", "-", m.group(1)).lower() if m else req
 
 
+def plan_requirements(reqs: list[str]) -> tuple[list[str], list[str]]:
+    """(requirements to resolve, uv overrides): GPU-only packages out, torch pinned to CPU."""
+    keep = [r for r in reqs if req_name(r) not in GPU_ONLY and req_name(r) != "torch"]
+    overrides = [CPU_TORCH] + [f'{n}; sys_platform == "never"' for n in GPU_ONLY]
+    return keep, overrides
+
+
 def write_platform_plugin(env: Path) -> None:
     """Install the test-only platform plugin as a plain dist-info (no build needed)."""
     site = next((env / "lib").glob("python3*/site-packages"))
@@ -185,8 +192,7 @@ def build_env(version: str, *, mooncake: str = DEFAULT_MOONCAKE, force: bool = F
     wheel = fetch_wheel(tools, "vllm", version)
     reqs, newest = wheel_facts(wheel)
     cutoff = exclude_newer or (newest + dt.timedelta(days=2)).strftime("%Y-%m-%dT00:00:00Z")
-    keep = [r for r in reqs if req_name(r) not in GPU_ONLY and req_name(r) != "torch"]
-    overrides = [CPU_TORCH] + [f'{n}; sys_platform == "never"' for n in GPU_ONLY]
+    keep, overrides = plan_requirements(reqs)
     digest = hashlib.sha256(json.dumps(
         [RECIPE, version, wheel.name, cutoff, keep, overrides, mooncake, TEST_TOOLS]).encode()
     ).hexdigest()[:16]

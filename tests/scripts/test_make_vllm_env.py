@@ -1,0 +1,62 @@
+"""The old-vLLM env builder: requirement filtering, wheel facts, pip settings, reuse."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("make_vllm_env", ROOT / "scripts" / "make_vllm_env.py")
+mk = importlib.util.module_from_spec(_spec)
+sys.modules["make_vllm_env"] = mk
+_spec.loader.exec_module(mk)
+
+
+def _wheel(tmp_path: Path, requires: list[str]) -> Path:
+    path = tmp_path / "vllm-0.10.0-cp38-abi3-manylinux1_x86_64.whl"
+    meta = "Metadata-Version: 2.1\nName: vllm\nVersion: 0.10.0\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(zipfile.ZipInfo("vllm/__init__.py", (2025, 7, 24, 22, 0, 0)), "")
+        z.writestr(zipfile.ZipInfo("vllm-0.10.0.dist-info/METADATA", (2025, 7, 24, 23, 10, 22)), meta)
+    return path
+
+
+def test_requirements_drop_gpu_packages_and_pin_cpu_torch(tmp_path: Path) -> None:
+    reqs, newest = mk.wheel_facts(_wheel(tmp_path, [
+        "torch==2.7.1", "torchaudio==2.7.1", "xformers==0.0.31; platform_system == 'Linux'",
+        "ray[cgraph]!=2.44.*,>=2.43.0", "transformers>=4.53.2", "Pillow", "pytest; extra == 'test'"]))
+    assert newest.isoformat() == "2025-07-24T23:10:22"
+    keep, overrides = mk.plan_requirements(reqs)
+    assert keep == ["transformers>=4.53.2", "Pillow"]
+    assert overrides[0] == mk.CPU_TORCH
+    assert 'triton; sys_platform == "never"' in overrides and 'ray; sys_platform == "never"' in overrides
+
+
+def test_pip_settings_are_passed_to_uv(tmp_path: Path, monkeypatch) -> None:
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nfind-links = /opt/w1\nextra-index-url = file:///a file:///b\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    settings = mk.pip_settings()
+    assert "/opt/w1" in settings["find-links"]
+    assert {"file:///a", "file:///b"} <= set(settings["extra-index-url"])
+    args = mk.uv_index_args()
+    assert args[:2] == ["--index-strategy", "unsafe-best-match"]
+    assert "file:///b" in args
+
+
+def test_a_built_env_is_reused_at_once() -> None:
+    stamp = mk.env_path("0.10.0") / "mooncake-vllm-env.json"
+    if not stamp.exists():
+        pytest.skip("no vLLM 0.10.0 env built yet (python scripts/make_vllm_env.py 0.10.0)")
+    start = time.monotonic()
+    assert mk.build_env("0.10.0") == mk.env_path("0.10.0")
+    assert time.monotonic() - start < 10
+    facts = json.loads(stamp.read_text())
+    assert facts["vllm"] == "0.10.0" and facts["exclude_newer"].startswith("2025-07-26")
