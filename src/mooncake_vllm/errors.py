@@ -12,6 +12,7 @@ from dataclasses import dataclass
 __all__ = [
     "ConfigError",
     "ConfigProblem",
+    "ServiceError",
     "StoreError",
     "StoreUnavailableError",
     "UnsafeHashingError",
@@ -47,6 +48,11 @@ class ConfigError(ValueError):
     @property
     def fields(self) -> list[str]:
         return [p.field for p in self.problems]
+
+
+class ServiceError(RuntimeError):
+    """A local service (master, metadata, holder, etcd, redis, vLLM) could not be found,
+    did not come up, or died."""
 
 
 class StoreUnavailableError(ConnectionError):

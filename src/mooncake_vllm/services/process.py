@@ -23,6 +23,8 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from mooncake_vllm.errors import ServiceError
+
 __all__ = [
     "SETUP_HINT",
     "ManagedProcess",
@@ -41,10 +43,6 @@ __all__ = [
 
 #: The command that installs every binary the services need.
 SETUP_HINT = "bash scripts/dev.sh setup"
-
-
-class ServiceError(RuntimeError):
-    """A service could not be found, did not come up, or died."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
