@@ -225,6 +225,9 @@ def test_p2p_bootstrap_flow_sends_matching_transfer_params() -> None:
             assert dec["do_remote_prefill"] is True and dec["remote_engine_id"] == "eng-P"
             assert dec["remote_bootstrap_addr"] == f"http://127.0.0.1:{p.port}"
             assert p.headers[0]["X-data-parallel-rank"] == "0"
+            status = await (await c.get(url + "/status")).json()
+            assert status["p2p_mode"] == "bootstrap"
+            assert status["instances"]["prefill"][0]["engine_ids"] == {"0": "eng-P"}
 
     run(go)
 

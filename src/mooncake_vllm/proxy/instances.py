@@ -176,6 +176,7 @@ class Instance:
             "requests": self.requests,
             "errors": self.errors,
             "last_error": self.last_error,
+            **({"engine_ids": {str(k): v for k, v in self.engine_ids.items()}} if self.engine_ids else {}),
         }
 
 
