@@ -288,3 +288,15 @@ def test_prefix_scheduling_keeps_a_prompt_prefix_on_one_instance() -> None:
             assert sorted(len(d.received) for d in ds) == [0, 0, 6]
 
     run(go)
+
+
+def test_upstream_dying_before_the_first_byte_gives_502() -> None:
+    async def go() -> None:
+        async with stubs(1) as ps, stubs(1, die_after=0) as (d,), proxy(ps, [d]) as (s, url, c):
+            async with c.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                assert r.status == 502 and r.content_type == "application/json"
+                assert "broke the stream" in (await r.json())["error"]["message"]
+            assert not s.pool.available("decode")  # a cut connection takes it out until a health check passes
+            await wait_for(lambda: bool(s.pool.available("decode")))
+
+    run(go)
