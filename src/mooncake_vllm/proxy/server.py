@@ -132,8 +132,10 @@ class ProxyServer:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=30, keepalive_timeout=60)
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=self.config.connect_timeout)
         # bodies are relayed as they come: ask upstreams for identity encoding, never decode
+        # no cookie jar: the proxy is stateless towards upstreams (and it is cheaper per request)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                             skip_auto_headers=("Accept-Encoding",))
+                                             skip_auto_headers=("Accept-Encoding",),
+                                             cookie_jar=aiohttp.DummyCookieJar())
         await admin.check_all(self)  # the first round before serving: no 503 at start-up
         self._health_task = asyncio.create_task(admin.health_loop(self))
 
