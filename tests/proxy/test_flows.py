@@ -27,7 +27,7 @@ def test_old_or_garbled_versions_are_refused() -> None:
 
 def test_prefill_body_store_and_p2p() -> None:
     body = {"prompt": "p", "max_tokens": 50, "max_completion_tokens": 50, "stream": True,
-            "stream_options": {"include_usage": True}, "n": 3}
+            "stream_options": {"include_usage": True}, "n": 3, "min_tokens": 5}
     store = flows.prefill_body(body, "store", "", "tid")
     assert store == {"prompt": "p", "max_tokens": 1, "max_completion_tokens": 1, "stream": False}
     assert body["max_tokens"] == 50  # the client's body is not mutated

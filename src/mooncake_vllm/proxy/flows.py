@@ -96,6 +96,7 @@ def prefill_body(body: dict[str, Any], flow: str, mode: str, transfer_id: str) -
     req["stream"] = False
     req.pop("stream_options", None)
     req.pop("n", None)  # one sequence is enough to fill the KV cache
+    req.pop("min_tokens", None)  # would exceed max_tokens=1 and be rejected
     if flow == "p2p":
         params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
         if mode == "bootstrap":
