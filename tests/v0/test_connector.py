@@ -196,3 +196,17 @@ def test_v0_blocks_are_a_miss_for_v1_with_cpu_layout(stack_env) -> None:
             source.close()
     finally:
         producer.close()
+
+
+def test_missing_or_unreadable_config_is_one_clear_error(monkeypatch, tmp_path) -> None:
+    from mooncake_vllm.errors import ConfigError
+
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    with pytest.raises(ConfigError) as info:
+        _connector()
+    assert "MOONCAKE_CONFIG_PATH" in str(info.value) and "master_server_address" in str(info.value)
+    missing = tmp_path / "nope.json"
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(missing))
+    with pytest.raises(ConfigError) as info:
+        _connector()
+    assert str(missing) in str(info.value)

@@ -11,8 +11,11 @@ from the installed release and ``VLLM_USE_V1``
 (:func:`~mooncake_vllm.compat.detect.detect_engine`).
 
 Bad input fails here, before vLLM builds anything, with one clear error:
-``VLLM_USE_V1=0`` on a release without V0, a missing or unreadable
-``MOONCAKE_CONFIG_PATH``, or a Mooncake the connector cannot use.
+``VLLM_USE_V1=0`` on a release without V0, or a Mooncake the connector cannot
+use. A missing or unreadable ``MOONCAKE_CONFIG_PATH`` is reported by the
+connector's constructor (:func:`~mooncake_vllm.config.load_store_config`: names
+the variable and shows a working file), because the V1 connector also accepts
+``kv_connector_extra_config["mooncake_config_path"]``, which only it can see.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def _check_mooncake() -> None:
 
 
 def resolve(env: Mapping[str, str] | None = None, *, engine: str | None = None,
-            check_config: bool = True) -> type:
+            check_mooncake: bool = True) -> type:
     """The connector class for the engine that is starting; raises on bad input."""
     env = os.environ if env is None else env
     dist = installed_vllm()
@@ -91,10 +94,7 @@ def resolve(env: Mapping[str, str] | None = None, *, engine: str | None = None,
             # one engine path only; detect_engine still raises the clear errors
             # (VLLM_USE_V1=0 on a release without V0, VLLM_USE_V1=1 without V1 connectors)
             engine = detect_engine(dist.version, env)
-    if check_config:
-        from mooncake_vllm.config import load_store_config
-
-        load_store_config(env=env)  # ConfigError names MOONCAKE_CONFIG_PATH and shows a file
+    if check_mooncake:
         _check_mooncake()
     module_name, class_name = CLASS_PATHS[engine]
     return getattr(importlib.import_module(module_name), class_name)

@@ -59,7 +59,9 @@ class MooncakeStoreConnector(KVConnectorBase):
         self.model_id = model_id(config)
         extra = config.kv_transfer_config.kv_connector_extra_config or {}
         self.variant = str(extra.get("layout_variant", ""))
-        self.store = store if store is not None else StoreClient.connect(load_store_config())
+        # the same two sources as the V1 connector: extra_config's path, else $MOONCAKE_CONFIG_PATH
+        self.store = store if store is not None else StoreClient.connect(
+            load_store_config(extra.get("mooncake_config_path")))
         self._layout: BlockLayout | None = None
         self._layout_key: tuple[int, ...] = ()
         self.namespace: KeyNamespace | None = None
