@@ -21,15 +21,16 @@
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_vllm.errors import ConfigError, ConfigProblem, UnsupportedVersionError
+from mooncake_vllm.compat.versions import release_of, vllm_facts
+from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.proxy.instances import Instance
 
 __all__ = [
+    "BOOTSTRAP_SINCE",
     "FLOWS",
     "P2P_MODES",
     "FlowPlan",
@@ -42,31 +43,28 @@ __all__ = [
 ]
 
 FLOWS: tuple[str, str] = ("store", "p2p")
-#: first vLLM version of each P2P ``kv_transfer_params`` protocol, newest first
-P2P_MODES: tuple[tuple[tuple[int, int, int], str], ...] = (((0, 16, 0), "bootstrap"), ((0, 13, 0), "handoff"))
-
-_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
+#: first vLLM release whose P2P MooncakeConnector needs a proxy-chosen ``transfer_id`` and a
+#: bootstrap server (vllm-kv-connector-api.md §9); whether a release has the P2P connector
+#: at all comes from ``compat.versions`` (``in_tree_mooncake_connector == "v1-p2p"``)
+BOOTSTRAP_SINCE: tuple[int, int, int] = (0, 16, 0)
+P2P_MODES: tuple[str, str] = ("handoff", "bootstrap")
 
 
 def parse_version(text: str, *, field_name: str = "--target-vllm") -> tuple[int, int, int]:
-    """``"0.16.0rc1"`` -> ``(0, 16, 0)``; ``ConfigError`` naming the field otherwise."""
-    m = _VERSION.match(str(text))
-    if not m:
-        raise ConfigError(field_name, [ConfigProblem(
-            field_name, f"{text!r} is not a vLLM version", "write it as X.Y.Z, e.g. 0.16.0")])
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+    """``"0.16.0rc1"`` -> ``(0, 16, 0)`` (PEP 440 via ``compat.versions``); ``ConfigError`` naming the field."""
+    major, minor, patch = (int(p) for p in release_of(str(text), what=field_name).split(".")[:3])
+    return major, minor, patch
 
 
 def p2p_mode(version: tuple[int, int, int]) -> str:
-    """The P2P ``kv_transfer_params`` protocol a vLLM version speaks."""
-    for first, mode in P2P_MODES:
-        if version >= first:
-            return mode
+    """The P2P ``kv_transfer_params`` protocol a vLLM release speaks: ``handoff`` or ``bootstrap``."""
     shown = ".".join(map(str, version))
-    raise UnsupportedVersionError(
-        f"--flow p2p needs vLLM's P2P MooncakeConnector (vLLM >= 0.13.0), but the target is {shown}; "
-        "use --flow store with MooncakeStoreConnector, or upgrade vLLM"
-    )
+    if vllm_facts(shown, strict=False).in_tree_mooncake_connector != "v1-p2p":
+        raise UnsupportedVersionError(
+            f"--flow p2p needs vLLM's P2P MooncakeConnector (vLLM >= 0.13.0), but the target is {shown}; "
+            "use --flow store with MooncakeStoreConnector, or upgrade vLLM"
+        )
+    return "bootstrap" if version >= BOOTSTRAP_SINCE else "handoff"
 
 
 def parse_engine_ids(payload: Any) -> dict[int, str]:
