@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 
+import aiohttp
 import pytest
 
 from mooncake_vllm.errors import ConfigError, UnsupportedVersionError
@@ -298,5 +299,21 @@ def test_upstream_dying_before_the_first_byte_gives_502() -> None:
                 assert "broke the stream" in (await r.json())["error"]["message"]
             assert not s.pool.available("decode")  # a cut connection takes it out until a health check passes
             await wait_for(lambda: bool(s.pool.available("decode")))
+
+    run(go)
+
+
+def test_proxy_listens_on_ipv6() -> None:
+    async def go() -> None:
+        async with stubs(1) as ps, stubs(1) as ds:
+            server = ProxyServer(ProxyConfig(model=MODEL, prefill=[ps[0].address], decode=[ds[0].address],
+                                             host="::1", port=0))
+            port = await server.start()
+            try:
+                async with aiohttp.ClientSession() as c:
+                    async with c.post(f"http://[::1]:{port}/v1/completions", json={"prompt": "x"}) as r:
+                        assert r.status == 200
+            finally:
+                await server.stop()
 
     run(go)
