@@ -13,6 +13,13 @@ of the percentiles is the latency the proxy adds. Throughput: each mode alone,
 alternating, same concurrency. Prints absolute figures and ratios.
 
     .venv/bin/python bench/bench_proxy.py [--streams 100] [--requests 1200] [--tokens 16] [--delay 0.02]
+                                          [--in-process]
+
+"direct" is not "decode only": the store flow's prefill round trip is part of the
+protocol, not of the proxy, so the direct client does it too. On a loaded box the
+extra process hop costs scheduler wait; ``--in-process`` runs everything on one
+event loop to isolate the proxy's own code, and a bare aiohttp request/response
+is timed first as the machine's yardstick.
 """
 
 from __future__ import annotations
@@ -102,18 +109,25 @@ async def _round(modes: tuple[str, ...], urls: dict[str, str], streams: int, req
     return lat
 
 
-async def _bench(args: argparse.Namespace, urls: dict[str, str], proxy_pid: int) -> tuple[Samples, dict[str, float]]:
+async def _bench(args: argparse.Namespace, urls: dict[str, str],
+                 proxy_pid: int | None) -> tuple[Samples, dict[str, float]]:
+    """Warm-up, then ``rounds`` of side-by-side latency and per-mode throughput.
+    ``proxy_pid`` None: everything runs in this process; CPU is counted for all of it."""
+
+    def cpu_now() -> float:
+        return time.process_time() if proxy_pid is None else _cpu_seconds(proxy_pid)
+
     await _round(MODES, urls, min(args.streams, 10), 60, args.tokens)  # warm-up: connections, code paths
     lat: Samples = {m: {"ttfb": [], "total": []} for m in MODES}
     rps = {m: 0.0 for m in MODES}
     per_round = max(2, args.requests // args.rounds)
     cpu = 0.0
     for _ in range(args.rounds):
-        c0 = _cpu_seconds(proxy_pid)
+        c0 = cpu_now()
         for mode, res in (await _round(MODES, urls, args.streams, per_round, args.tokens)).items():
             for key, values in res.items():
                 lat[mode][key] += values
-        cpu += _cpu_seconds(proxy_pid) - c0
+        cpu += cpu_now() - c0
         for mode in MODES:
             t0 = time.perf_counter()
             await _round((mode,), urls, args.streams, per_round // 2, args.tokens)
@@ -136,11 +150,69 @@ def _report(lat: Samples, rps: dict[str, float], args: argparse.Namespace) -> No
     rd, rp = rps["direct"], rps["proxied"]
     print(f"\nthroughput, each mode alone: direct {rd:.1f} req/s ({rd * args.tokens:.0f} chunks/s), "
           f"proxied {rp:.1f} req/s ({rp * args.tokens:.0f} chunks/s), ratio {rp / rd:.3f}")
-    print(f"proxy CPU per proxied request (prefill + relayed stream): {rps['proxy_cpu_ms']:.3f} ms")
+    if args.in_process:
+        print(f"CPU per request, client + stubs + proxy in one process: {rps['proxy_cpu_ms'] / 2:.3f} ms")
+    else:
+        print(f"proxy CPU per proxied request (prefill + relayed stream): {rps['proxy_cpu_ms']:.3f} ms")
     added = (_pct(p["total"], 0.5) - _pct(d["total"], 0.5)) * 1000
     added_fb = (_pct(p["ttfb"], 0.5) - _pct(d["ttfb"], 0.5)) * 1000
     print(f"added at p50: {added:.2f} ms total, {added_fb:.2f} ms first byte; "
           f"target < 1 ms: {'met' if max(added, added_fb) < 1.0 else 'NOT met'}")
+
+
+async def _calibrate(n: int = 400) -> float:
+    """Wall ms of one bare aiohttp GET exchange on loopback (client and server in this process):
+    the machine-speed yardstick the proxy's added latency can be compared with."""
+    from aiohttp import web
+
+    app = web.Application()
+
+    async def ok(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/", ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    try:
+        async with aiohttp.ClientSession() as session:
+            for i in range(n + 50):
+                if i == 50:
+                    t0 = time.perf_counter()
+                async with session.get(url) as r:
+                    await r.read()
+            return (time.perf_counter() - t0) / n * 1000
+    finally:
+        await runner.cleanup()
+
+
+def _run(coro):  # noqa: ANN001, ANN202 - runs a coroutine on uvloop when installed
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+async def _in_process(args: argparse.Namespace) -> tuple[Samples, dict[str, float]]:
+    from mooncake_vllm.proxy.server import ProxyConfig, ProxyServer
+    from mooncake_vllm.proxy.stub import StubUpstream
+
+    ups = [StubUpstream(model=MODEL, tokens=args.tokens, delay=args.delay) for _ in range(2)]
+    for up in ups:
+        await up.start()
+    server = ProxyServer(ProxyConfig(model=MODEL, prefill=[ups[0].address], decode=[ups[1].address], port=0))
+    port = await server.start()
+    try:
+        urls = {"prefill": f"http://{ups[0].address}", "decode": f"http://{ups[1].address}",
+                "proxy": f"http://127.0.0.1:{port}"}
+        return await _bench(args, urls, None)
+    finally:
+        await server.stop()
+        for up in ups:
+            await up.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     ap.add_argument("--tokens", type=int, default=16, help="SSE chunks per stream (default 16)")
     ap.add_argument("--delay", type=float, default=0.02, help="seconds between chunks (default 0.02)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run stubs, proxy and client on one event loop: measures the proxy's code on the "
+                         "critical path without the OS scheduler's cost of an extra process hop")
     args = ap.parse_args(argv)
+    print(f"machine yardstick: one bare aiohttp request/response on loopback takes {_run(_calibrate()):.3f} ms")
+    if args.in_process:
+        lat, rps = _run(_in_process(args))
+        _report(lat, rps, args)
+        return 0
     work = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     pre_port, dec_port, proxy_port = free_port(), free_port(), free_port()
     procs: list[ManagedProcess] = []
@@ -167,12 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         proxy.wait_ready(http_probe(f"http://127.0.0.1:{proxy_port}/health"), 30)
         urls = {"prefill": f"http://127.0.0.1:{pre_port}", "decode": f"http://127.0.0.1:{dec_port}",
                 "proxy": f"http://127.0.0.1:{proxy_port}"}
-        try:
-            import uvloop
-
-            lat, rps = uvloop.run(_bench(args, urls, proxy.pid))
-        except ImportError:
-            lat, rps = asyncio.run(_bench(args, urls, proxy.pid))
+        lat, rps = _run(_bench(args, urls, proxy.pid))
         _report(lat, rps, args)
     finally:
         for proc in reversed(procs):
