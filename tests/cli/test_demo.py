@@ -37,7 +37,7 @@ def test_demo_runs_end_to_end_and_cleans_up(tiny_model: Path, tmp_path: Path) ->
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tokens served from the pool" in proc.stdout
     assert "identical to A" in proc.stdout
-    assert " 288" in proc.stdout  # 9 full blocks of 32 of a 300-token prompt
+    assert " 256" in proc.stdout  # 2 full blocks of 128 of a 300-token prompt
     for line in proc.stdout.splitlines():
         if "ready" in line and "pid" in line:
             pid = int(line.split("pid", 1)[1].split()[0])
