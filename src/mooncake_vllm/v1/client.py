@@ -9,6 +9,7 @@ retries the connection now and then without ever blocking the engine.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,13 +18,29 @@ from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.errors import StoreUnavailableError
 from mooncake_vllm.store import StoreClient
 
-__all__ = ["SharedClient", "shared_client"]
+__all__ = ["SharedClient", "off_compute_cores", "shared_client"]
 
 log = logging.getLogger(__name__)
 
 _RETRY_SECONDS = 15.0
 _registry: dict[StoreConfig, SharedClient] = {}
 _registry_lock = threading.Lock()
+
+
+def off_compute_cores() -> None:
+    """Move the calling thread to cores vLLM does not compute on (its reserved ones).
+
+    vLLM's CPU backend pins the worker to its compute cores; threads started
+    from there (our save thread, Mooncake's transfer threads) would otherwise
+    steal time from the forward pass.
+    """
+    try:
+        compute = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - compute
+        if others:
+            os.sched_setaffinity(0, others)  # pid 0 = this thread only
+    except (AttributeError, OSError):  # not Linux, or a cpuset forbids it
+        pass
 
 
 class SharedClient:
@@ -50,7 +67,11 @@ class SharedClient:
                 self._connecting = True
             else:
                 return self._client
-        self._attempt()
+        # connect from a thread off the compute cores: Mooncake's own threads inherit it
+        worker = threading.Thread(target=self._attempt_off_compute, name="mcv-connect",
+                                  daemon=True)
+        worker.start()
+        worker.join(self._timeout + 5.0)
         return self._client
 
     def get(self) -> StoreClient | None:
@@ -63,7 +84,8 @@ class SharedClient:
             if self._connecting or not due:
                 return None
             self._connecting = True
-        threading.Thread(target=self._attempt, name="mcv-reconnect", daemon=True).start()
+        threading.Thread(target=self._attempt_off_compute, name="mcv-reconnect",
+                         daemon=True).start()
         return None
 
     def on_connect(self, callback: Callable[[StoreClient], None]) -> None:
@@ -74,6 +96,10 @@ class SharedClient:
                 self._listeners.append(callback)
                 return
         callback(client)
+
+    def _attempt_off_compute(self) -> None:
+        off_compute_cores()
+        self._attempt()
 
     def _attempt(self) -> None:
         try:

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 from mooncake_vllm.keys import KeyNamespace
 from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.v1.client import off_compute_cores
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
 
@@ -33,21 +33,6 @@ __all__ = ["WorkerLogic"]
 log = logging.getLogger(__name__)
 
 _STOP = object()
-
-
-def _off_compute_cores() -> None:
-    """Move the calling thread to cores vLLM does not compute on (its reserved ones).
-
-    vLLM's CPU backend pins the worker's threads to its compute cores; a save
-    thread inheriting that pinning would steal time from the forward pass.
-    """
-    try:
-        compute = os.sched_getaffinity(0)
-        others = set(range(os.cpu_count() or 1)) - compute
-        if others:
-            os.sched_setaffinity(0, others)  # pid 0 = this thread only
-    except (AttributeError, OSError):  # not Linux, or a cpuset forbids it
-        pass
 
 
 class WorkerLogic:
@@ -139,7 +124,7 @@ class WorkerLogic:
                 self._job_done(job.req_id)
 
     def _save_loop(self) -> None:
-        _off_compute_cores()
+        off_compute_cores()
         while True:
             job = self._queue.get()
             if job is _STOP:
