@@ -175,6 +175,9 @@ class VllmFacts:
     in_tree_v0_store: bool = False
     in_tree_v1_store: bool = False
     in_tree_mooncake_connector: str | None = None  #: "v0-pipe" | "v1-p2p" | None
+    #: the P2P MooncakeConnector's kv_transfer_params protocol: "handoff" (prefill returns
+    #: them) or "bootstrap" (proxy-chosen transfer_id + bootstrap server); None = no P2P
+    p2p_transfer_params: str | None = None
     # factory (vllm §6, §7, §8)
     factory_api: str = "none"
     v1_ctor_args: tuple[int, int] | None = None  #: (min, max) positional args of a V1 connector
@@ -276,10 +279,13 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        factory_api="create_connector(config, role, kv_cache_config=None)",
        kv_config_fields=_KV_FIELDS_0111),
     _c("0.13.0", "vllm §5/§6/§11: V1 P2P MooncakeConnector; +kv_load_failure_policy; hashing.py algorithms",
-       in_tree_mooncake_connector="v1-p2p", kv_config_fields=_KV_FIELDS_0130,
+       in_tree_mooncake_connector="v1-p2p", p2p_transfer_params="handoff",
+       kv_config_fields=_KV_FIELDS_0130,
        hash_algorithms=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
-    _c("0.16.0", "vllm §5: ConfigDict(extra='forbid') -> unknown KVTransferConfig keys rejected",
-       kv_config_kind="pydantic-forbid", rejects_unknown_kv_keys=True),
+    _c("0.16.0", "vllm §5/§9: ConfigDict(extra='forbid') -> unknown KVTransferConfig keys rejected; "
+       "P2P MooncakeConnector needs a proxy-chosen transfer_id and a bootstrap server",
+       kv_config_kind="pydantic-forbid", rejects_unknown_kv_keys=True,
+       p2p_transfer_params="bootstrap"),
     _c("0.20.0", "vllm §6: external module path takes priority over the registry",
        module_path_beats_registry=True, v1_claim="module-path"),
     _c("0.21.0", "vllm §6/§10/mooncake §10: in-tree V1 MooncakeStoreConnector; kv_cache_config required; Mooncake >= 0.3.9",

@@ -30,7 +30,6 @@ from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.proxy.instances import Instance
 
 __all__ = [
-    "BOOTSTRAP_SINCE",
     "FLOWS",
     "P2P_MODES",
     "FlowPlan",
@@ -43,10 +42,6 @@ __all__ = [
 ]
 
 FLOWS: tuple[str, str] = ("store", "p2p")
-#: first vLLM release whose P2P MooncakeConnector needs a proxy-chosen ``transfer_id`` and a
-#: bootstrap server (vllm-kv-connector-api.md §9); whether a release has the P2P connector
-#: at all comes from ``compat.versions`` (``in_tree_mooncake_connector == "v1-p2p"``)
-BOOTSTRAP_SINCE: tuple[int, int, int] = (0, 16, 0)
 P2P_MODES: tuple[str, str] = ("handoff", "bootstrap")
 
 
@@ -59,12 +54,13 @@ def parse_version(text: str, *, field_name: str = "--target-vllm") -> tuple[int,
 def p2p_mode(version: tuple[int, int, int]) -> str:
     """The P2P ``kv_transfer_params`` protocol a vLLM release speaks: ``handoff`` or ``bootstrap``."""
     shown = ".".join(map(str, version))
-    if vllm_facts(shown, strict=False).in_tree_mooncake_connector != "v1-p2p":
+    mode = vllm_facts(shown, strict=False).p2p_transfer_params
+    if mode is None:
         raise UnsupportedVersionError(
             f"--flow p2p needs vLLM's P2P MooncakeConnector (vLLM >= 0.13.0), but the target is {shown}; "
             "use --flow store with MooncakeStoreConnector, or upgrade vLLM"
         )
-    return "bootstrap" if version >= BOOTSTRAP_SINCE else "handoff"
+    return mode
 
 
 def parse_engine_ids(payload: Any) -> dict[int, str]:
