@@ -34,6 +34,8 @@ def off_compute_cores() -> None:
     from there (our save thread, Mooncake's transfer threads) would otherwise
     steal time from the forward pass.
     """
+    if os.environ.get("MOONCAKE_VLLM_THREAD_AFFINITY", "on") == "off":
+        return
     try:
         compute = os.sched_getaffinity(0)
         others = set(range(os.cpu_count() or 1)) - compute

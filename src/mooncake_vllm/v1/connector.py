@@ -20,6 +20,9 @@ settings come from ``$MOONCAKE_CONFIG_PATH`` (both the V0 and the V1 JSON shapes
 ``save_queue_size``        save jobs buffered per worker (default 64; full → dropped)
 ``connect_timeout``        seconds to reach the pool at start (default 5)
 ``layout_variant``         override the predicted KV layout variant tag
+
+The save thread and Mooncake's client threads run off vLLM's CPU compute cores
+(``MOONCAKE_VLLM_THREAD_AFFINITY=off`` leaves thread affinity alone).
 """
 
 from __future__ import annotations
