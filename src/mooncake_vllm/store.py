@@ -113,11 +113,15 @@ class StoreClient:
     """A connected Mooncake store client; use :meth:`connect`."""
 
     def __init__(self, store: Any, config: StoreConfig, *, op_timeout: float = 5.0,
-                 cooldown: float = 3.0, cleanup: Callable[[], None] | None = None) -> None:
+                 lookup_timeout: float = 1.0, cooldown: float = 3.0,
+                 cleanup: Callable[[], None] | None = None) -> None:
         self._store = store
         self.config = config
         self.stats = StoreStats()
         self._op_timeout = op_timeout
+        #: existence queries sit on the scheduler's path: a hung master may cost one
+        #: lookup this long before the circuit breaker opens
+        self._lookup_timeout = min(lookup_timeout, op_timeout)
         self._cooldown = cooldown
         self._cleanup = cleanup
         self._open_until = 0.0
@@ -241,9 +245,9 @@ class StoreClient:
         start = time.perf_counter()
         fut = self._pool.submit(_call, self._batch_exist, list(keys))
         try:
-            codes = fut.result(timeout=self._op_timeout)
+            codes = fut.result(timeout=self._lookup_timeout)
         except FutureTimeout:
-            self._trip(f"existence query took over {self._op_timeout:.0f} s")
+            self._trip(f"existence query took over {self._lookup_timeout:.1f} s")
             return [False] * len(keys)
         self.stats.observe("exists", time.perf_counter() - start)
         if isinstance(codes, BaseException) or (codes and all(c < 0 for c in codes)):
