@@ -181,6 +181,9 @@ class VllmFacts:
     # factory (vllm §6, §7, §8)
     factory_api: str = "none"
     v1_ctor_args: tuple[int, int] | None = None  #: (min, max) positional args of a V1 connector
+    #: mooncake-vllm's V1 connector runs here: it needs the 0.9.0 V1 API (allocated blocks in
+    #: update_state_after_alloc, request_finished/get_finished to delay freeing saved blocks)
+    our_v1_connector: bool = False
     module_path: bool = False  #: kv_connector_module_path honoured (V1 only)
     module_path_beats_registry: bool = False
     multi_connector: bool = False
@@ -260,7 +263,8 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        max_mooncake=None, mooncake_source_build=False),
     _c("0.9.0", "vllm §5/§6/§8: module path (registry first), MultiConnector, plugins in EngineCore; dataclass config",
        module_path=True, multi_connector=True, plugins_in_engine_core=True, kv_config_kind="dataclass",
-       rejects_unknown_kv_keys=True, kv_config_fields=_KV_FIELDS_090),
+       rejects_unknown_kv_keys=True, kv_config_fields=_KV_FIELDS_090,
+       our_v1_connector=True),  # vllm §7: 0.9.0 V1 API (blocks, request_finished, get_finished)
     _c("0.10.0", "vllm §11: +sha256_cbor_64bit",
        hash_algorithms=("builtin", "sha256", "sha256_cbor_64bit")),
     _c("0.10.1", "vllm §2/§6/§7: V0 connectors removed; name free on V1; request.block_hashes",

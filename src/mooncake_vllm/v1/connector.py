@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from mooncake_vllm import __version__
 from mooncake_vllm.config import load_store_config
-from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.errors import ConfigError, ConfigProblem, UnsupportedVersionError
 from mooncake_vllm.v1.client import SharedClient, shared_client
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
@@ -105,6 +105,24 @@ def _settings(extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _require_supported_vllm() -> None:
+    """Refuse a vLLM whose V1 connector API cannot keep saves safe (0.8.5)."""
+    from mooncake_vllm.compat.detect import installed_vllm
+    from mooncake_vllm.compat.versions import vllm_facts
+
+    dist = installed_vllm()
+    if dist is None:
+        return
+    facts = vllm_facts(dist.version, strict=False)
+    if not facts.our_v1_connector:
+        raise UnsupportedVersionError(
+            f"mooncake-vllm's V1 MooncakeStoreConnector needs vLLM >= 0.9.0 (found {dist.name} "
+            f"{dist.version}): this release's V1 connector API gives no allocated blocks to "
+            f"update_state_after_alloc and cannot delay freeing blocks until they are saved. "
+            f"Fix: start vLLM with VLLM_USE_V1=0 (the V0 connector, same pool and keys) or "
+            f"upgrade vLLM; `mooncake-vllm check --target-vllm X.Y.Z` shows what changes")
+
+
 def _worker_ranks() -> tuple[int, int]:
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -120,6 +138,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         _ensure_log_handler()
+        _require_supported_vllm()
         if _BASE_TAKES_KV_CACHE_CONFIG:
             super().__init__(vllm_config, role, kv_cache_config)
         else:  # pragma: no cover - vLLM < 0.11.1
@@ -228,7 +247,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int = 0) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
