@@ -70,6 +70,8 @@ def facts_summary(version: str) -> dict[str, Any]:
     paths = [p for p, on in (("V0", f.v0_kv_connectors), ("V1", f.v1_kv_connectors)) if on]
     name = {"free": "name free", "taken": "in-tree name taken"}
     claims = {p: f"{getattr(f, p.lower() + '_claim')} ({name[getattr(f, p.lower() + '_name')]})" for p in paths}
+    if "V1" in paths and not getattr(f, "our_v1_connector", True):
+        claims["V1"] = "none: our V1 connector refuses this V1 API (needs vLLM >= 0.9.0)"
     return {"paths": paths, "claims": claims}
 
 
