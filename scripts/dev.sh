@@ -24,7 +24,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-stamp_inputs() { cat requirements/test.txt pyproject.toml scripts/dev.sh; }
+stamp_inputs() { cat requirements/test.txt pyproject.toml; }
 want=$(stamp_inputs | sha256sum | cut -c1-16)
 have=$(cat "$VENV/.setup-stamp" 2>/dev/null || true)
 if [ "$want" != "$have" ]; then
@@ -45,6 +45,19 @@ fi
 case "${1:-setup}" in
   setup) log "ready: $VENV" ;;
   demo) shift; exec "$VENV/bin/mooncake-vllm" demo "$@" ;;
-  test) shift; exec "$VENV/bin/python" -m pytest "$@" ;;
+  test) shift
+    if [ $# -eq 0 ]; then
+      # Contract tests against REAL old vLLM wheels, each in its own cached env
+      # (scripts/make_vllm_env.py; the full sweep is `tox -m contract`).
+      # MOONCAKE_VLLM_CI_MATRIX="" skips them; results feed docs/compatibility.md.
+      for v in ${MOONCAKE_VLLM_CI_MATRIX-0.10.0 0.8.5 0.33.0}; do
+        log "contract tests against the real vllm==$v wheel"
+        "$VENV/bin/python" scripts/make_vllm_env.py "$v" --run -- python -m pytest \
+          -p no:cacheprovider -q --junitxml="build/test-results/contract-vllm${v//./}.xml" \
+          -o junit_suite_name="vllm-$v" tests/contract tests/v0 \
+          tests/compat/test_registration.py tests/compat/test_facade.py
+      done
+    fi
+    exec "$VENV/bin/python" -m pytest "$@" ;;
   *) echo "usage: $0 setup|demo|test [args...]" >&2; exit 2 ;;
 esac

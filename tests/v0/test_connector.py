@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from v0.v0_inputs import flash_caches, prefill_input, v0_config
+from .v0_inputs import flash_caches, prefill_input, v0_config
 
 BS, LAYERS, HEADS, HEAD = 16, 2, 2, 32
 NUM_BLOCKS = 32
