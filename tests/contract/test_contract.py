@@ -138,9 +138,14 @@ def test_seed_json_is_accepted_by_this_releases_cli(probe: dict) -> None:
 
 
 @pytest.mark.skipif(not FACTS.v1_kv_connectors, reason=f"vLLM {_DIST.version} has no V1 KV connectors")
-def test_v1_path_builds_our_v1_class(probe: dict) -> None:
-    assert probe["engines"]["v1"] == {"class": "mooncake_vllm.v1.connector.MooncakeStoreConnector",
-                                      "instance": True}
+def test_v1_path_builds_our_v1_class_or_refuses_clearly(probe: dict) -> None:
+    v1 = probe["engines"]["v1"]
+    if FACTS.our_v1_connector:
+        assert v1 == {"class": "mooncake_vllm.v1.connector.MooncakeStoreConnector", "instance": True}
+    else:  # 0.8.5: the factory reaches OUR class, which refuses with the fix
+        err = v1["error"]
+        assert err and err["type"] == "UnsupportedVersionError", v1
+        assert "VLLM_USE_V1=0" in err["message"] and ">= 0.9.0" in err["message"]
 
 
 def test_v0_path_builds_our_v0_class_or_fails_clearly(probe: dict) -> None:
