@@ -104,21 +104,25 @@ def test_v0_class_implements_this_releases_base() -> None:
     assert _arity_ok(MooncakeStoreConnector, 3)  # (rank, local_rank, config)
 
 
-@pytest.fixture(scope="module")
-def probe(module_local_stack, tmp_path_factory) -> dict:
-    """Run probe_registration.py in a fresh interpreter against a real Mooncake stack."""
-    env = {**os.environ, **module_local_stack.env()}
-    env.pop("VLLM_USE_V1", None)
-    env.pop("MOONCAKE_VLLM_DISABLE", None)
-    env.pop("VLLM_PLUGINS", None)
+def _run_probe(env: dict[str, str], cwd: Path) -> dict:
+    """Run probe_registration.py in a fresh interpreter and return its JSON result."""
     script = Path(__file__).with_name("probe_registration.py")
     proc = subprocess.run([sys.executable, str(script), SEED_JSON], env=env, capture_output=True,
-                          text=True, timeout=900, cwd=tmp_path_factory.mktemp("probe"))
+                          text=True, timeout=900, cwd=cwd)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE-JSON ")]
     assert lines, f"probe printed no result (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     result = json.loads(lines[-1].removeprefix("PROBE-JSON "))
     assert "fatal" not in result, result.get("traceback")
     return result
+
+
+@pytest.fixture(scope="module")
+def probe(module_local_stack, tmp_path_factory) -> dict:
+    """The registration probe against a real Mooncake stack, plugin enabled."""
+    env = {**os.environ, **module_local_stack.env()}
+    for name in ("VLLM_USE_V1", "MOONCAKE_VLLM_DISABLE", "VLLM_PLUGINS"):
+        env.pop(name, None)
+    return _run_probe(env, tmp_path_factory.mktemp("probe"))
 
 
 def test_registration_claims_the_name_through_vllms_plugin_loader(probe: dict) -> None:
@@ -163,14 +167,7 @@ def probe_disabled(module_local_stack, tmp_path_factory) -> dict:
     """The same probe with MOONCAKE_VLLM_DISABLE=1 (the user keeps vLLM's own connector)."""
     env = {**os.environ, **module_local_stack.env(), "MOONCAKE_VLLM_DISABLE": "1"}
     env.pop("VLLM_USE_V1", None)
-    script = Path(__file__).with_name("probe_registration.py")
-    proc = subprocess.run([sys.executable, str(script), SEED_JSON], env=env, capture_output=True,
-                          text=True, timeout=900, cwd=tmp_path_factory.mktemp("probe-disabled"))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE-JSON ")]
-    assert lines, f"probe printed no result (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1].removeprefix("PROBE-JSON "))
-    assert "fatal" not in result, result.get("traceback")
-    return result
+    return _run_probe(env, tmp_path_factory.mktemp("probe-disabled"))
 
 
 def test_opt_out_leaves_vllms_own_connector_and_module_path_still_selects_ours(probe_disabled: dict) -> None:
