@@ -21,6 +21,8 @@ import sys
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
 
 from mooncake_vllm.errors import UnsafeHashingError
 
@@ -31,6 +33,7 @@ __all__ = [
     "check_vllm_hash_determinism",
     "chunk_digests",
     "chunk_keys",
+    "model_id",
 ]
 
 KEY_PREFIX = "mcv"
@@ -77,6 +80,15 @@ class KeyNamespace:
         """``mcv/<16 hex digits>``: the key prefix of this namespace."""
         digest = hashlib.blake2b(self.describe().encode(), digest_size=8).hexdigest()
         return f"{KEY_PREFIX}/{digest}"
+
+
+def model_id(vllm_config: Any) -> str:
+    """The namespace's model name, the same for V0 and V1 engines:
+    ``kv_connector_extra_config["model_id"]`` or the last path component of the model."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    if extra.get("model_id"):
+        return str(extra["model_id"])
+    return PurePath(str(vllm_config.model_config.model).rstrip("/")).name
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:

@@ -27,11 +27,10 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 
 from mooncake_vllm.config import load_store_config
-from mooncake_vllm.keys import KeyNamespace, chunk_keys
+from mooncake_vllm.keys import KeyNamespace, chunk_keys, model_id
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.store import StoreClient
 from mooncake_vllm.v0.batch import SeqSpan, Tail, prefill_spans, tail_key
-from mooncake_vllm.v1.namespace import model_id
 
 __all__ = ["MooncakeStoreConnector"]
 

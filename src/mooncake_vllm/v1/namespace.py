@@ -15,11 +15,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import PurePath
 from typing import Any
 
 from mooncake_vllm.errors import UnsupportedVersionError
-from mooncake_vllm.keys import KeyNamespace, RequestExtras
+from mooncake_vllm.keys import KeyNamespace, RequestExtras, model_id
 from mooncake_vllm.layout import BlockLayout, layout_fingerprint
 
 __all__ = [
@@ -126,14 +125,6 @@ def check_layout(expected: ExpectedLayout, actual: BlockLayout) -> None:
             f"out KV differently than mooncake-vllm knows. Fix: report it, or set "
             f"kv_connector_extra_config['layout_variant'] only if the difference is the "
             f"variant tag")
-
-
-def model_id(vllm_config: Any) -> str:
-    """``extra_config["model_id"]`` or the last path component of the model."""
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    if extra.get("model_id"):
-        return str(extra["model_id"])
-    return PurePath(str(vllm_config.model_config.model).rstrip("/")).name
 
 
 @dataclass(frozen=True)
