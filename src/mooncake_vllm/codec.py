@@ -31,6 +31,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "Header",
+    "checksum_bytes",
     "checksum_segments",
     "digest16",
     "pack_header",
@@ -67,6 +68,11 @@ def checksum_segments(segments: Iterable[tuple[int, int]]) -> int:
     for ptr, nbytes in segments:
         h.update(memoryview((ctypes.c_char * nbytes).from_address(ptr)))
     return h.intdigest()
+
+
+def checksum_bytes(data: bytes | memoryview) -> int:
+    """xxh3-64 of host bytes (the value payload checksum)."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 def pack_header(payload_len: int, checksum: int, layout_digest: bytes, key_digest: bytes) -> bytes:

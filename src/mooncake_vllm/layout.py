@@ -13,8 +13,15 @@ Kinds (per-layer tensor shape → segments per block):
   ``kv[b]``; byte-identical per block to ``nhd``, so both share one fingerprint
 * ``mla``   ``[num_blocks, block_size, head]`` → ``kv[b]``
 
+The two 5-dim GPU kinds may come with the HND stride order vLLM's backends use
+(``get_kv_cache_stride_order``): the logical shape stays ``[.., block_size,
+kv_heads, head]`` while memory runs ``heads, block_size, head``. Their bytes are
+then named ``hnd``: a block's stored bytes are always its bytes in memory.
+
 The fingerprint names the bytes, not the backend: blocks are interchangeable
-exactly when fingerprints match.
+exactly when fingerprints match. Tensors may live in host or CUDA memory
+(:attr:`BlockLayout.on_cuda`); :meth:`BlockLayout.byte_views` gives the torch
+views a device path gathers blocks through.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from typing import Any
 __all__ = ["KINDS", "BlockLayout", "TensorView", "layout_fingerprint"]
 
 KINDS = ("cpu", "nhd", "nhd-interleaved", "mla")
-_BYTES_KIND = {"cpu": "cpu", "nhd": "nhd", "nhd-interleaved": "nhd", "mla": "mla"}
+_BYTES_KIND = {"cpu": "cpu", "nhd": "nhd", "nhd-interleaved": "nhd", "mla": "mla", "hnd": "hnd"}
+#: 5-dim kinds whose inner ``[block_size, heads, head]`` may be stored heads-first
+_FIVE_DIM = ("nhd", "nhd-interleaved")
 
 
 @dataclass(frozen=True)
@@ -38,13 +47,15 @@ class TensorView:
     strides: tuple[int, ...]  # in elements
     itemsize: int
     dtype: str
+    device: str = "cpu"  # torch's device string: "cpu", "cuda:0", ...
 
     @classmethod
     def of(cls, tensor: Any) -> TensorView:
         """From a ``torch.Tensor`` or a ``numpy.ndarray``."""
         if hasattr(tensor, "data_ptr"):  # torch
             return cls(tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()),
-                       tensor.element_size(), str(tensor.dtype).removeprefix("torch."))
+                       tensor.element_size(), str(tensor.dtype).removeprefix("torch."),
+                       str(tensor.device))
         if hasattr(tensor, "__array_interface__"):  # numpy
             item = tensor.dtype.itemsize
             return cls(tensor.ctypes.data, tuple(tensor.shape),
@@ -60,6 +71,20 @@ class TensorView:
                 return False
             expected *= size
         return True
+
+    def heads_first(self) -> bool:
+        """5-dim ``[.., block_size, heads, head]`` stored heads-first (HND stride order)."""
+        return (len(self.shape) == 5 and self.shape[2] > 1 and self.shape[3] > 1
+                and self.strides[3] > self.strides[2])
+
+    def physical(self) -> TensorView:
+        """The same memory with ``block_size`` and ``heads`` swapped where stored HND."""
+        if not self.heads_first():
+            return self
+        order = (0, 1, 3, 2, 4)
+        return TensorView(self.ptr, tuple(self.shape[i] for i in order),
+                          tuple(self.strides[i] for i in order), self.itemsize, self.dtype,
+                          self.device)
 
     def extent(self) -> tuple[int, int]:
         """``(start, end)`` byte addresses the tensor touches."""
@@ -95,18 +120,24 @@ def layout_fingerprint(kind: str, dtype: str, num_layers: int,
 class BlockLayout:
     """Block-granular view over a model's per-layer KV-cache tensors."""
 
-    def __init__(self, views: Sequence[TensorView], kind: str, variant: str = "") -> None:
+    def __init__(self, views: Sequence[TensorView], kind: str, variant: str = "",
+                 tensors: Sequence[Any] = ()) -> None:
         if not views:
             raise ValueError("no KV cache tensors given")
         first = views[0]
         for v in views[1:]:
-            if (v.shape, v.strides, v.dtype) != (first.shape, first.strides, first.dtype):
-                raise ValueError("all layers' KV tensors must share shape, strides and dtype; "
-                                 f"found {list(first.shape)} and {list(v.shape)}")
+            if (v.shape, v.strides, v.dtype, v.device) != (first.shape, first.strides,
+                                                           first.dtype, first.device):
+                raise ValueError("all layers' KV tensors must share shape, strides, dtype and "
+                                 f"device; found {list(first.shape)} and {list(v.shape)}")
         self.kind = kind
         self.views = list(views)
+        #: the tensors themselves (torch or numpy), for device paths; may be empty
+        self.tensors = list(tensors)
         self.dtype = first.dtype
+        self.device = first.device
         self.num_layers = len(views)
+        self.heads_first = kind in _FIVE_DIM and first.heads_first()
         shape = first.shape
         if kind == "nhd":
             self.num_blocks, self.block_size = shape[1], shape[2]
@@ -115,7 +146,7 @@ class BlockLayout:
             self.num_blocks = shape[0]
             self.block_size = shape[2] if kind in ("cpu", "nhd-interleaved") else shape[1]
             seg_dims, block_shape = 1, shape[1:]
-        if not first.contiguous_from(seg_dims):
+        if not first.physical().contiguous_from(seg_dims):
             raise ValueError(f"each block of a {kind} KV tensor must be contiguous; "
                              f"strides {list(first.strides)} for shape {list(shape)}")
         self.block_shape = tuple(block_shape)
@@ -125,8 +156,16 @@ class BlockLayout:
         self._seg_nbytes = count * first.itemsize
         self._segs_per_layer = 2 if kind == "nhd" else 1
         self.block_nbytes = self._seg_nbytes * self._segs_per_layer * self.num_layers
-        self.fingerprint = layout_fingerprint(kind, self.dtype, self.num_layers,
+        self.segs_per_layer = self._segs_per_layer
+        self.seg_nbytes = self._seg_nbytes
+        bytes_kind = "hnd" if self.heads_first else kind
+        self.fingerprint = layout_fingerprint(bytes_kind, self.dtype, self.num_layers,
                                               self.block_shape, variant)
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the KV cache lives in CUDA memory (never read it from the host)."""
+        return self.device.startswith("cuda")
 
     @classmethod
     def from_kv_caches(cls, kv_caches: Mapping[str, Any] | Sequence[Any],
@@ -140,7 +179,7 @@ class BlockLayout:
             kind = _guess_kind(views[0].shape)
         if kind not in KINDS:
             raise ValueError(f"unknown KV layout kind {kind!r}; expected one of {', '.join(KINDS)}")
-        return cls(views, kind, variant)
+        return cls(views, kind, variant, tensors)
 
     def _check(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
@@ -157,6 +196,30 @@ class BlockLayout:
                     out.append((v.ptr + off, self._seg_nbytes))
             else:
                 out.append((v.ptr + block_id * v.strides[0] * v.itemsize, self._seg_nbytes))
+        return out
+
+    def byte_views(self) -> list[Any]:
+        """Per layer, a torch ``uint8`` view ``[segs_per_layer, num_blocks, seg_nbytes]``.
+
+        Row ``[s, b]`` holds exactly the bytes of :meth:`segments` ``(b)``'s segment
+        ``s`` of that layer, so gathering rows layer by layer yields a block's stored
+        bytes. Works for host and CUDA tensors alike (no host read of device memory).
+        """
+        import torch
+
+        out = []
+        for tensor in self.tensors:
+            t = torch.as_tensor(tensor)
+            if self.heads_first:
+                t = t.permute(0, 1, 3, 2, 4)
+            # view(), never reshape(): a silent copy would make loads write nowhere
+            if self.kind == "nhd":
+                rows = t.view(t.shape[0], t.shape[1], -1)
+            else:
+                rows = t.view(t.shape[0], -1).unsqueeze(0)
+            out.append(rows.view(torch.uint8))
+        if len(out) != self.num_layers:
+            raise ValueError("this layout was built without its tensors; use from_kv_caches")
         return out
 
     def regions(self) -> list[tuple[int, int]]:

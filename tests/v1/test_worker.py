@@ -17,6 +17,7 @@ import pytest
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.keys import KeyNamespace
+from mooncake_vllm.store import SaveTicket, StoreClient
 from mooncake_vllm.v1.client import SharedClient
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout
@@ -50,63 +51,130 @@ class _Source:
 class _GatedClient:
     """Fake pool client whose puts wait for a gate (to observe in-flight saves)."""
 
-    def __init__(self) -> None:
+    def __init__(self, snapshot: bool = False) -> None:
         self.gate = threading.Event()
+        self.started = threading.Event()
+        self.snapshot = snapshot
         self.puts: list[list[str]] = []
+        self.discarded: list[list[str]] = []
 
     def register_layout(self, layout: Any) -> None:
         pass
 
-    def put_blocks(self, keys: list[str], layout: Any, block_ids: list[int]) -> int:
+    def prepare_save(self, keys: list[str], layout: Any, block_ids: list[int]) -> SaveTicket:
+        return SaveTicket(list(keys), list(block_ids), layout, snapshot=self.snapshot)
+
+    def commit_save(self, ticket: SaveTicket) -> int:
+        self.started.set()
         self.gate.wait(5)
-        self.puts.append(list(keys))
-        return len(keys)
+        self.puts.append(list(ticket.keys))
+        return len(ticket.keys)
+
+    def discard(self, ticket: SaveTicket) -> None:
+        self.discarded.append(list(ticket.keys))
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _save_meta(req_id: str, blocks: list[int]) -> MooncakeConnectorMetadata:
     return MooncakeConnectorMetadata(saves=[BlockJob(req_id, [f"{b:032x}" for b in blocks], blocks)])
 
 
-def test_finished_only_after_saves_and_only_for_saving_requests() -> None:
+def _wait_idle(w: WorkerLogic, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not w.idle():
+        assert time.monotonic() < deadline, "saves did not finish"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def workers() -> Any:
+    """Collects WorkerLogic objects and shuts each down (no save thread leaks)."""
+    made: list[WorkerLogic] = []
+    yield made.append
+    for w in made:
+        w.shutdown(timeout=2)
+
+
+def test_finished_only_after_saves_and_only_for_saving_requests(workers: Any) -> None:
     client = _GatedClient()
     w = WorkerLogic(_ns("gate"), EXPECTED, _Source(client), can_load=True, can_save=True)
+    workers(w)
     w.register_kv_caches(_cache(0))
     w.wait_for_save(_save_meta("a", [1, 2]))
     assert w.get_finished({"a", "never-saved"}) == set()  # save still in flight
     client.gate.set()
-    deadline = time.monotonic() + 5
-    while not w.idle() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_idle(w)
     assert w.get_finished(set()) == {"a"}  # reported once, on a later call
     assert w.get_finished({"a"}) == set()
     assert len(client.puts) == 1
-    w.shutdown()
 
 
-def test_preemption_waits_for_pending_saves() -> None:
+def test_snapshot_saves_free_the_blocks_at_once(workers: Any) -> None:
+    client = _GatedClient(snapshot=True)
+    w = WorkerLogic(_ns("snap"), EXPECTED, _Source(client), can_load=True, can_save=True)
+    workers(w)
+    w.register_kv_caches(_cache(0))
+    w.wait_for_save(_save_meta("s", [1, 2]))
+    assert w.get_finished({"s"}) == {"s"}  # the put has not even started
+    client.gate.set()
+    _wait_idle(w)
+    assert client.puts == [[f"{w.prefix}/{b:032x}" for b in (1, 2)]]
+
+
+def test_preemption_cancels_queued_saves_and_waits_bounded(workers: Any) -> None:
     client = _GatedClient()
-    w = WorkerLogic(_ns("pre"), EXPECTED, _Source(client), can_load=True, can_save=True)
+    w = WorkerLogic(_ns("pre"), EXPECTED, _Source(client), can_load=True, can_save=True,
+                    preempt_wait=0.2)
+    workers(w)
     w.register_kv_caches(_cache(0))
     w.wait_for_save(_save_meta("p", [3]))
-    threading.Timer(0.3, client.gate.set).start()
+    assert client.started.wait(5)  # taken by the save thread, waits at the gate
+    w.wait_for_save(_save_meta("p", [4]))  # queued behind it
     t0 = time.monotonic()
     w.handle_preemptions({"p"})
-    assert time.monotonic() - t0 >= 0.25 and w.idle()
-    w.shutdown()
+    assert time.monotonic() - t0 < 1.0  # never the old 30 s drain
+    client.gate.set()
+    _wait_idle(w)
+    assert w.counters["cancelled_jobs"] == 1
+    assert client.discarded == [[f"{w.prefix}/{4:032x}"]]  # block 4 was never put
 
 
-def test_full_queue_drops_saves_instead_of_blocking() -> None:
+def test_hung_pool_releases_finished_blocks_within_the_deadline(workers: Any) -> None:
+    client, clock = _GatedClient(), _Clock()
+    w = WorkerLogic(_ns("hung"), EXPECTED, _Source(client), can_load=True, can_save=True,
+                    save_deadline=30.0, clock=clock)
+    workers(w)
+    w.register_kv_caches(_cache(0))
+    w.wait_for_save(_save_meta("h", [5]))
+    assert w.get_finished({"h"}) == set()
+    clock.now += 29.0
+    assert w.get_finished(set()) == set()
+    clock.now += 1.5
+    assert w.get_finished(set()) == {"h"}
+    assert w.counters["holds_expired"] == 1
+    client.gate.set()
+
+
+def test_full_queue_drops_saves_instead_of_blocking(workers: Any) -> None:
     client = _GatedClient()
     w = WorkerLogic(_ns("full"), EXPECTED, _Source(client), can_load=True, can_save=True,
                     queue_size=1)
+    workers(w)
     w.register_kv_caches(_cache(0))
     t0 = time.monotonic()
     for i in range(5):
         w.wait_for_save(_save_meta(f"r{i}", [i]))
     assert time.monotonic() - t0 < 1.0
     assert w.counters["dropped_jobs"] >= 3
+    assert len(client.discarded) == w.counters["dropped_jobs"]
     client.gate.set()
-    w.shutdown()
 
 
 def test_layout_mismatch_is_refused() -> None:
@@ -132,21 +200,21 @@ def pool(module_local_stack: Any) -> Any:
     shared.close()
 
 
-def test_round_trip_through_a_real_pool(pool: SharedClient) -> None:
+def test_round_trip_through_a_real_pool(pool: SharedClient, workers: Any) -> None:
     src, dst = _cache(1), _cache(2)
+    before = {name: t.copy() for name, t in dst.items()}
     ns = _ns("rt")
     saver = WorkerLogic(ns, EXPECTED, pool, can_load=False, can_save=True)
+    workers(saver)
     saver.register_kv_caches(src)
     digests = [f"{i:032x}" for i in range(3)]
     saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("s", digests, [5, 6, 7])]))
-    deadline = time.monotonic() + 10
-    while not saver.idle() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _wait_idle(saver, 10)
     assert saver.counters["saved_blocks"] == 3
     assert saver.get_finished({"s"}) == {"s"}
-    saver.shutdown()
 
     loader = WorkerLogic(ns, EXPECTED, pool, can_load=True, can_save=False)
+    workers(loader)
     loader.register_kv_caches(dst)
     missing = f"{99:032x}"
     loader.start_load_kv(MooncakeConnectorMetadata(
@@ -154,4 +222,40 @@ def test_round_trip_through_a_real_pool(pool: SharedClient) -> None:
     assert loader.take_load_errors() == {4}
     for name in src:
         assert np.array_equal(dst[name][1:4], src[name][5:8])
-    assert not np.array_equal(dst["layer.0"][4], src["layer.0"][4])
+        # the missing block was left as it was, every other block untouched too
+        assert np.array_equal(dst[name][4:], before[name][4:])
+        assert np.array_equal(dst[name][0], before[name][0])
+
+
+def test_a_block_reused_before_its_save_ran_is_never_served(pool: SharedClient,
+                                                             workers: Any) -> None:
+    """Preempted, drained past its wait, blocks reused: the late put stores nothing usable."""
+    src = _cache(3)
+    ns = _ns("late")
+    saver = WorkerLogic(ns, EXPECTED, pool, can_load=False, can_save=True)
+    workers(saver)
+    saver.register_kv_caches(src)
+    client = pool.get()
+    gate, started = threading.Event(), threading.Event()
+    real_commit = client.commit_save
+    client.commit_save = lambda t: (started.set(), gate.wait(5), real_commit(t))[2]  # slow pool
+    try:
+        digests = [f"{0xfeed00 + i:032x}" for i in range(2)]
+        saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("v", digests, [8, 9])]))
+        assert started.wait(5)  # the put is under way when the preemption comes
+        saver.handle_preemptions({"v"})  # gives up after preempt_wait; vLLM reuses 8 and 9
+        for t in src.values():
+            t[8:10] = 7.0  # the new occupant's KV
+        gate.set()
+        _wait_idle(saver, 10)
+    finally:
+        del client.commit_save
+    keys = saver.keys(digests)
+    dst = _cache(4)
+    loader = WorkerLogic(ns, EXPECTED, pool, can_load=True, can_save=False)
+    workers(loader)
+    loader.register_kv_caches(dst)
+    loader.start_load_kv(MooncakeConnectorMetadata(loads=[BlockJob("l", digests, [1, 2])]))
+    assert loader.take_load_errors() == {1, 2}
+    assert not any(client.exists(keys))  # removed, not left for others to trip on
+    assert client.stats.snapshot()["save_raced"] >= 2

@@ -3,14 +3,19 @@
 * **Loads** run in ``start_load_kv`` (before the forward pass of a step with
   synchronous loads): one batched, verified ``get_blocks`` for the whole step. A
   block that is missing, foreign or corrupt is reported through
-  ``get_block_ids_with_load_errors`` and vLLM recomputes it.
-* **Saves** are queued in ``wait_for_save`` (after the forward pass wrote the KV)
-  to one background thread through a bounded queue; a full queue drops the save
-  (a future miss), never stalls the engine. Blocks stay valid while saving
-  because the scheduler side delays freeing a finished request's blocks until
-  :meth:`WorkerLogic.get_finished` reports its saves done, and a preempted
-  request's pending saves are drained in ``handle_preemptions`` before vLLM
-  reuses its blocks.
+  ``get_block_ids_with_load_errors`` and vLLM recomputes it. On CUDA the
+  scatter is ordered before the forward on vLLM's own stream (no device sync).
+* **Saves** are captured in ``wait_for_save`` (after the forward pass wrote the
+  KV), on the engine's thread, and put by one background thread through a
+  bounded queue; a full queue drops the save (a future miss), never stalls the
+  engine. A capture is either a snapshot (CUDA KV: the blocks are copied to
+  staging and free again at once) or, for host KV, checksums of the blocks
+  taken while their bytes are known good; such a request's blocks are held
+  until its puts finish, for at most ``save_deadline`` seconds. Whatever the
+  timing, a block that vLLM reused before its put read it no longer matches its
+  checksum: the reader refuses it and the writer removes it.
+* **Preemption** never waits for the pool: queued zero-copy saves of a
+  preempted request are cancelled, one in flight gets ``preempt_wait`` seconds.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ class WorkerLogic:
 
     def __init__(self, namespace: KeyNamespace, expected: ExpectedLayout, client_source: Any, *,
                  can_load: bool, can_save: bool, queue_size: int = 64,
-                 drain_timeout: float = 30.0) -> None:
+                 save_deadline: float = 30.0, preempt_wait: float = 1.0,
+                 clock: Any = time.monotonic) -> None:
         self.namespace = namespace
         self.prefix = namespace.prefix()
         self.expected = expected
@@ -48,15 +54,20 @@ class WorkerLogic:
         self.can_load = can_load
         self.can_save = can_save
         self.layout: BlockLayout | None = None
-        self._drain_timeout = drain_timeout
+        self._save_deadline = save_deadline
+        self._preempt_wait = preempt_wait
+        self._clock = clock
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._cond = threading.Condition()
-        self._pending: dict[str, int] = {}  # req_id -> save jobs not yet finished
+        self._pending: dict[str, int] = {}  # req_id -> zero-copy saves not yet finished
+        self._held_since: dict[str, float] = {}  # req_id -> first hold still pending
+        self._cancelled: set[str] = set()  # preempted: skip their queued zero-copy saves
         self._tracked: set[str] = set()  # requests whose blocks the scheduler keeps for us
         self._finished: set[str] = set()  # tracked requests vLLM has finished
         self._load_errors: set[int] = set()
         self.counters = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
-                         "save_jobs": 0, "dropped_jobs": 0}
+                         "save_jobs": 0, "dropped_jobs": 0, "cancelled_jobs": 0,
+                         "holds_expired": 0}
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ setup
@@ -106,42 +117,62 @@ class WorkerLogic:
 
     # ------------------------------------------------------------------ saves
     def wait_for_save(self, meta: MooncakeConnectorMetadata | None) -> None:
-        """Queue this step's saves (the forward pass has written their KV)."""
+        """Capture this step's saves (the forward pass has written their KV) and queue them."""
         if meta is None or not meta.saves:
             return
+        client = self.source.get() if self.can_save and self.layout is not None else None
         for job in meta.saves:
             with self._cond:
                 self._tracked.add(job.req_id)
-            if not self.can_save or self.layout is None:
+                self._cancelled.discard(job.req_id)
+            if client is None:
                 continue
-            with self._cond:
-                self._pending[job.req_id] = self._pending.get(job.req_id, 0) + 1
             try:
-                self._queue.put_nowait(job)
+                ticket = client.prepare_save(self.keys(job.digests), self.layout, job.block_ids)
+            except Exception as exc:  # noqa: BLE001 - a failed capture is a future miss
+                log.warning("mooncake-vllm: capturing %d blocks for saving failed: %s",
+                            len(job.block_ids), exc)
+                continue
+            if not ticket.keys:
+                continue
+            if not ticket.snapshot:
+                self._hold(job.req_id)
+            try:
+                self._queue.put_nowait((job, ticket, client))
                 self.counters["save_jobs"] += 1
             except queue.Full:
                 self.counters["dropped_jobs"] += 1
-                self._job_done(job.req_id)
+                client.discard(ticket)
+                if not ticket.snapshot:
+                    self._job_done(job.req_id)
+
+    def _hold(self, req_id: str) -> None:
+        with self._cond:
+            self._pending[req_id] = self._pending.get(req_id, 0) + 1
+            self._held_since.setdefault(req_id, self._clock())
 
     def _save_loop(self) -> None:
         off_compute_cores()
         while True:
-            job = self._queue.get()
-            if job is _STOP:
+            item = self._queue.get()
+            if item is _STOP:
+                self._queue.task_done()
                 return
+            job, ticket, client = item
             try:
-                self._save(job)
+                with self._cond:
+                    cancelled = not ticket.snapshot and job.req_id in self._cancelled
+                if cancelled:  # its blocks may hold another request's KV by now
+                    self.counters["cancelled_jobs"] += 1
+                    client.discard(ticket)
+                else:
+                    self.counters["saved_blocks"] += client.commit_save(ticket)
             except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
                 log.warning("mooncake-vllm: saving %d blocks failed: %s", len(job.block_ids), exc)
             finally:
-                self._job_done(job.req_id)
-
-    def _save(self, job: BlockJob) -> None:
-        client = self.source.get()
-        if client is None or self.layout is None:
-            return
-        stored = client.put_blocks(self.keys(job.digests), self.layout, job.block_ids)
-        self.counters["saved_blocks"] += stored
+                if not ticket.snapshot:
+                    self._job_done(job.req_id)
+                self._queue.task_done()
 
     def _job_done(self, req_id: str) -> None:
         with self._cond:
@@ -150,36 +181,52 @@ class WorkerLogic:
                 self._pending[req_id] = left
             else:
                 self._pending.pop(req_id, None)
+                self._held_since.pop(req_id, None)
             self._cond.notify_all()
 
     def handle_preemptions(self, preempted: Iterable[str]) -> None:
-        """Finish the pending saves of preempted requests before vLLM reuses their blocks."""
+        """Before vLLM reuses preempted requests' blocks: cancel their queued saves.
+
+        A put already reading them gets ``preempt_wait`` seconds; if it is still
+        running then, its checksum (taken at capture) keeps the result honest.
+        """
         wanted = set(preempted)
         if not wanted:
             return
-        deadline = time.monotonic() + self._drain_timeout
+        deadline = self._clock() + self._preempt_wait
         with self._cond:
+            self._cancelled |= wanted
             while any(r in self._pending for r in wanted):
-                left = deadline - time.monotonic()
+                left = deadline - self._clock()
                 if left <= 0:
-                    log.warning("mooncake-vllm: saves of preempted requests still running "
-                                "after %.0f s", self._drain_timeout)
                     break
                 self._cond.wait(left)
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """Finished requests whose saves are all written (their blocks may be freed now)."""
+        """Finished requests whose blocks may be freed now.
+
+        Those with no zero-copy save still reading their blocks, and those held
+        longer than ``save_deadline`` (a hung pool never keeps vLLM's blocks).
+        """
+        now = self._clock()
         with self._cond:
             self._finished.update(r for r in finished_req_ids if r in self._tracked)
-            done = {r for r in self._finished if r not in self._pending}
+            expired = {r for r in self._finished if r in self._pending
+                       and now - self._held_since.get(r, now) >= self._save_deadline}
+            done = {r for r in self._finished if r not in self._pending} | expired
             self._finished -= done
             self._tracked -= done
+            self._cancelled |= expired
+        if expired:
+            self.counters["holds_expired"] += len(expired)
+            log.warning("mooncake-vllm: released the blocks of %d finished request(s) whose "
+                        "saves did not finish within %.0f s", len(expired), self._save_deadline)
         return done
 
     def idle(self) -> bool:
         """No save queued or running (tests and shutdown)."""
         with self._cond:
-            return not self._pending
+            return not self._pending and self._queue.unfinished_tasks == 0
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Let queued saves finish (bounded), then stop the save thread."""

@@ -1,0 +1,132 @@
+"""Reaching the pool: preflight checks and a setup that fails fast.
+
+A dead, wrong or hung master is a :class:`StoreUnavailableError` within the
+timeout (the raw client retries for ~90 s or hangs); the error names what was
+tried and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from mooncake_vllm.config import StoreConfig
+from mooncake_vllm.errors import ConfigError, ConfigProblem, StoreUnavailableError
+from mooncake_vllm.store.codes import call
+
+__all__ = ["CLIENT_ENV_DEFAULTS", "open_store", "pick_local_hostname", "tcp_reachable"]
+
+log = logging.getLogger(__name__)
+
+#: Environment the Mooncake C++ client reads; set only where the user has not.
+CLIENT_ENV_DEFAULTS = {
+    "MC_STORE_CLIENT_SETUP_RETRIES": "1",  # default 20 → ~90 s to fail on a wrong master
+    "MC_RPC_TIMEOUT_MS": "2000",  # default 30000 → 30 s per RPC on a hung master
+    "MC_LOG_LEVEL": "ERROR",
+}
+
+
+def pick_local_hostname(master_host: str) -> str:
+    """The local address that routes to the master (loopback for a local master)."""
+    if master_host in ("127.0.0.1", "localhost", "::1", ""):
+        return "127.0.0.1"
+    try:  # a UDP "connect" sends nothing; it only asks the kernel for a route
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def tcp_reachable(host: str, port: int, timeout: float) -> str | None:
+    """``None`` if something accepts TCP at host:port, else the reason."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except socket.timeout:
+        return f"no answer within {timeout:.1f} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def _metadata_endpoint(url: str, scheme: str) -> tuple[str, int] | None:
+    if scheme == "http":
+        hostport = url.split("://", 1)[1].split("/", 1)[0]
+    elif scheme == "etcd":
+        hostport = url.split("://", 1)[-1].split(",")[0]
+    else:
+        return None
+    host, _, port = hostport.rpartition(":")
+    return (host.strip("[]"), int(port)) if port.isdigit() else None
+
+
+def _resolve_metadata(config: StoreConfig) -> tuple[str, Callable[[], None] | None]:
+    if config.metadata_scheme != "redis":
+        return config.metadata_server, None
+    try:
+        from mooncake_vllm.metadata.bridge import mooncake_supports_redis, resolve_metadata_url
+    except ImportError:  # pragma: no cover - the bridge ships with the package
+        raise ConfigError(config.source, [ConfigProblem(
+            "metadata_server", "redis:// is not compiled into published Mooncake wheels "
+            "(the process would abort with exit code 134)",
+            'use "http://host:port/metadata" or run `mooncake-vllm metadata serve '
+            '--backend redis://...`')]) from None
+    return resolve_metadata_url(config.metadata_server, supports_redis=mooncake_supports_redis())
+
+
+def _preflight(config: StoreConfig, metadata: str, timeout: float) -> None:
+    host, port = config.master_host_port
+    if not config.master_server_address.startswith("etcd://"):
+        reason = tcp_reachable(host, port, min(timeout, 2.0))
+        if reason:
+            raise StoreUnavailableError(
+                f"no Mooncake master at {config.master_server_address} ({reason}); "
+                f"start one (`mooncake_master --rpc_port={port}` or `mooncake-vllm up`) "
+                f"or fix master_server_address in {config.source}")
+    endpoint = _metadata_endpoint(metadata, config.metadata_scheme)
+    if endpoint:
+        reason = tcp_reachable(*endpoint, min(timeout, 2.0))
+        if reason:
+            raise StoreUnavailableError(
+                f"no metadata server at {metadata} ({reason}); start it or fix "
+                f"metadata_server in {config.source}")
+
+
+def open_store(config: StoreConfig, *, timeout: float,
+               store_factory: Callable[[], Any] | None = None,
+               ) -> tuple[Any, Callable[[], None] | None]:
+    """A set-up ``MooncakeDistributedStore`` and the cleanup to run at close."""
+    for name, value in CLIENT_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    metadata, cleanup = _resolve_metadata(config)
+    host, _port = config.master_host_port
+    hostname = config.local_hostname or pick_local_hostname(host)
+    _preflight(config, metadata, timeout)
+    if store_factory is None:
+        from mooncake.store import MooncakeDistributedStore as store_factory  # noqa: N813
+    store = store_factory()
+    args = (hostname, metadata, config.global_segment_size, config.local_buffer_size,
+            config.protocol, config.device_name, config.master_server_address)
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.append(call(store.setup, *args)),
+                              name="mcv-setup", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise StoreUnavailableError(
+            f"Mooncake setup against master {config.master_server_address} did not finish "
+            f"within {timeout:.0f} s: the port answers but the master does not; check that "
+            f"it is a mooncake_master of the same release as this client")
+    rc = result[0] if result else None
+    if isinstance(rc, BaseException) or rc != 0:
+        raise StoreUnavailableError(
+            f"Mooncake setup failed (returned {rc!r}) for master "
+            f"{config.master_server_address}, metadata {metadata}, protocol "
+            f"{config.protocol}; check that master and client are the same Mooncake "
+            f"release and that local_hostname {hostname!r} is an address of this host")
+    log.debug("connected to Mooncake master %s as %s", config.master_server_address, hostname)
+    return store, cleanup

@@ -1,0 +1,152 @@
+"""Copy whole blocks between the KV cache and staging slots, in host or CUDA memory.
+
+Everything here is torch ops on the byte views of :meth:`BlockLayout.byte_views`,
+so the same code moves host tensors (numpy arrays included) and CUDA tensors;
+device memory is never read from the host.
+
+On CUDA, ordering with vLLM follows its current stream (the one the forward pass
+runs on) without ever synchronising the device:
+
+* **save**: the gather runs on our save stream after an event recorded on vLLM's
+  stream (so it reads the KV the forward wrote), into a device staging buffer,
+  then device→host into pinned slots; vLLM's stream then waits for the gather
+  (so a later step cannot overwrite those blocks before they are copied). The
+  blocks are free for reuse as soon as the snapshot is queued.
+* **load**: host→device and the scatter run on our load stream after an event on
+  vLLM's stream (earlier kernels may still use those blocks); vLLM's stream then
+  waits for the scatter, so no layer reads a block before it is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mooncake_vllm.codec import HEADER_SIZE
+from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.store.slots import Run, SlotPool
+
+__all__ = ["BlockMover", "DEVICE_STAGE_BYTES"]
+
+#: device staging per direction (each copy is cut into pieces of this size)
+DEVICE_STAGE_BYTES = 256 << 20
+
+
+class BlockMover:
+    """Gather blocks into slots and scatter slots into blocks, for one layout."""
+
+    def __init__(self, layout: BlockLayout, *, device_stage_bytes: int = DEVICE_STAGE_BYTES) -> None:
+        import torch
+
+        self._torch = torch
+        self.layout = layout
+        self.views = layout.byte_views()
+        self.slot_nbytes = HEADER_SIZE + layout.block_nbytes
+        self.cuda = layout.on_cuda
+        self._shape = (layout.num_layers, layout.segs_per_layer, layout.seg_nbytes)
+        if self.cuda:
+            self.device = torch.device(layout.device)
+            rows = max(1, device_stage_bytes // self.slot_nbytes)
+            self.save_stream = torch.cuda.Stream(self.device)
+            self.load_stream = torch.cuda.Stream(self.device)
+            self.save_stage = torch.empty((rows, self.slot_nbytes), dtype=torch.uint8,
+                                          device=self.device)
+            self.load_stage = torch.empty_like(self.save_stage)
+
+    # ------------------------------------------------------------------ helpers
+    def _payload(self, rows: Any) -> Any:
+        """``[k, slot]`` rows → ``[k, layers, segs, seg_nbytes]`` block bytes (a view)."""
+        return rows[:, HEADER_SIZE:].view(rows.shape[0], *self._shape)
+
+    def _index(self, ids: Sequence[int]) -> Any:
+        t = self._torch.tensor(list(ids), dtype=self._torch.long)
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)  # on the current (our) stream
+
+    def _gather_into(self, rows: Any, block_ids: Sequence[int]) -> None:
+        idx = self._index(block_ids)
+        dst = self._payload(rows)
+        for layer, view in enumerate(self.views):
+            dst[:, layer].copy_(view.index_select(1, idx).transpose(0, 1))
+
+    def _scatter_from(self, rows: Any, positions: Sequence[int], block_ids: Sequence[int]) -> None:
+        if len(positions) != rows.shape[0]:
+            rows = rows.index_select(0, self._index(positions))
+        src = self._payload(rows)
+        idx = self._index(block_ids)
+        for layer, view in enumerate(self.views):
+            view.index_copy_(1, idx, src[:, layer].transpose(0, 1))
+
+    def _pieces(self, runs: list[Run], rows: int) -> list[tuple[int, int, int]]:
+        """``(first slot, count, position)`` pieces of ``runs`` at most ``rows`` long."""
+        out, pos = [], 0
+        for start, count in runs:
+            for off in range(0, count, rows):
+                k = min(rows, count - off)
+                out.append((start + off, k, pos + off))
+            pos += count
+        return out
+
+    # ------------------------------------------------------------------ save
+    def gather(self, pool: SlotPool, runs: list[Run], block_ids: Sequence[int]) -> Any:
+        """Copy ``block_ids`` (in ``runs`` order) into their slots; the completion event.
+
+        Host: done on return (``None``). CUDA: queued; the returned event completes
+        when the bytes are in the slots.
+        """
+        if not self.cuda:
+            for start, k, pos in self._pieces(runs, pool.count):
+                self._gather_into(pool.rows[start:start + k], block_ids[pos:pos + k])
+            return None
+        torch = self._torch
+        vllm_stream = torch.cuda.current_stream(self.device)
+        written = torch.cuda.Event()
+        written.record(vllm_stream)
+        gathered = torch.cuda.Event()
+        done = torch.cuda.Event()
+        pieces = self._pieces(runs, self.save_stage.shape[0])
+        with torch.cuda.stream(self.save_stream):
+            self.save_stream.wait_event(written)
+            for n, (start, k, pos) in enumerate(pieces):
+                stage = self.save_stage[:k]
+                self._gather_into(stage, block_ids[pos:pos + k])
+                if n == len(pieces) - 1:
+                    gathered.record(self.save_stream)
+                pool.rows[start:start + k].copy_(stage, non_blocking=True)
+            done.record(self.save_stream)
+        vllm_stream.wait_event(gathered)  # later steps may reuse the blocks only after this
+        return done
+
+    # ------------------------------------------------------------------ load
+    def scatter(self, pool: SlotPool, runs: list[Run], ok: Sequence[bool],
+                block_ids: Sequence[int]) -> Any:
+        """Copy the slots whose ``ok`` is true into ``block_ids``; the completion event.
+
+        Host: done on return. CUDA: vLLM's stream waits for it; the event says when
+        the slots may be reused.
+        """
+        if not self.cuda:
+            for start, k, pos in self._pieces(runs, pool.count):
+                sel = [i for i in range(k) if ok[pos + i]]
+                if sel:
+                    self._scatter_from(pool.rows[start:start + k], sel,
+                                       [block_ids[pos + i] for i in sel])
+            return None
+        torch = self._torch
+        vllm_stream = torch.cuda.current_stream(self.device)
+        before = torch.cuda.Event()
+        before.record(vllm_stream)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.load_stream):
+            self.load_stream.wait_event(before)
+            for start, k, pos in self._pieces(runs, self.load_stage.shape[0]):
+                sel = [i for i in range(k) if ok[pos + i]]
+                if not sel:
+                    continue
+                stage = self.load_stage[:k]
+                stage.copy_(pool.rows[start:start + k], non_blocking=True)
+                self._scatter_from(stage, sel, [block_ids[pos + i] for i in sel])
+            done.record(self.load_stream)
+        vllm_stream.wait_event(done)
+        return done

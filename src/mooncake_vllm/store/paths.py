@@ -1,0 +1,150 @@
+"""How one layout's blocks travel: what a save captures, and how values move.
+
+* :class:`SaveTicket` — a save captured on the engine's thread, put later:
+  either a **snapshot** (the bytes are already in staging slots: the blocks may
+  be reused at once) or a **zero-copy** save of host memory whose checksums
+  were taken while the bytes were known good (right after the forward pass).
+  A zero-copy put reads the blocks later; if vLLM reused one meanwhile, the
+  stored bytes no longer match the header's checksum, so a reader refuses
+  them, and the writer re-checks after the put and removes such a value.
+* :class:`LayoutPaths` — per registered layout: the slot pools, the mover, and
+  which save kind applies (zero-copy for host memory with Mooncake's
+  multi-buffer API; a snapshot for CUDA memory or without that API). Loads
+  always go through slots: a value is verified before any byte of it reaches
+  the KV cache, and a load abandoned at its deadline can only ever write into
+  slots that stay reserved until Mooncake returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_vllm import codec
+from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.store.mover import BlockMover
+from mooncake_vllm.store.slots import Run, SlotPool, slots_of
+
+__all__ = ["LayoutPaths", "SaveTicket", "StagingSizes"]
+
+
+@dataclass(frozen=True)
+class StagingSizes:
+    """Registered host staging per layout, in bytes (each rounded to whole blocks)."""
+
+    save_host: int = 64 << 20  #: snapshots of host KV (only without multi-buffer puts)
+    save_cuda: int = 2 << 30  #: pinned snapshots of CUDA KV awaiting their put
+    load: int = 256 << 20  #: pinned/host slots loads go through
+    device_stage: int = 256 << 20  #: device staging per direction (CUDA only)
+
+
+@dataclass
+class SaveTicket:
+    """A save captured by :meth:`StoreClient.prepare_save`, put by ``commit_save``."""
+
+    keys: list[str]
+    block_ids: list[int]
+    layout: BlockLayout
+    snapshot: bool  #: bytes are in slots: the blocks may be reused right away
+    checksums: list[int] = field(default_factory=list)  #: zero-copy: taken at capture
+    runs: list[Run] = field(default_factory=list)  #: snapshot: slots, ``keys`` order
+    ready: Any = None  #: snapshot on CUDA: event completing when slots hold the bytes
+    dropped: int = 0  #: blocks not captured (no free slot): future misses
+    pool: SlotPool | None = None
+    done: bool = False
+    abandoned: bool = False  #: a put outlived its deadline: its late return frees the slots
+
+
+class LayoutPaths:
+    """Slot pools and the mover of one registered layout."""
+
+    def __init__(self, layout: BlockLayout, register: Any, *, multi_buffer: bool,
+                 sizes: StagingSizes) -> None:
+        self.layout = layout
+        self.slot_nbytes = codec.HEADER_SIZE + layout.block_nbytes
+        self.layout_digest = codec.digest16(layout.fingerprint)
+        self.zero_copy_save = multi_buffer and not layout.on_cuda
+        pinned = layout.on_cuda
+        self.mover = BlockMover(layout, device_stage_bytes=sizes.device_stage)
+        self.load_pool = SlotPool(self.slot_nbytes, sizes.load // self.slot_nbytes or 4,
+                                  pinned=pinned, register=register)
+        self.save_pool: SlotPool | None = None
+        if not self.zero_copy_save:
+            budget = sizes.save_cuda if layout.on_cuda else sizes.save_host
+            self.save_pool = SlotPool(self.slot_nbytes, budget // self.slot_nbytes or 4,
+                                      pinned=pinned, register=register)
+        self.header_pool = SlotPool(codec.HEADER_SIZE, 1024, pinned=False, register=register)
+
+    @property
+    def registered(self) -> bool:
+        pools = [self.load_pool, self.header_pool] + ([self.save_pool] if self.save_pool else [])
+        return all(p.registered for p in pools)
+
+    # ------------------------------------------------------------------ capture
+    def capture(self, keys: list[str], block_ids: list[int]) -> SaveTicket:
+        """Take what a later put needs, now, while the blocks hold the keys' bytes."""
+        if self.zero_copy_save:
+            sums = [codec.checksum_segments(self.layout.segments(b)) for b in block_ids]
+            return SaveTicket(keys, block_ids, self.layout, snapshot=False, checksums=sums)
+        pool = self.save_pool
+        assert pool is not None
+        runs = pool.take(len(keys))
+        n = len(slots_of(runs))
+        ready = self.mover.gather(pool, runs, block_ids[:n]) if n else None
+        return SaveTicket(keys[:n], block_ids[:n], self.layout, snapshot=True, runs=runs,
+                          ready=ready, dropped=len(keys) - n, pool=pool)
+
+    def frame_snapshot(self, ticket: SaveTicket, keep: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Checksum the slots at ``keep`` (positions) and write their headers.
+
+        Returns the slot addresses and sizes to put. Host memory only is read.
+        """
+        assert ticket.pool is not None
+        if ticket.ready is not None:
+            ticket.ready.synchronize()  # this thread waits, never vLLM's stream
+        pool = ticket.pool
+        slots = slots_of(ticket.runs)
+        ptrs, sizes = [], []
+        for pos in keep:
+            slot = slots[pos]
+            raw = pool.view(slot)
+            payload = raw[codec.HEADER_SIZE:]
+            raw[:codec.HEADER_SIZE] = codec.pack_header(
+                len(payload), codec.checksum_bytes(payload), self.layout_digest,
+                codec.digest16(ticket.keys[pos]))
+            ptrs.append(pool.address(slot))
+            sizes.append(self.slot_nbytes)
+        return ptrs, sizes
+
+    def frame_zero_copy(self, ticket: SaveTicket, keep: Sequence[int],
+                        header_runs: list[Run]) -> tuple[list[list[int]], list[list[int]]]:
+        """Headers (from the captured checksums) in header slots; multi-buffer lists."""
+        ptrs, sizes = [], []
+        for pos, slot in zip(keep, slots_of(header_runs)):
+            self.header_pool.view(slot)[:] = codec.pack_header(
+                self.layout.block_nbytes, ticket.checksums[pos], self.layout_digest,
+                codec.digest16(ticket.keys[pos]))
+            segs = self.layout.segments(ticket.block_ids[pos])
+            ptrs.append([self.header_pool.address(slot)] + [p for p, _ in segs])
+            sizes.append([codec.HEADER_SIZE] + [n for _, n in segs])
+        return ptrs, sizes
+
+    def still_intact(self, ticket: SaveTicket, pos: int) -> bool:
+        """Zero-copy: do the block's bytes still match the checksum taken at capture?"""
+        return codec.checksum_segments(
+            self.layout.segments(ticket.block_ids[pos])) == ticket.checksums[pos]
+
+    def release(self, ticket: SaveTicket) -> None:
+        if ticket.pool is not None and not ticket.done:
+            ticket.done = True
+            ticket.pool.release(ticket.runs)
+
+    # ------------------------------------------------------------------ load
+    def verify_slot(self, slot: int, key: str) -> str | None:
+        """Why the value read into ``slot`` is not this key's block, or ``None``."""
+        raw = self.load_pool.view(slot)
+        return codec.verify(raw[:codec.HEADER_SIZE],
+                            [(self.load_pool.address(slot) + codec.HEADER_SIZE,
+                              self.layout.block_nbytes)],
+                            layout_digest=self.layout_digest, key_digest=codec.digest16(key))

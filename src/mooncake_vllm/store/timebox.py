@@ -1,0 +1,71 @@
+"""Every call into Mooncake runs on a bounded worker pool with a deadline.
+
+A call that outlives its deadline is abandoned, not cancelled (a pybind call
+cannot be interrupted): the caller gets :class:`CallTimedOut` at once, the call
+keeps its worker until Mooncake returns, and whatever memory it reads or writes
+stays reserved until then (``on_done``). When every worker of a box is taken by
+such calls, new calls are refused at once (:class:`CallRejected`) instead of
+queueing without bound.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from mooncake_vllm.store.codes import call
+
+__all__ = ["CallRejected", "CallTimedOut", "TimeBox"]
+
+
+class CallTimedOut(TimeoutError):
+    """A Mooncake call did not return within its deadline."""
+
+
+class CallRejected(ConnectionError):
+    """Every worker is busy with earlier, still unanswered calls."""
+
+
+class TimeBox:
+    """``workers`` threads; at most ``workers`` calls in flight, hung ones included."""
+
+    def __init__(self, name: str, workers: int = 1,
+                 initializer: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self._slots = threading.BoundedSemaphore(workers)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"mcv-{name}",
+                                        initializer=initializer)
+        self._closed = False
+
+    def run(self, timeout: float, fn: Callable[..., Any], *args: Any,
+            on_done: Callable[[Any], None] | None = None) -> Any:
+        """``fn(*args)`` (an exception comes back as the value), or raise.
+
+        ``on_done(result)`` runs once the call has really returned, also after a
+        timeout: that is where memory the call used may be handed back.
+        """
+        if self._closed or not self._slots.acquire(blocking=False):
+            raise CallRejected(f"{self.name}: all workers busy with unanswered calls")
+        try:
+            fut: Future[Any] = self._pool.submit(call, fn, *args)
+        except RuntimeError as exc:  # shut down meanwhile
+            self._slots.release()
+            raise CallRejected(f"{self.name}: closed") from exc
+
+        def finished(f: Future[Any]) -> None:
+            self._slots.release()
+            if on_done is not None:
+                on_done(f.result())
+
+        fut.add_done_callback(finished)
+        try:
+            return fut.result(timeout=timeout)
+        except FutureTimeout:
+            raise CallTimedOut(f"{self.name}: no answer within {timeout:.1f} s") from None
+
+    def close(self) -> None:
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)

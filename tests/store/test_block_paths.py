@@ -1,0 +1,170 @@
+"""Blocks through the store client on every KV layout, in host and CUDA memory.
+
+Real master + holder on loopback. The same tests run on the CPU (CI) and, marked
+``gpu``, on CUDA tensors (skipped cleanly without a GPU): a save then a load into
+other physical blocks is byte-exact, untouched blocks stay untouched, planted
+corrupt or foreign values are misses, and a snapshot keeps the bytes the key
+names even when vLLM overwrites the blocks before the put runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from mooncake_vllm import codec
+from mooncake_vllm.config import load_store_config
+from mooncake_vllm.keys import KeyNamespace, chunk_keys
+from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.store import StoreClient
+
+NB, BS, H, D, L = 12, 16, 4, 32, 3
+_counter = itertools.count()
+
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+#: name -> (logical shape, permutation applied to a contiguous allocation)
+LAYOUTS = {
+    "flash-nhd": ((2, NB, BS, H, D), None),
+    "flash-hnd": ((2, NB, BS, H, D), (0, 1, 3, 2, 4)),
+    "flashinfer-nhd": ((NB, 2, BS, H, D), None),
+    "flashinfer-hnd": ((NB, 2, BS, H, D), (0, 1, 3, 2, 4)),
+    "mla": ((NB, BS, 64), None),
+    "cpu": ((NB, H, BS, 2 * D), None),
+}
+
+
+def _need(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+
+def _tensor(shape: tuple[int, ...], perm: tuple[int, ...] | None, dtype: torch.dtype,
+            device: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if perm is None:
+        t = torch.randn(shape, generator=gen)
+    else:  # allocate in physical order, view in vLLM's logical order
+        inv = [perm.index(i) for i in range(len(perm))]
+        t = torch.randn([shape[p] for p in perm], generator=gen).permute(inv)
+    return t.to(dtype).to(device) if dtype != torch.float32 else t.to(device)
+
+
+def _caches(name: str, dtype: torch.dtype, device: str, seed: int) -> list[torch.Tensor]:
+    shape, perm = LAYOUTS[name]
+    return [_tensor(shape, perm, dtype, device, seed + i) for i in range(L)]
+
+
+def _block(t: torch.Tensor, kind: str, b: int) -> torch.Tensor:
+    """Block ``b`` of one layer as raw bytes, on the host."""
+    sel = t[:, b] if kind == "nhd" else t[b]
+    return sel.contiguous().view(torch.uint8).cpu()
+
+
+@pytest.fixture(scope="module")
+def stack(module_local_stack: Any) -> Any:
+    return module_local_stack
+
+
+@pytest.fixture(params=[True, False], ids=["zero-copy", "snapshot"])
+def client(request: pytest.FixtureRequest, stack: Any) -> Any:
+    c = StoreClient.connect(load_store_config(stack.config_path), zero_copy=request.param)
+    yield c
+    c.close()
+
+
+def _keys(layout: BlockLayout, n: int) -> list[str]:
+    ns = KeyNamespace("paths-test", layout.dtype, layout.fingerprint, layout.block_size)
+    base = next(_counter) * 1000
+    return chunk_keys(ns, list(range(base, base + n * layout.block_size)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn],
+                         ids=["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_round_trip_is_byte_exact_into_other_blocks(client: StoreClient, name: str,
+                                                    dtype: torch.dtype, device: str) -> None:
+    _need(device)
+    src = _caches(name, dtype, device, 1)
+    dst = _caches(name, dtype, device, 50)
+    before = [t.clone() for t in dst]
+    a, b = BlockLayout.from_kv_caches(src), BlockLayout.from_kv_caches(dst)
+    assert a.fingerprint == b.fingerprint and a.on_cuda == (device == "cuda")
+    client.register_layout(a)
+    client.register_layout(b)
+    keys = _keys(a, 4)
+    assert client.put_blocks(keys, a, [7, 2, 9, 0]) == 4
+    missing = _keys(a, 1)
+    assert client.get_blocks(keys + missing, b, [1, 3, 5, 11, 4]) == [True] * 4 + [False]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    kind = a.kind
+    for s, d, old in zip(src, dst, before):
+        for sb, db in ((7, 1), (2, 3), (9, 5), (0, 11)):
+            assert torch.equal(_block(d, kind, db), _block(s, kind, sb))
+        for untouched in (0, 2, 4, 6, 7, 8, 9, 10):  # block 4's value was missing
+            assert torch.equal(_block(d, kind, untouched), _block(old, kind, untouched))
+
+
+def test_hnd_bytes_are_named_apart_from_nhd() -> None:
+    nhd = BlockLayout.from_kv_caches(_caches("flash-nhd", torch.bfloat16, "cpu", 1))
+    hnd = BlockLayout.from_kv_caches(_caches("flash-hnd", torch.bfloat16, "cpu", 1))
+    inter = BlockLayout.from_kv_caches(_caches("flashinfer-hnd", torch.bfloat16, "cpu", 1))
+    assert nhd.fingerprint.startswith("nhd:") and hnd.fingerprint.startswith("hnd:")
+    assert hnd.fingerprint == inter.fingerprint != nhd.fingerprint
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_snapshot_keeps_the_bytes_the_key_names(stack: Any, device: str) -> None:
+    _need(device)
+    client = StoreClient.connect(load_store_config(stack.config_path), zero_copy=False)
+    try:
+        src = _caches("flash-nhd", torch.bfloat16, device, 3)
+        layout = BlockLayout.from_kv_caches(src)
+        expected = [_block(t, "nhd", 4) for t in src]
+        keys = _keys(layout, 1)
+        ticket = client.prepare_save(keys, layout, [4])
+        assert ticket.snapshot
+        for t in src:  # vLLM reuses the block before the put runs
+            t[:, 4] = 0.5
+        assert client.commit_save(ticket) == 1
+        dst = _caches("flash-nhd", torch.bfloat16, device, 9)
+        assert client.get_blocks(keys, layout_of(dst, client), [6]) == [True]
+        for t, want in zip(dst, expected):
+            assert torch.equal(_block(t, "nhd", 6), want)
+    finally:
+        client.close()
+
+
+def layout_of(caches: list[torch.Tensor], client: StoreClient) -> BlockLayout:
+    layout = BlockLayout.from_kv_caches(caches)
+    client.register_layout(layout)
+    return layout
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_planted_corrupt_and_foreign_values_are_misses(client: StoreClient,
+                                                        device: str) -> None:
+    _need(device)
+    src = _caches("flash-nhd", torch.float16, device, 5)
+    layout = layout_of(src, client)
+    keys = _keys(layout, 4)
+    assert client.put_blocks(keys[:1], layout, [3]) == 1
+    raw = client._store.get(keys[0])
+    store = client._store
+    assert store.upsert(keys[1], raw[:300] + bytes([raw[300] ^ 4]) + raw[301:]) == 0  # bit flip
+    assert store.upsert(keys[2], raw[: len(raw) - 7]) == 0  # truncated
+    assert store.upsert(keys[3], raw) == 0  # another key's value
+    dst = _caches("flash-nhd", torch.float16, device, 6)
+    before = [t.clone() for t in dst]
+    dl = layout_of(dst, client)
+    assert client.get_blocks(keys[1:], dl, [1, 2, 5]) == [False] * 3
+    for t, old in zip(dst, before):  # a refused value never touches the KV cache
+        assert torch.equal(t.cpu(), old.cpu())
+    assert client.stats.snapshot()["corrupt"] >= 3
+    assert len(raw) == codec.HEADER_SIZE + layout.block_nbytes
