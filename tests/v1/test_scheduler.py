@@ -176,3 +176,41 @@ def test_prompt_embeds_are_ignored() -> None:
 def test_prefix_hits_is_the_minimum_over_ranks(present: list[bool], expected: int) -> None:
     ranks = RankNamespaces((_ns(0, 2), _ns(1, 2)))
     assert ranks.prefix_hits(present, 3) == expected
+
+
+# ---------------------------------------------------------------- background loads
+def test_background_loads_are_announced_and_planned_as_such() -> None:
+    pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           load_async=True)
+    req = _request("a", TOKENS)
+    assert logic.get_num_new_matched_tokens(req, 0) == (16, True)
+    logic.update_state_after_alloc(req, Blocks([7, 8, 9, 10, 11]), 16)
+    meta = logic.build_connector_meta(_output())
+    assert [j.background for j in meta.loads] == [True]
+    # the synchronous side (releases that cannot recompute failed background blocks)
+    sync = _logic(FakePool(set(chunk_keys(_ns(), TOKENS))))
+    assert sync.get_num_new_matched_tokens(_request("s", TOKENS), 0) == (16, False)
+    sync.update_state_after_alloc(_request("s", TOKENS), Blocks([1, 2, 3, 4, 5]), 16)
+    assert [j.background for j in sync.build_connector_meta(_output()).loads] == [False]
+
+
+def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_is_over() -> None:
+    pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           load_async=True)
+    req = _request("a", TOKENS)
+    req.status = SimpleNamespace(name="WAITING_FOR_REMOTE_KVS")
+    logic.get_num_new_matched_tokens(req, 0)
+    logic.update_state_after_alloc(req, Blocks([7, 8, 9, 10, 11]), 16)
+    logic.build_connector_meta(_output())
+    assert logic.request_finished(req) == (True, None)  # the load may still be writing
+    assert logic.build_connector_meta(_output()).delayed_loads == {"a"}
+    assert logic.build_connector_meta(_output()).delayed_loads == set()
+    # once vLLM has the load's result the request runs normally: nothing to hold
+    done = _request("b", TOKENS)
+    done.status = SimpleNamespace(name="RUNNING")
+    logic.get_num_new_matched_tokens(done, 0)
+    logic.update_state_after_alloc(done, Blocks([1, 2, 3, 4, 5]), 16)
+    logic.build_connector_meta(_output())
+    assert logic.request_finished(done) == (False, None)

@@ -108,11 +108,11 @@ def test_finished_only_after_saves_and_only_for_saving_requests(workers: Any) ->
     workers(w)
     w.register_kv_caches(_cache(0))
     w.wait_for_save(_save_meta("a", [1, 2]))
-    assert w.get_finished({"a", "never-saved"}) == set()  # save still in flight
+    assert w.get_finished({"a", "never-saved"})[0] == set()  # save still in flight
     client.gate.set()
     _wait_idle(w)
-    assert w.get_finished(set()) == {"a"}  # reported once, on a later call
-    assert w.get_finished({"a"}) == set()
+    assert w.get_finished(set())[0] == {"a"}  # reported once, on a later call
+    assert w.get_finished({"a"})[0] == set()
     assert len(client.puts) == 1
 
 
@@ -122,7 +122,7 @@ def test_snapshot_saves_free_the_blocks_at_once(workers: Any) -> None:
     workers(w)
     w.register_kv_caches(_cache(0))
     w.wait_for_save(_save_meta("s", [1, 2]))
-    assert w.get_finished({"s"}) == {"s"}  # the put has not even started
+    assert w.get_finished({"s"})[0] == {"s"}  # the put has not even started
     client.gate.set()
     _wait_idle(w)
     assert client.puts == [[f"{w.prefix}/{b:032x}" for b in (1, 2)]]
@@ -153,11 +153,11 @@ def test_hung_pool_releases_finished_blocks_within_the_deadline(workers: Any) ->
     workers(w)
     w.register_kv_caches(_cache(0))
     w.wait_for_save(_save_meta("h", [5]))
-    assert w.get_finished({"h"}) == set()
+    assert w.get_finished({"h"})[0] == set()
     clock.now += 29.0
-    assert w.get_finished(set()) == set()
+    assert w.get_finished(set())[0] == set()
     clock.now += 1.5
-    assert w.get_finished(set()) == {"h"}
+    assert w.get_finished(set())[0] == {"h"}
     assert w.counters["holds_expired"] == 1
     client.gate.set()
 
@@ -211,7 +211,7 @@ def test_round_trip_through_a_real_pool(pool: SharedClient, workers: Any) -> Non
     saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("s", digests, [5, 6, 7])]))
     _wait_idle(saver, 10)
     assert saver.counters["saved_blocks"] == 3
-    assert saver.get_finished({"s"}) == {"s"}
+    assert saver.get_finished({"s"})[0] == {"s"}
 
     loader = WorkerLogic(ns, EXPECTED, pool, can_load=True, can_save=False)
     workers(loader)
@@ -259,3 +259,62 @@ def test_a_block_reused_before_its_save_ran_is_never_served(pool: SharedClient,
     assert loader.take_load_errors() == {1, 2}
     assert not any(client.exists(keys))  # removed, not left for others to trip on
     assert client.stats.snapshot()["save_raced"] >= 2
+
+
+def test_background_load_is_reported_received_with_failed_blocks(pool: SharedClient,
+                                                                 workers: Any) -> None:
+    src, dst = _cache(11), _cache(12)
+    ns = _ns("bg")
+    saver = WorkerLogic(ns, EXPECTED, pool, can_load=False, can_save=True)
+    workers(saver)
+    saver.register_kv_caches(src)
+    digests = [f"{0xb6000 + i:032x}" for i in range(3)]
+    saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("s", digests, [2, 3, 4])]))
+    _wait_idle(saver, 10)
+    loader = WorkerLogic(ns, EXPECTED, pool, can_load=True, can_save=False)
+    workers(loader)
+    loader.register_kv_caches(dst)
+    missing = f"{0xb6fff:032x}"
+    job = BlockJob("r", [*digests, missing], [9, 10, 11, 12], background=True)
+    loader.start_load_kv(MooncakeConnectorMetadata(loads=[job]))
+    received: set[str] = set()
+    deadline = time.monotonic() + 10
+    while not received:
+        assert time.monotonic() < deadline, "background load never reported"
+        freed, received = loader.get_finished(set())
+        assert freed == set()
+        time.sleep(0.01)
+    assert received == {"r"}
+    assert loader.take_load_errors() == {12}
+    for name in src:
+        assert np.array_equal(dst[name][9:12], src[name][2:5])
+    assert loader.get_finished(set()) == (set(), set())  # reported once
+
+
+def test_aborted_while_loading_is_freed_only_after_the_load(pool: SharedClient,
+                                                            workers: Any) -> None:
+    loader = WorkerLogic(_ns("abort"), EXPECTED, pool, can_load=True, can_save=False)
+    workers(loader)
+    loader.register_kv_caches(_cache(13))
+    client = pool.get()
+    gate, started = threading.Event(), threading.Event()
+    real_get = client.get_blocks
+    client.get_blocks = lambda *a, **k: (started.set(), gate.wait(5), real_get(*a, **k))[2]
+    try:
+        job = BlockJob("x", [f"{0xab:032x}"], [3], background=True)
+        loader.start_load_kv(MooncakeConnectorMetadata(loads=[job]))
+        assert started.wait(5)
+        # vLLM aborts it; the scheduler kept its blocks and says so in the next step
+        loader.start_load_kv(MooncakeConnectorMetadata(delayed_loads={"x"}))
+        assert loader.get_finished({"x"}) == (set(), set())  # the load still writes
+        gate.set()
+        deadline = time.monotonic() + 10
+        freed: set[str] = set()
+        while not freed:
+            assert time.monotonic() < deadline
+            freed, received = loader.get_finished(set())
+            assert received == set()  # never "received" for a request vLLM finished
+            time.sleep(0.01)
+        assert freed == {"x"}
+    finally:
+        del client.get_blocks

@@ -184,6 +184,9 @@ class VllmFacts:
     #: mooncake-vllm's V1 connector runs here: it needs the 0.9.0 V1 API (allocated blocks in
     #: update_state_after_alloc, request_finished/get_finished to delay freeing saved blocks)
     our_v1_connector: bool = False
+    #: the V1 API reports blocks that failed to load (``get_block_ids_with_load_errors``), so
+    #: loads may run in the background (``load_kv_async``) and a failed block is recomputed
+    load_error_reporting: bool = False
     module_path: bool = False  #: kv_connector_module_path honoured (V1 only)
     module_path_beats_registry: bool = False
     multi_connector: bool = False
@@ -278,10 +281,11 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        builtin_hash_randomises_strings=False),
     _c("0.11.0", "vllm §2/§3: V0 engine gone; VLLM_USE_V1 still defined, False raises",
        has_v0_engine=False, use_v1_env="v1-required", v0_hash_seed="absent"),
-    _c("0.11.1", "vllm §3/§6/§7/§8: VLLM_USE_V1 removed; optional kv_cache_config 3rd arg; children get 3 args",
+    _c("0.11.1", "vllm §3/§6/§7/§8: VLLM_USE_V1 removed; optional kv_cache_config 3rd arg; children get 3 args; "
+       "+get_block_ids_with_load_errors (background loads may fail safely)",
        use_v1_env="removed", v1_ctor_args=(2, 3), multi_children_get_kv_cache_config=True,
        factory_api="create_connector(config, role, kv_cache_config=None)",
-       kv_config_fields=_KV_FIELDS_0111),
+       kv_config_fields=_KV_FIELDS_0111, load_error_reporting=True),
     _c("0.13.0", "vllm §5/§6/§11: V1 P2P MooncakeConnector; +kv_load_failure_policy; hashing.py algorithms",
        in_tree_mooncake_connector="v1-p2p", p2p_transfer_params="handoff",
        kv_config_fields=_KV_FIELDS_0130,

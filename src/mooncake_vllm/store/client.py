@@ -341,9 +341,19 @@ class StoreClient:
             return self._store.remove(key)
 
     # ------------------------------------------------------------------ loads
-    def get_blocks(self, keys: Sequence[str], layout: BlockLayout,
-                   block_ids: Sequence[int]) -> list[bool]:
-        """Load blocks into the KV cache; ``True`` where loaded and verified."""
+    def stream_position(self, layout: BlockLayout) -> Any:
+        """For a background load: an event on vLLM's stream, taken on vLLM's thread."""
+        return self._paths_for(layout).mover.stream_position()
+
+    def get_blocks(self, keys: Sequence[str], layout: BlockLayout, block_ids: Sequence[int],
+                   *, after: Any = None, background: bool = False) -> list[bool]:
+        """Load blocks into the KV cache; ``True`` where loaded and verified.
+
+        On CUDA the copies are ordered on vLLM's stream (no layer reads a block
+        before it is loaded). ``background``: called off vLLM's thread for a
+        request vLLM schedules only once told: the copies start after ``after``
+        (:meth:`stream_position`) and are complete when this returns.
+        """
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
         out: list[bool] = []
@@ -361,7 +371,7 @@ class StoreClient:
                     break
             n = len(slots_of(runs))
             got = self._get_batch(paths, pool, runs, list(keys[pos:pos + n]),
-                                  list(block_ids[pos:pos + n]))
+                                  list(block_ids[pos:pos + n]), after, background)
             if got is None:
                 break
             out += got
@@ -374,7 +384,7 @@ class StoreClient:
         return out
 
     def _get_batch(self, paths: LayoutPaths, pool: SlotPool, runs: list[Run], keys: list[str],
-                   block_ids: list[int]) -> list[bool] | None:
+                   block_ids: list[int], after: Any, background: bool) -> list[bool] | None:
         slots = slots_of(runs)
         size = paths.slot_nbytes
         start = time.perf_counter()
@@ -405,7 +415,8 @@ class StoreClient:
                 self.stats.add("corrupt")
             ok.append(reason is None)
         self._note_failures("get", codes)
-        done = paths.mover.scatter(pool, runs, ok, block_ids) if any(ok) else None
+        done = (paths.mover.scatter(pool, runs, ok, block_ids, after=after, wait=background)
+                if any(ok) else None)
         pool.release(runs, after=done)
         return ok
 

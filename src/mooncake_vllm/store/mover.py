@@ -120,11 +120,14 @@ class BlockMover:
 
     # ------------------------------------------------------------------ load
     def scatter(self, pool: SlotPool, runs: list[Run], ok: Sequence[bool],
-                block_ids: Sequence[int]) -> Any:
+                block_ids: Sequence[int], *, after: Any = None, wait: bool = False) -> Any:
         """Copy the slots whose ``ok`` is true into ``block_ids``; the completion event.
 
-        Host: done on return. CUDA: vLLM's stream waits for it; the event says when
-        the slots may be reused.
+        Host: done on return. CUDA: the copy starts after ``after`` (an event on
+        vLLM's stream; default: one recorded on the calling thread's current
+        stream) and vLLM's stream waits for it, or with ``wait`` (a background
+        load, whose request vLLM schedules only once reported) this thread waits.
+        The event says when the slots may be reused.
         """
         if not self.cuda:
             for start, k, pos in self._pieces(runs, pool.count):
@@ -135,8 +138,10 @@ class BlockMover:
             return None
         torch = self._torch
         vllm_stream = torch.cuda.current_stream(self.device)
-        before = torch.cuda.Event()
-        before.record(vllm_stream)
+        before = after
+        if before is None:
+            before = torch.cuda.Event()
+            before.record(vllm_stream)
         done = torch.cuda.Event()
         with torch.cuda.stream(self.load_stream):
             self.load_stream.wait_event(before)
@@ -148,5 +153,16 @@ class BlockMover:
                 stage.copy_(pool.rows[start:start + k], non_blocking=True)
                 self._scatter_from(stage, sel, [block_ids[pos + i] for i in sel])
             done.record(self.load_stream)
-        vllm_stream.wait_event(done)
+        if wait:
+            done.synchronize()
+        else:
+            vllm_stream.wait_event(done)
         return done
+
+    def stream_position(self) -> Any:
+        """An event on the calling thread's current stream (vLLM's, on its thread)."""
+        if not self.cuda:
+            return None
+        event = self._torch.cuda.Event()
+        event.record(self._torch.cuda.current_stream(self.device))
+        return event

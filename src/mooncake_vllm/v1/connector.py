@@ -20,6 +20,8 @@ settings come from ``$MOONCAKE_CONFIG_PATH`` (both the V0 and the V1 JSON shapes
 ``save_queue_size``        save jobs buffered per worker (default 64; full → dropped)
 ``connect_timeout``        seconds to reach the pool at start (default 5)
 ``layout_variant``         override the predicted KV layout variant tag
+``load_async``             ``true`` (default): load in the background where vLLM can
+                           recompute failed blocks (>= 0.11.1); ``false``: before the forward
 
 The save thread and Mooncake's client threads run off vLLM's CPU compute cores
 (``MOONCAKE_VLLM_THREAD_AFFINITY=off`` leaves thread affinity alone).
@@ -58,7 +60,7 @@ log = logging.getLogger("mooncake_vllm.v1")
 INSTANCES: weakref.WeakSet[MooncakeStoreConnector] = weakref.WeakSet()
 
 _EXTRA_KEYS = {"model_id", "mooncake_config_path", "load_failure_policy", "save_queue_size",
-               "connect_timeout", "layout_variant"}
+               "connect_timeout", "layout_variant", "load_async"}
 _BASE_TAKES_KV_CACHE_CONFIG = "kv_cache_config" in inspect.signature(
     KVConnectorBase_V1.__init__).parameters
 
@@ -92,7 +94,13 @@ def _settings(extra: dict[str, Any]) -> dict[str, Any]:
     if policy not in ("recompute", "fail"):
         problems.append(ConfigProblem("kv_connector_extra_config.load_failure_policy",
                                       f"found {policy!r}", 'use "recompute" or "fail"'))
-    out = {"policy": policy}
+    load_async = extra.get("load_async", True)
+    if not isinstance(load_async, bool):
+        problems.append(ConfigProblem("kv_connector_extra_config.load_async",
+                                      f"must be true or false, found {load_async!r}",
+                                      "omit it (background loads where the release supports "
+                                      "them) or set false (load before the forward pass)"))
+    out = {"policy": policy, "load_async": load_async}
     for name, default in (("save_queue_size", 64), ("connect_timeout", 5.0)):
         value = extra.get(name, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -121,6 +129,15 @@ def _require_supported_vllm() -> None:
             f"update_state_after_alloc and cannot delay freeing blocks until they are saved. "
             f"Fix: start vLLM with VLLM_USE_V1=0 (the V0 connector, same pool and keys) or "
             f"upgrade vLLM; `mooncake-vllm check --target-vllm X.Y.Z` shows what changes")
+
+
+def _background_loads_supported() -> bool:
+    """Whether this vLLM can recompute blocks a background load failed to deliver."""
+    from mooncake_vllm.compat.detect import installed_vllm
+    from mooncake_vllm.compat.versions import vllm_facts
+
+    dist = installed_vllm()
+    return dist is not None and vllm_facts(dist.version, strict=False).load_error_reporting
 
 
 def _worker_ranks() -> tuple[int, int]:
@@ -161,7 +178,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                 ktc.kv_load_failure_policy = "recompute"
             self.scheduler = SchedulerLogic(rank_namespaces(vllm_config), block_size,
                                             self._lookup, can_load=self.can_load,
-                                            can_save=self.can_save)
+                                            can_save=self.can_save,
+                                            load_async=settings["load_async"]
+                                            and _background_loads_supported())
             self._announce(vllm_config)
         else:
             tp_rank, pp_rank = _worker_ranks()
@@ -229,11 +248,13 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         if meta is not None:
             self.worker.handle_preemptions(meta.preempted_req_ids)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
             return None, None
-        done = self.worker.get_finished(finished_req_ids)
-        return (done or None), None
+        meta = self._meta()
+        done, received = self.worker.get_finished(
+            finished_req_ids, meta.delayed_loads if meta is not None else ())
+        return (done or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()

@@ -24,6 +24,8 @@ class BlockJob:
     req_id: str
     digests: list[str]
     block_ids: list[int]
+    #: load in the background; reported through ``get_finished``'s finished-receiving set
+    background: bool = False
 
     def __post_init__(self) -> None:
         if len(self.digests) != len(self.block_ids):
@@ -38,3 +40,6 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockJob] = field(default_factory=list)
     saves: list[BlockJob] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    #: finished while their background load ran: vLLM keeps their blocks until the
+    #: workers report them (finished-sending) once the load is over
+    delayed_loads: set[str] = field(default_factory=set)

@@ -8,8 +8,15 @@ query), so it is unit-testable without vLLM or Mooncake.
 * Lookup: the longest run of chunks, after what vLLM already has locally, whose
   keys exist for EVERY TP/PP rank; never the chunk holding the last prompt token
   (vLLM must compute at least one token).
-* Loads are synchronous: the worker loads them in ``start_load_kv`` before the
-  forward pass of the step that schedules the request.
+* Loads are asynchronous where the release can report failed blocks of a
+  background load (``load_async``): ``get_num_new_matched_tokens`` answers
+  ``(n, True)``, vLLM parks the request (WAITING_FOR_REMOTE_KVS) and keeps
+  stepping every other request, and the workers report it through
+  ``get_finished``. A request finished (aborted) while its load still runs keeps
+  its blocks until the workers say the load is over (``delayed_loads``), so no
+  load ever writes into blocks vLLM gave to someone else. Elsewhere loads are
+  synchronous: the worker loads them in ``start_load_kv`` before the forward
+  pass of the step that schedules the request.
 * Saves: every prompt chunk completed by a step is handed to the workers after
   that step's forward; a request with saves in flight keeps its blocks after it
   finishes (``request_finished`` → True) until the workers report them written.
@@ -49,14 +56,16 @@ class SchedulerLogic:
     """The scheduler-side state machine of :class:`MooncakeStoreConnector`."""
 
     def __init__(self, namespaces: RankNamespaces, block_size: int, lookup: Lookup, *,
-                 can_load: bool, can_save: bool) -> None:
+                 can_load: bool, can_save: bool, load_async: bool = False) -> None:
         self.namespaces = namespaces
         self.block_size = block_size
         self.lookup = lookup
         self.can_load = can_load
         self.can_save = can_save
+        self.load_async = load_async
         self.requests: dict[str, RequestState] = {}
         self._loads: list[BlockJob] = []
+        self._delayed_loads: set[str] = set()
         self.counters = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "save_jobs": 0}
 
     # ------------------------------------------------------------------ state
@@ -95,7 +104,7 @@ class SchedulerLogic:
         if hits == 0:
             return 0, False
         st.pending_load = (start, hits, num_computed_tokens)
-        return (start + hits) * bs - num_computed_tokens, False
+        return (start + hits) * bs - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Turn an accepted lookup into a load job for the blocks vLLM allocated."""
@@ -112,7 +121,8 @@ class SchedulerLogic:
             end = len(block_ids)
         if end <= start:
             return
-        self._loads.append(BlockJob(st.req_id, st.digests[start:end], block_ids[start:end]))
+        self._loads.append(BlockJob(st.req_id, st.digests[start:end], block_ids[start:end],
+                                    background=self.load_async))
         st.loaded_upto = max(st.loaded_upto, end)
         self.counters["load_jobs"] += 1
         self.counters["hit_tokens"] += end * self.block_size - computed
@@ -120,8 +130,8 @@ class SchedulerLogic:
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: Any) -> MooncakeConnectorMetadata:
         """This step's loads (already planned) and saves (chunks this step completes)."""
-        meta = MooncakeConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = MooncakeConnectorMetadata(loads=self._loads, delayed_loads=self._delayed_loads)
+        self._loads, self._delayed_loads = [], set()
         meta.preempted_req_ids = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for req_id in meta.preempted_req_ids:
             st = self.requests.get(req_id)
@@ -174,6 +184,20 @@ class SchedulerLogic:
         self.counters["save_jobs"] += 1
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
-        """Forget the request; keep its blocks while the workers may still be saving them."""
+        """Forget the request; keep its blocks while the workers may still use them.
+
+        That is while saves may be reading them, or while a background load may
+        still be writing them (vLLM has not yet been told the load is over).
+        """
         st = self.requests.pop(request.request_id, None)
-        return bool(st is not None and st.has_saves), None
+        if st is None:
+            return False, None
+        loading = self.load_async and st.loaded_upto > 0 and _waiting_for_remote_kvs(request)
+        if loading:
+            self._delayed_loads.add(st.req_id)
+        return bool(st.has_saves or loading), None
+
+
+def _waiting_for_remote_kvs(request: Any) -> bool:
+    status = getattr(request, "status", None)
+    return getattr(status, "name", str(status)).endswith("WAITING_FOR_REMOTE_KVS")

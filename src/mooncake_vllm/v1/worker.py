@@ -1,10 +1,13 @@
 """Worker side of the V1 connector: load before the forward, save after it, off-thread.
 
-* **Loads** run in ``start_load_kv`` (before the forward pass of a step with
-  synchronous loads): one batched, verified ``get_blocks`` for the whole step. A
-  block that is missing, foreign or corrupt is reported through
-  ``get_block_ids_with_load_errors`` and vLLM recomputes it. On CUDA the
-  scatter is ordered before the forward on vLLM's own stream (no device sync).
+* **Loads** are issued in ``start_load_kv``: background jobs go to the loader
+  thread (:mod:`~mooncake_vllm.v1.loads`) and are reported through
+  ``get_finished``'s finished-receiving set; synchronous ones (releases without
+  load-error reporting) run there, before the forward pass: one batched,
+  verified ``get_blocks``. A block that is missing, foreign or corrupt is
+  reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it.
+  On CUDA a synchronous scatter is ordered before the forward on vLLM's own
+  stream (no device sync).
 * **Saves** are captured in ``wait_for_save`` (after the forward pass wrote the
   KV), on the engine's thread, and put by one background thread through a
   bounded queue; a full queue drops the save (a future miss), never stalls the
@@ -30,6 +33,7 @@ from typing import Any
 from mooncake_vllm.keys import KeyNamespace
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.v1.client import off_compute_cores
+from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
 
@@ -65,6 +69,9 @@ class WorkerLogic:
         self._tracked: set[str] = set()  # requests whose blocks the scheduler keeps for us
         self._finished: set[str] = set()  # tracked requests vLLM has finished
         self._load_errors: set[int] = set()
+        self._loading: dict[str, int] = {}  # req_id -> background loads not yet over
+        self._received: set[str] = set()  # background loads over, not yet reported
+        self._loads: BackgroundLoads | None = None
         self.counters = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
                          "save_jobs": 0, "dropped_jobs": 0, "cancelled_jobs": 0,
                          "holds_expired": 0}
@@ -87,15 +94,26 @@ class WorkerLogic:
 
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: MooncakeConnectorMetadata | None) -> None:
-        """Load this step's blocks; failures go to :meth:`take_load_errors`."""
-        if meta is None or not meta.loads:
+        """Issue this step's loads; failures go to :meth:`take_load_errors`."""
+        if meta is None:
             return
-        block_ids = [b for job in meta.loads for b in job.block_ids]
-        client = self.source.get() if self.layout is not None else None
-        if client is None or not self.can_load:
+        if meta.delayed_loads:
+            with self._cond:
+                self._tracked |= meta.delayed_loads
+        if not meta.loads:
+            return
+        client = self.source.get() if self.layout is not None and self.can_load else None
+        background = [job for job in meta.loads if job.background]
+        for job in background:
+            self._load_in_background(job, client)
+        jobs = [job for job in meta.loads if not job.background]
+        if not jobs:
+            return
+        block_ids = [b for job in jobs for b in job.block_ids]
+        if client is None:
             self._fail(block_ids)
             return
-        keys = [k for job in meta.loads for k in self.keys(job.digests)]
+        keys = [k for job in jobs for k in self.keys(job.digests)]
         try:
             ok = client.get_blocks(keys, self.layout, block_ids)
         except Exception as exc:  # noqa: BLE001 - never let a load kill the engine
@@ -103,16 +121,46 @@ class WorkerLogic:
                         len(block_ids), exc)
             ok = [False] * len(block_ids)
         failed = [b for b, good in zip(block_ids, ok) if not good]
-        self.counters["loaded_blocks"] += len(block_ids) - len(failed)
+        with self._cond:
+            self.counters["loaded_blocks"] += len(block_ids) - len(failed)
         if failed:
             self._fail(failed)
 
+    def _load_in_background(self, job: BlockJob, client: Any) -> None:
+        with self._cond:
+            self._loading[job.req_id] = self._loading.get(job.req_id, 0) + 1
+        order = LoadOrder(job, self.keys(job.digests), client, self.layout, None)
+        if client is None:
+            self._loaded(order, [False] * len(job.block_ids))
+            return
+        if self._loads is None:
+            self._loads = BackgroundLoads(self._loaded)
+        order.after = client.stream_position(self.layout)  # on vLLM's thread and stream
+        self._loads.submit(order)
+
+    def _loaded(self, order: LoadOrder, ok: list[bool]) -> None:
+        failed = [b for b, good in zip(order.job.block_ids, ok) if not good]
+        req = order.job.req_id
+        with self._cond:
+            self.counters["loaded_blocks"] += len(ok) - len(failed)
+            self.counters["failed_blocks"] += len(failed)
+            self._load_errors.update(failed)
+            left = self._loading.get(req, 1) - 1
+            if left > 0:
+                self._loading[req] = left
+            else:
+                self._loading.pop(req, None)
+                self._received.add(req)
+            self._cond.notify_all()
+
     def _fail(self, block_ids: list[int]) -> None:
-        self.counters["failed_blocks"] += len(block_ids)
-        self._load_errors.update(block_ids)
+        with self._cond:
+            self.counters["failed_blocks"] += len(block_ids)
+            self._load_errors.update(block_ids)
 
     def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        with self._cond:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     # ------------------------------------------------------------------ saves
@@ -202,34 +250,47 @@ class WorkerLogic:
                     break
                 self._cond.wait(left)
 
-    def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """Finished requests whose blocks may be freed now.
+    def get_finished(self, finished_req_ids: Iterable[str],
+                     delayed_loads: Iterable[str] = ()) -> tuple[set[str], set[str]]:
+        """``(blocks that may be freed now, background loads that are over)``.
 
-        Those with no zero-copy save still reading their blocks, and those held
-        longer than ``save_deadline`` (a hung pool never keeps vLLM's blocks).
+        Freed: finished requests whose blocks vLLM kept for us — no zero-copy save
+        still reading them (or held longer than ``save_deadline``: a hung pool
+        never keeps vLLM's blocks) and no background load still writing them
+        (loads are time-boxed). Loads over: their requests may be scheduled.
         """
         now = self._clock()
+        finished = set(finished_req_ids)
         with self._cond:
-            self._finished.update(r for r in finished_req_ids if r in self._tracked)
+            self._tracked |= set(delayed_loads)
+            self._finished.update(r for r in finished if r in self._tracked)
             expired = {r for r in self._finished if r in self._pending
                        and now - self._held_since.get(r, now) >= self._save_deadline}
-            done = {r for r in self._finished if r not in self._pending} | expired
+            done = {r for r in self._finished
+                    if r not in self._pending and r not in self._loading} | (
+                        expired - set(self._loading))
             self._finished -= done
             self._tracked -= done
             self._cancelled |= expired
+            received = self._received - finished - self._finished - done
+            self._received -= received | done | finished
         if expired:
             self.counters["holds_expired"] += len(expired)
             log.warning("mooncake-vllm: released the blocks of %d finished request(s) whose "
                         "saves did not finish within %.0f s", len(expired), self._save_deadline)
-        return done
+        return done, received
 
     def idle(self) -> bool:
         """No save queued or running (tests and shutdown)."""
         with self._cond:
-            return not self._pending and self._queue.unfinished_tasks == 0
+            return (not self._pending and not self._loading
+                    and self._queue.unfinished_tasks == 0)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Let queued saves finish (bounded), then stop the save thread."""
+        """Let queued saves finish (bounded), then stop the save and load threads."""
+        loads, self._loads = self._loads, None
+        if loads is not None:
+            loads.shutdown(timeout)
         thread, self._thread = self._thread, None
         if thread is None:
             return

@@ -1,0 +1,111 @@
+"""The pool hung, full or gone, on REAL services: bounded calls, one line per cause.
+
+* A master that accepts TCP but never answers (SIGSTOP'd): the first lookup pays
+  its 1 s time-box, every later call is refused by the open breaker at once, the
+  outage is logged once, and a background probe (a real call) closes the
+  breaker once the master answers again — logged once.
+* A full pool: failed puts are counted and logged once per minute with the fix,
+  and saves back off for a while instead of storming the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mooncake_vllm.config import load_store_config
+from mooncake_vllm.keys import KeyNamespace, chunk_keys
+from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.services import LocalStack
+from mooncake_vllm.store import StoreClient
+
+
+def _layout(blocks: int = 16, width: int = 64) -> tuple[list[np.ndarray], BlockLayout]:
+    kv = [np.random.default_rng(i).standard_normal((blocks, 2, 32, width), dtype=np.float32)
+          for i in range(2)]
+    return kv, BlockLayout.from_kv_caches(kv)
+
+
+def _keys(layout: BlockLayout, first: int, n: int) -> list[str]:
+    ns = KeyNamespace("health", "float32", layout.fingerprint, 32)
+    return chunk_keys(ns, list(range(first, first + 32 * n)))
+
+
+def _poll(cond: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_hung_master_costs_one_time_box_then_nothing(local_stack: LocalStack,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    client = StoreClient.connect(load_store_config(local_stack.config_path))
+    kv, layout = _layout()
+    client.register_layout(layout)
+    keys = _keys(layout, 0, 3)
+    assert client.put_blocks(keys, layout, [1, 2, 3]) == 3
+    pid = local_stack.master.pid
+    caplog.set_level(logging.WARNING, logger="mooncake_vllm")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert client.exists(keys) == [False] * 3
+        first = time.monotonic() - t0
+        assert first < 2.0, first  # the lookup time-box (1 s), not Mooncake's own timeouts
+        calls = []
+        for _ in range(20):
+            t0 = time.monotonic()
+            assert client.longest_prefix(keys) == 0
+            assert client.get_blocks(keys, layout, [4, 5, 6]) == [False] * 3
+            assert client.put_blocks(_keys(layout, 900, 1), layout, [7]) == 0
+            calls.append(time.monotonic() - t0)
+        assert max(calls) < 0.05, calls  # no call reaches the hung master
+        stats = client.stats.snapshot()
+        assert stats["timeouts"] == 1 and stats["lookup_errors"] >= 3 * 21
+        assert stats["saves_skipped"] == 20
+        outages = [r for r in caplog.records if "unavailable" in r.getMessage()]
+        assert len(outages) == 1, [r.getMessage() for r in outages]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # the probe (a real is_exist call, off this thread) closes the breaker
+    assert _poll(lambda: client.healthy and client.exists(keys) == [True] * 3, 30)
+    back = [r for r in caplog.records if "reachable again" in r.getMessage()]
+    assert len(back) == 1
+    t0 = time.monotonic()
+    client.close()
+    assert time.monotonic() - t0 < 6
+
+
+def test_full_pool_is_backpressure_with_one_line_and_counters(
+        workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    stack = LocalStack(workdir, segment_size=16 << 20, local_buffer_size=16 << 20,
+                       client_ttl=2).start()
+    try:
+        client = StoreClient.connect(load_store_config(stack.config_path))
+        kv, layout = _layout(blocks=64, width=256)  # 128 KiB per layer-block, 256 KiB a block
+        client.register_layout(layout)
+        caplog.set_level(logging.WARNING, logger="mooncake_vllm")
+        stored = 0
+        for i in range(6):  # 6 x 64 blocks x 256 KiB = 96 MiB into a 16 MiB pool
+            stored += client.put_blocks(_keys(layout, 10_000 * (i + 1), 64), layout,
+                                        list(range(64)))
+        stats = client.stats.snapshot()
+        assert stored < 6 * 64
+        failed = sum(v for k, v in stats.items() if k.startswith("put_failed_"))
+        assert failed > 0 and stats.get("put_failed_no_available_handle", 0) > 0, stats
+        assert stats["saves_skipped"] > 0  # later saves backed off instead of failing again
+        lines = [r.getMessage() for r in caplog.records if "NO_AVAILABLE_HANDLE" in r.getMessage()]
+        assert len(lines) == 1 and "global_segment_size" in lines[0]
+        client.close()
+    finally:
+        stack.stop()
