@@ -316,6 +316,7 @@ class LocalStack:
         self.metadata_server: ManagedProcess | None = None
         self.holder: ManagedProcess | None = None
         self.config_path = self.workdir / "mooncake_config.json"
+        self._written: str | None = None  # the config text start() wrote, removed again by stop()
 
     @property
     def master_address(self) -> str:
@@ -377,18 +378,29 @@ class LocalStack:
         except BaseException:
             self.stop()
             raise
+        text = json.dumps(self.config(), indent=2) + "\n"
         tmp = self.config_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.config(), indent=2) + "\n")
+        tmp.write_text(text)
         tmp.replace(self.config_path)  # never half-written
+        self._written = text
         return self
 
     def stop(self) -> None:
-        """Stop holder, metadata and master (in that order); idempotent."""
+        """Stop holder, metadata and master (in that order), then remove the config this stack wrote
+        (it would point at dead ports); idempotent. A config someone changed since is left alone."""
         for attr in ("holder", "metadata_server", "master"):
             proc = getattr(self, attr)
             if proc is not None and not proc.stopped:
                 proc.stop()
                 self.progress(attr.split("_")[0], "stopped", f"exit code {proc.returncode}")
+        written, self._written = self._written, None
+        if written is not None:
+            try:
+                if self.config_path.read_text() == written:
+                    self.config_path.unlink()
+                    self.progress("config", "stopped", f"removed {self.config_path}")
+            except OSError:
+                pass  # already gone or unreadable: nothing of ours to remove
 
     def alive(self) -> bool:
         return bool(self.processes) and all(p.alive() for p in self.processes)
