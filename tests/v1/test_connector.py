@@ -50,7 +50,7 @@ def _namespace(log: str) -> KeyNamespace:
 
 
 def _hits(result: dict[str, Any]) -> float:
-    return result["metrics"].get("vllm:external_prefix_cache_hits", 0.0)
+    return result["metrics"]["vllm:external_prefix_cache_hits"]  # missing = broken metrics, never "0 hits"
 
 
 def _tokens(result: dict[str, Any]) -> list[list[int]]:
@@ -219,8 +219,10 @@ def _complete(url: str, prompt: list[int]) -> dict:
 def _external_hits(url: str) -> float:
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
         text = resp.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:external_prefix_cache_hits_total"))
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:external_prefix_cache_hits_total")]
+    assert values, "the server exports no vllm:external_prefix_cache_hits_total: 0 hits would be vacuous"
+    return sum(values)
 
 
 def test_serving_path_with_the_seed_config(tiny_model: Path, stack: LocalStack,
