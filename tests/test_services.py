@@ -387,9 +387,21 @@ def test_interrupted_pytest_session_leaves_nothing_running(tmp_path: Path, sig: 
         assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
         session.send_signal(sig)
         session.communicate(timeout=60)
-        time.sleep(0.2)
-        left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        assert left == [], f"still running after {signal.Signals(sig).name}: {left}"
+
+        def left() -> list[int]:
+            out = []
+            for p in pids:
+                try:
+                    if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                        out.append(p)
+                except psutil.NoSuchProcess:
+                    pass
+            return out
+
+        deadline = time.monotonic() + 10  # the session reaped them; /proc may lag a moment
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert left() == [], f"still running after {signal.Signals(sig).name}: {left()}"
     finally:
         if session.poll() is None:
             session.kill()
