@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shlex
-import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from mooncake_vllm.checker.model import (
     HOLDER, MASTER, METADATA, OTHER, PIP, PROXY, VLLM, Deployment, Launch, MooncakeConfigFile, Where,
 )  # fmt: skip
 from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.files import NotRegularFileError, TooLargeError, read_regular
 
 __all__ = ["MAX_INPUT_BYTES", "parse_config_text", "parse_shell", "read_deployment"]
 
@@ -43,53 +43,24 @@ _SHORT = {VLLM: {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size",
 
 # --------------------------------------------------------------------------- files
 def _read_text(path: Path, problems: list[ConfigProblem], *, follow: bool = True) -> str | None:
-    """The text of ``path`` if it is a regular file of at most MAX_INPUT_BYTES (counted on the bytes read).
-
-    Opened non-blocking (a FIFO never hangs the checker) and checked with fstat on
-    the opened file (a symlink to /dev/zero or a device is refused, not read);
-    ``follow=False`` refuses a symlink as the last component (directory walks).
-    """
+    """The text of ``path`` if it is a regular file of at most MAX_INPUT_BYTES (counted on the bytes read);
+    a FIFO never hangs the checker and a symlink to /dev/zero is refused, not read (:func:`read_regular`)."""
     name = str(path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    if not follow:
-        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, flags)
+        data = read_regular(path, MAX_INPUT_BYTES, follow=follow)
+    except NotRegularFileError:
+        problems.append(ConfigProblem(name, "is not a regular file (a FIFO, device, socket or directory)",
+                                      "pass the launch scripts and Mooncake configs themselves"))
+        return None
+    except TooLargeError as exc:
+        problems.append(ConfigProblem(name, f"is larger than the {MAX_INPUT_BYTES >> 20} MiB the checker reads "
+                                      f"({exc.size / (1 << 20):.0f} MiB or more)",
+                                      "pass the launch scripts and Mooncake configs themselves"))
+        return None
     except OSError as exc:
         problems.append(ConfigProblem(name, f"cannot be read ({exc.strerror or exc})",
                                       "check the path and its permissions"))
         return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            problems.append(ConfigProblem(name, "is not a regular file (a FIFO, device, socket or directory)",
-                                          "pass the launch scripts and Mooncake configs themselves"))
-            return None
-        if info.st_size > MAX_INPUT_BYTES:
-            problems.append(ConfigProblem(name, f"is {info.st_size / (1 << 20):.0f} MiB, more than the "
-                                          f"{MAX_INPUT_BYTES >> 20} MiB the checker reads",
-                                          "pass the launch scripts and Mooncake configs themselves"))
-            return None
-        os.set_blocking(fd, True)
-        chunks: list[bytes] = []
-        total = 0
-        while total <= MAX_INPUT_BYTES:  # the limit holds on what is read, not on what stat says
-            chunk = os.read(fd, min(1 << 20, MAX_INPUT_BYTES + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        if total > MAX_INPUT_BYTES:
-            problems.append(ConfigProblem(name, f"is larger than the {MAX_INPUT_BYTES >> 20} MiB the checker reads",
-                                          "pass the launch scripts and Mooncake configs themselves"))
-            return None
-        data = b"".join(chunks)
-    except OSError as exc:
-        problems.append(ConfigProblem(name, f"cannot be read ({exc.strerror or exc})",
-                                      "check the path and its permissions"))
-        return None
-    finally:
-        os.close(fd)
     try:
         if b"\x00" in data[:65536]:
             raise UnicodeDecodeError("utf-8", data[:1], 0, 1, "NUL byte")
