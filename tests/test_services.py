@@ -185,6 +185,20 @@ def test_clean_dev_shm_removes_only_unused_new_mooncake_files(tmp_path: Path) ->
             f.unlink(missing_ok=True)
 
 
+def test_clean_dev_shm_never_touches_another_users_file() -> None:
+    """Another user's process may map a file we cannot see it use: only our own files are candidates."""
+    shm = Path("/dev/shm")
+    before = set(os.listdir(shm))
+    theirs = shm / f"mooncake-theirs-{os.getpid()}-{time.monotonic_ns()}"
+    theirs.write_bytes(b"x")
+    try:
+        os.chown(theirs, 65534, 65534)  # nobody (the tests run as root here)
+        assert clean_dev_shm(before) == []
+        assert theirs.exists()
+    finally:
+        theirs.unlink(missing_ok=True)
+
+
 def test_sigkilled_process_leaves_no_dev_shm_file(workdir: Path) -> None:
     name = f"mooncake-test-{os.getpid()}-{time.monotonic_ns()}"
     code = (f"import time; f = open('/dev/shm/{name}', 'wb'); f.write(b'x' * 4096); f.flush(); "
