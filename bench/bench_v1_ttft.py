@@ -138,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             report["ttft_s"][name] = {"error": res["error"]}
             continue
         report["ttft_s"][name] = _ttfts(res, lengths)
-        report.setdefault("external_hits", {})[name] = res["metrics"].get(
-            "vllm:external_prefix_cache_hits", 0.0)
+        report.setdefault("external_hits", {})[name] = res["metrics"]["vllm:external_prefix_cache_hits"]
     c_miss = runs.get("ours-miss", {}).get("connector", {})
     c_hit = runs.get("ours-hit", {}).get("connector", {})
     if c_miss.get("store_put_us"):

@@ -62,6 +62,24 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
         load_store_config(arr)
 
 
+@pytest.mark.timeout(30)  # before the fix a FIFO blocked open() forever
+def test_config_path_that_is_no_regular_file_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    """MOONCAKE_CONFIG_PATH at a FIFO, at /dev/zero, or at an endless /proc file: a ConfigError."""
+    import os
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    for path in (fifo, zero):
+        with pytest.raises(ConfigError, match="not a regular file"):
+            load_store_config(path, env={})
+    big = tmp_path / "big.json"
+    big.write_text('{"x": "' + "a" * (2 << 20) + '"}')
+    with pytest.raises(ConfigError, match="more than"):
+        load_store_config(big, env={})
+
+
 def test_every_problem_reported_together() -> None:
     with pytest.raises(ConfigError) as err:
         load_store_config({

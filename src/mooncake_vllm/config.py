@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.files import read_regular
 
 __all__ = [
     "CONFIG_ENV",
@@ -47,6 +48,8 @@ EXAMPLE_CONFIG = """{
 _DEFAULT_SEGMENT = 3355443200  # vLLM V0's default
 _DEFAULT_BUFFER = 1073741824
 _MAX_SIZE = 1 << 50  # 1 PiB: anything larger is a typo
+#: largest config file read (a Mooncake config is a few hundred bytes)
+MAX_CONFIG_BYTES = 1 << 20
 _PROTOCOLS = ("tcp", "rdma", "efa", "cxl", "ascend")
 _KNOWN_KEYS = {
     "local_hostname", "metadata_server", "master_server_address", "global_segment_size",
@@ -142,7 +145,7 @@ def _read_source(
         label = path_text
     path = Path(path_text)
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path, MAX_CONFIG_BYTES)  # a FIFO or /dev/zero: an error, never a hang or MemoryError
     except OSError as exc:
         raise ConfigError(label, [ConfigProblem(
             CONFIG_ENV if source is None else "path",

@@ -182,3 +182,51 @@ def test_check_never_imports_vllm_or_mooncake() -> None:
             "sys.stderr.write(repr(bad)); sys.exit(0 if not bad else 9)") % str(V0)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-500:]
+
+
+def test_directory_walk_reads_only_regular_files_inside_it(tmp_path: Path) -> None:
+    """A FIFO named start.sh must not hang the check, a run.sh -> /dev/zero must not exhaust memory, and
+    symlinks (files or directories) out of the scanned directory are not followed (issue 13 item 11)."""
+    d, outside = tmp_path / "deploy", tmp_path / "elsewhere"
+    d.mkdir()
+    outside.mkdir()
+    (d / "launch.sh").write_text(serve())
+    (d / "mooncake.json").write_text(json.dumps(CONFIG))
+    (outside / "secret.sh").write_text("vllm serve outside-model &\n")
+    (d / "other.sh").symlink_to(outside / "secret.sh")
+    (d / "linked").symlink_to(outside, target_is_directory=True)
+    (d / "same.sh").symlink_to(d / "launch.sh")  # inside: read once, as itself
+    (d / "run.sh").symlink_to("/dev/zero")
+    os.mkfifo(d / "start.sh")
+    res = _cli(str(d), "--target-vllm", "0.32.0", "--format", "json")  # a hang ends in TimeoutExpired
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "MemoryError" not in res.stderr
+    assert f"{d / 'start.sh'}" in res.stderr and "not a regular file" in res.stderr
+    assert f"{d / 'run.sh'}" in res.stderr and f"{d / 'other.sh'}" in res.stderr
+    assert "secret.sh" in res.stderr and "linked" not in res.stderr  # the directory link is not entered
+    for name in ("run.sh", "start.sh", "other.sh"):
+        (d / name).unlink()
+    result, _ = run_check([d], target_vllm="0.32.0", target_mooncake="0.3.13.post1")
+    assert sorted(result.inputs) == sorted([str(d / "launch.sh"), str(d / "mooncake.json")])
+
+
+@pytest.mark.parametrize("special", ["fifo", "dev-zero"])
+def test_explicit_non_regular_file_is_one_clear_error(special: str, tmp_path: Path) -> None:
+    path = tmp_path / "start.sh"
+    if special == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    res = _cli(str(path), "--target-vllm", "0.32.0")
+    assert res.returncode == 1 and "not a regular file" in res.stderr, res.stderr
+
+
+def test_size_limit_holds_on_the_bytes_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc files say st_size 0 but have content: the limit counts what was read."""
+    from mooncake_vllm.checker import parse
+    from mooncake_vllm.errors import ConfigError
+
+    monkeypatch.setattr(parse, "MAX_INPUT_BYTES", 64)
+    assert Path("/proc/self/maps").stat().st_size == 0
+    with pytest.raises(ConfigError, match="larger than"):
+        run_check(["/proc/self/maps"], target_vllm="0.32.0", target_mooncake="0.3.13.post1")

@@ -91,9 +91,16 @@ def test_never_overwrites_without_force(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--force"):
         write_migration(ctx, tmp_path)
     assert (tmp_path / SCRIPT_NAME).read_text() == "mine\n" and not (tmp_path / CONFIG_NAME).exists()
-    write_migration(ctx, tmp_path, force=True)
+    notes: list[str] = []
+    write_migration(ctx, tmp_path, force=True, notes=notes)
     assert (tmp_path / SCRIPT_NAME).read_text().startswith("#!/usr/bin/env bash")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, SCRIPT_NAME])  # no temp files left
+    assert (tmp_path / f"{SCRIPT_NAME}.bak").read_text() == "mine\n"  # --force keeps what it replaced
+    assert notes == [f"kept the previous {tmp_path / SCRIPT_NAME} as {tmp_path / SCRIPT_NAME}.bak"]
+    # no temp files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, SCRIPT_NAME, f"{SCRIPT_NAME}.bak"])
+    write_migration(ctx, tmp_path, force=True)  # a second backup never replaces the first
+    assert {p.name for p in tmp_path.iterdir()} >= {f"{CONFIG_NAME}.bak", f"{SCRIPT_NAME}.bak.1"}
+    assert (tmp_path / f"{SCRIPT_NAME}.bak").read_text() == "mine\n"
 
 
 def test_outdir_that_is_a_file(tmp_path: Path) -> None:
@@ -115,3 +122,36 @@ def test_cli_fix_and_force(tmp_path: Path) -> None:
     assert again.returncode == 1 and "--force" in again.stderr and again.stdout == ""
     forced = subprocess.run(args + ["--force"], capture_output=True, text=True, timeout=60)
     assert forced.returncode == 3
+
+
+def test_outputs_never_widen_the_inputs_modes(tmp_path: Path) -> None:
+    """A 0600 config with a redis password stays 0600; a 0700 script's HF_TOKEN does not land in a
+    world-readable 0755 script (issue 13 item 12)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    config = src / "mooncake.json"
+    config.write_text(json.dumps({**CONFIG, "metadata_server": "redis://:hunter2@127.0.0.1:6379"}))
+    script = src / "run.sh"
+    script.write_text(serve(env="MOONCAKE_CONFIG_PATH=mooncake.json HF_TOKEN=hf_secret"))
+    config.chmod(0o600)
+    script.chmod(0o700)
+    out = tmp_path / "out"
+    write_migration(_ctx(src), out)
+    assert "hf_secret" in (out / SCRIPT_NAME).read_text()
+    assert "hunter2" in (out / CONFIG_NAME).read_text()
+    assert (out / CONFIG_NAME).stat().st_mode & 0o777 == 0o600
+    assert (out / SCRIPT_NAME).stat().st_mode & 0o777 == 0o700
+    # group-readable inputs: group may read (and run) the outputs, others may not
+    config.chmod(0o640)
+    script.chmod(0o750)
+    write_migration(_ctx(src), tmp_path / "out2")
+    assert (tmp_path / "out2" / CONFIG_NAME).stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "out2" / SCRIPT_NAME).stat().st_mode & 0o777 == 0o750
+    # --force onto a narrower existing file keeps it narrow
+    config.chmod(0o644)
+    script.chmod(0o755)
+    notes: list[str] = []
+    write_migration(_ctx(src), out, force=True, notes=notes)
+    assert (out / CONFIG_NAME).stat().st_mode & 0o777 == 0o600
+    assert (out / SCRIPT_NAME).stat().st_mode & 0o777 == 0o700
+    assert (out / f"{CONFIG_NAME}.bak").stat().st_mode & 0o777 == 0o600 and len(notes) == 2

@@ -13,7 +13,7 @@ import pytest
 from checker_cases import CONFIG
 
 from mooncake_vllm.checker import probe, run_check
-from mooncake_vllm.services import ManagedProcess, free_port, start_holder, start_http_metadata
+from mooncake_vllm.services import ManagedProcess, free_port, start_holder, start_http_metadata, start_master
 
 
 def _probe_ids(tmp_path: Path, config: dict[str, Any], **kwargs: Any) -> dict[str, list[str]]:
@@ -108,3 +108,43 @@ def test_missing_library_is_found(tmp_path: Path) -> None:
     assert probe.missing_libraries(ext.parent) == {"engine.so": ["libmcvgone.so"]}
     assert "libibverbs1" in probe.library_fix(["libibverbs.so.1"])
     assert "-non-cuda" in probe.library_fix(["libcudart.so.12"])
+
+
+def test_missing_library_fails_the_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MCV-E104 at the rule level: an extension directory with a real .so whose dependency is gone."""
+    dep, ext = tmp_path / "libmcvgone.so", tmp_path / "mooncake" / "store.so"
+    ext.parent.mkdir()
+    (tmp_path / "d.c").write_text("int gone(void) { return 1; }\n")
+    (tmp_path / "e.c").write_text("int gone(void); int use(void) { return gone(); }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(dep), str(tmp_path / "d.c")], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(ext), str(tmp_path / "e.c"), f"-L{tmp_path}", "-lmcvgone",
+                    f"-Wl,-rpath,{tmp_path}"], check=True)
+    monkeypatch.setattr(probe, "mooncake_package_dir", lambda: ext.parent)
+    assert "MCV-E104" not in _probe_ids(tmp_path, CONFIG)  # the dependency is still there
+    dep.unlink()
+    found = _probe_ids(tmp_path, CONFIG)
+    assert "MCV-E104" in found and "libmcvgone.so" in found["MCV-E104"][0] and "store.so" in found["MCV-E104"][0]
+
+
+def test_live_master_with_a_short_client_ttl(tmp_path: Path, workdir: Path, mooncake_master: ManagedProcess) -> None:
+    """The REAL running master's --client_ttl (2 s here) is read from its command line (issue 13 item 5c)."""
+    short = _probe_ids(tmp_path, {**CONFIG, "master_server_address": mooncake_master.address})
+    assert "MCV-W103" in short and f"pid {mooncake_master.pid}" in short["MCV-W103"][0] and "2 s" in short["MCV-W103"][0]
+    calm = start_master(workdir, client_ttl=10, name="calm_master")
+    try:
+        assert "MCV-W103" not in _probe_ids(tmp_path, {**CONFIG, "master_server_address": calm.address})
+    finally:
+        calm.stop()
+
+
+def test_live_pool_in_one_holder(tmp_path: Path, workdir: Path, mooncake_master: ManagedProcess,
+                                 pool_holder: ManagedProcess, metadata_url: str) -> None:
+    """The REAL master lists one mounted segment: the whole pool is one process; a second holder: quiet."""
+    config = {**CONFIG, "master_server_address": mooncake_master.address, "metadata_server": metadata_url}
+    one = _probe_ids(tmp_path, config)
+    assert "MCV-W104" in one and mooncake_master.url in one["MCV-W104"][0]
+    second = start_holder(workdir, mooncake_master.address, metadata_url, 64 << 20, 16 << 20, name="holder_2")
+    try:
+        assert "MCV-W104" not in _probe_ids(tmp_path, config)
+    finally:
+        second.stop()

@@ -85,6 +85,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                  dict(script=serve(), target_vllm="0.10.2")),
     "MCV-W014": (dict(script="pip3 install mooncake-transfer-engine\n"),
                  dict(script="pip3 install 'mooncake-transfer-engine-non-cuda==0.3.13.post1'\n")),
+    "MCV-W016": (dict(script="mooncake_master --rpc_port 50051 --client_ttl=2 &\n"),
+                 dict(script="mooncake_master --rpc_port 50051 --client_ttl=30 &\nmooncake_master --port 50052 &\n")),
+    "MCV-W017": (dict(script=serve() + HOLDER, config=SEG0), dict(script=serve() + HOLDER + HOLDER, config=SEG0)),
     "MCV-W015": (dict(script=serve(), config=CONFIG, target_vllm="0.8.4", target_mooncake="0.3.3.post2"),
                  dict(script=serve(), config=CONFIG, target_vllm="0.8.5", target_mooncake="0.3.3.post2")),
 }
@@ -152,3 +155,12 @@ def test_no_target_skips_version_rules(check_ids, tmp_path: Path) -> None:  # no
 def test_e009_needs_every_instance_on_segment_zero(check_ids, tmp_path: Path) -> None:  # noqa: ANN001
     assert "MCV-E009" not in check_ids(script=serve(), config=CONFIG)
     assert "MCV-E009" not in check_ids(script="", config=SEG0)  # no instance: nothing to judge
+
+
+def test_w016_up_and_w017_needs_segment_zero(check_ids) -> None:  # noqa: ANN001
+    """`mooncake-vllm up --client-ttl 2` starts a master with that TTL; instances with their own segment
+    share the pool with the holder, so losing it is not losing everything."""
+    assert "MCV-W016" in check_ids(script="mooncake-vllm up --client-ttl 2 &\n")
+    assert "MCV-W016" not in check_ids(script="mooncake-vllm up &\n")  # default 10 s
+    assert "MCV-W017" not in check_ids(script=serve() + HOLDER, config=CONFIG)
+    assert "MCV-W017" not in check_ids(script=serve() + HOLDER, config=SEG0, ignore=["MCV-W017"])

@@ -27,6 +27,35 @@ def test_summary_reports_pool_tokens_speed_and_identity() -> None:
     assert not ok  # nothing came from the pool
 
 
+class _Metric:
+    def __init__(self, name: str, value: float) -> None:
+        self.name, self.value = name, value
+
+
+class _LLM:
+    def __init__(self, metrics: list[_Metric] | Exception) -> None:
+        self.metrics = metrics
+
+    def get_metrics(self) -> list[_Metric]:
+        if isinstance(self.metrics, Exception):
+            raise self.metrics
+        return self.metrics
+
+
+def test_metric_totals_never_turn_broken_metrics_into_zero_hits() -> None:
+    """A failing get_metrics() or a missing counter is an error, not {} (= "0 hits", a vacuous pass)."""
+    from mooncake_vllm.demo.run import PREFIX_CACHE_METRICS, _metric_totals
+
+    full = [_Metric(n, 1.0) for n in PREFIX_CACHE_METRICS] + [_Metric("vllm:external_prefix_cache_hits", 31.0)]
+    assert _metric_totals(_LLM(full))["vllm:external_prefix_cache_hits"] == 32.0  # summed over engines
+    with pytest.raises(ValueError, match="prometheus"):
+        _metric_totals(_LLM(ValueError("prometheus registry gone")))
+    with pytest.raises(RuntimeError, match="external_prefix_cache_hits"):
+        _metric_totals(_LLM([m for m in full if m.name != "vllm:external_prefix_cache_hits"]))
+    with pytest.raises(KeyError):
+        summarize(_result(2.0, [1], 0), {"results": [{"ttft_s": 1.0, "tokens": [1]}], "metrics": {}}, 2000)
+
+
 @pytest.mark.vllm
 def test_demo_runs_end_to_end_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
     env = {**os.environ, "MOONCAKE_VLLM_CACHE": str(tiny_model.parent.parent)}

@@ -124,9 +124,13 @@ def test_up_serves_then_stops_everything(workdir: Path, sig: int, metadata: str)
         assert rc == 0, stderr
         assert f"{signal.Signals(sig).name} received, stopping" in stdout
         assert "stopped master" in stdout
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10  # reaped children may take a moment to vanish from /proc
+        while alive(kids) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert alive(kids) == []
         assert not tcp_probe(master_port)()
+        # the config pointed at the stopped ports: it is gone, not left behind stale
+        assert not config_path.exists() and f"removed {config_path}" in stdout
     finally:
         run.cleanup()
 

@@ -132,3 +132,35 @@ def test_http_list_against_mooncakes_own_server_says_why(tmp_path) -> None:
         b.delete("mooncake/ram/1.2.3.4:5")  # its 404 on a missing key is tolerated
     finally:
         proc.stop()
+
+
+def test_a_runaway_http_answer_is_bounded(monkeypatch) -> None:  # noqa: ANN001
+    """A real HTTP listener that answers 8 MiB: with a 1 MiB cap the client stops reading and says so."""
+    import http.server
+    import threading
+
+    from mooncake_vllm.metadata import backends
+
+    class Flood(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(8 << 20))
+            self.end_headers()
+            try:
+                for _ in range(8):
+                    self.wfile.write(b"{" * (1 << 20))
+            except OSError:
+                pass  # the client stopped reading
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Flood)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(backends, "MAX_RESPONSE_BYTES", 1 << 20)
+    try:
+        with pytest.raises(StoreError, match="more than 1 MiB"):
+            backends.HttpBackend(f"http://127.0.0.1:{server.server_port}/metadata").get("mooncake/ram/x")
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -220,6 +220,22 @@ _ALL: tuple[Rule, ...] = (
          "`import mooncake_vllm_adaptor` fails unless Mooncake is built from source.",
          "build Mooncake 0.3.3.post2 from source, or move to vLLM >= 0.8.5",
          "mooncake §10 mooncake_vllm_adaptor"),
+    Rule("MCV-W016", WARNING, "client-ttl-short",
+         "{what} sets client_ttl to {ttl} s: a busy holder can be declared dead and its whole segment dropped",
+         "Clients ping the master once a second; a holder that misses pings for client_ttl seconds (a prefill "
+         "saturating the CPU, a swap storm, a GC pause) is expired and its segment unmounted: every block it "
+         "held is gone and in-flight puts fail with OBJECT_NOT_FOUND, so the next instance silently gets 0 hits.",
+         "keep client_ttl at Mooncake's default 10 s or more ({fix_flag}); short values only for tests",
+         "mooncake §6 --client_ttl, Dead clients; issue 13 item 5"),
+    Rule("MCV-W017", WARNING, "pool-in-one-holder",
+         "the whole pool lives in one holder process ({holder}): losing it loses every cached block",
+         "vLLM instances here hold no pool memory (global_segment_size 0), so every stored block is in that one "
+         "process. If it exits, crashes or misses heartbeats for client_ttl seconds, the master unmounts its "
+         "segment: all cached KV is gone at once, in-flight puts fail and every instance recomputes (a silent "
+         "0% hit rate) until the holder is back and the pool is refilled.",
+         "run two or more holders (on different hosts) so one loss costs only its share, or give the instances "
+         "a non-zero global_segment_size; if one holder is a deliberate choice, say so with --ignore MCV-W017",
+         "mooncake §3 close() loses data, §6 Dead clients; running-on-cpu.md placement; issue 13 item 5"),
     # ------------------------------------------------------------------ --probe
     Rule("MCV-E101", ERROR, "master-unreachable",
          "mooncake_master {address} is not reachable: {reason}", "Every client setup fails (-1) without the master.",
@@ -247,6 +263,18 @@ _ALL: tuple[Rule, ...] = (
          "fails with ImportError.",
          "{fix}",
          "mooncake §10 System libraries", probe=True),
+    Rule("MCV-W103", WARNING, "live-client-ttl-short",
+         "the running mooncake_master {address} (pid {pid}) expires clients after {ttl} s",
+         "A holder that misses heartbeats that long, e.g. while a prefill saturates the CPU, is declared dead: "
+         "its segment and every block in it are dropped, and the next instance silently gets 0 hits.",
+         "restart the master with --client_ttl=10 or more (Mooncake's default)",
+         "mooncake §6 --client_ttl, Dead clients; issue 13 item 5", probe=True),
+    Rule("MCV-W104", WARNING, "live-pool-in-one-holder",
+         "mooncake_master {url} has exactly one mounted segment ({segment}): the whole pool is one process",
+         "Every cached block lives in that process; if it exits or misses heartbeats for client_ttl seconds the "
+         "master unmounts it and the whole pool is lost at once (a silent 0% hit rate until it is refilled).",
+         "start a second holder (on another host), or accept the risk explicitly with --ignore MCV-W104",
+         "mooncake §6 Dead clients; issue 13 item 5", probe=True),
     Rule("MCV-W102", WARNING, "local-hostname-not-local",
          "local_hostname {host!r} is not an address of this host",
          "Peers connect to local_hostname; an address of another machine makes every transfer to this client fail.",

@@ -6,7 +6,9 @@ kv-transfer keys), names mooncake-vllm's connector explicitly, and replaces the
 demo proxy by ``mooncake-vllm proxy``. Producer/consumer deployments on RDMA
 with a vLLM that has the V1 P2P ``MooncakeConnector`` get the seed's
 ``MultiConnector`` layout; otherwise the store carries the KV. Files are written
-atomically (temp file + ``os.replace``) and never overwritten without ``force``.
+atomically (temp file + ``os.replace``), never with wider permissions than the
+files they come from, and never overwritten without ``force`` (which keeps a
+``.bak`` copy of each replaced file).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,8 @@ from mooncake_vllm.checker.rules_engine import V0_ONLY_FLAGS
 from mooncake_vllm.checker.rules_mooncake import segment_size
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 
-__all__ = ["CONFIG_NAME", "SCRIPT_NAME", "check_outdir", "migrated_config", "migrated_script", "write_migration"]
+__all__ = ["CONFIG_NAME", "SCRIPT_NAME", "check_outdir", "migrated_config", "migrated_script", "output_modes",
+           "write_migration"]
 
 CONFIG_NAME = "mooncake_config.json"
 SCRIPT_NAME = "launch_v1.sh"
@@ -187,7 +191,7 @@ def migrated_script(ctx: Context, config_name: str = CONFIG_NAME) -> str:
 
 
 def _atomic_write(path: Path, text: str, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # created 0600: never wider meanwhile
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -198,13 +202,68 @@ def _atomic_write(path: Path, text: str, mode: int) -> None:
         raise
 
 
-def write_migration(ctx: Context, outdir: str | os.PathLike[str], *, force: bool = False) -> list[str]:
-    """Write ``mooncake_config.json`` and ``launch_v1.sh`` into ``outdir``; return their paths."""
+def _mode_of(paths: list[str]) -> int | None:
+    """The permission bits every one of ``paths`` grants (their intersection); None when none is a file."""
+    mode = None
+    for name in dict.fromkeys(paths):
+        try:
+            bits = os.stat(name).st_mode & 0o777
+        except (OSError, ValueError):
+            continue
+        mode = bits if mode is None else mode & bits
+    return mode
+
+
+def output_modes(ctx: Context) -> tuple[int, int]:
+    """(config mode, script mode): never wider than the inputs they are made from.
+
+    The config keeps its source config's bits (a 0600 config holding a redis
+    password stays 0600); the script gets the bits every input grants (it may
+    carry their variables, e.g. HF_TOKEN), plus execute wherever read is granted.
+    The owner always keeps read/write (and execute on the script).
+    """
+    base = _base_config(ctx)
+    config = _mode_of([base.path]) if base else None
+    config = 0o644 if config is None else (config & 0o666) | 0o600
+    sources = list(ctx.deployment.sources) + ([base.path] if base else [])
+    script = _mode_of(sources)
+    script = 0o755 if script is None else (script & 0o666) | ((script & 0o444) >> 2) | 0o700
+    return config, script
+
+
+def _backup(path: Path) -> Path | None:
+    """Copy an existing ``path`` to ``path.bak`` (``.bak.1``, ... when taken), with its mode; the copy's path."""
+    if not path.exists():
+        return None
+    candidate, n = path.with_name(path.name + ".bak"), 0
+    while candidate.exists() or candidate.is_symlink():
+        n += 1
+        candidate = path.with_name(f"{path.name}.bak.{n}")
+    shutil.copy2(path, candidate, follow_symlinks=False)
+    return candidate
+
+
+def write_migration(ctx: Context, outdir: str | os.PathLike[str], *, force: bool = False,
+                    notes: list[str] | None = None) -> list[str]:
+    """Write ``mooncake_config.json`` and ``launch_v1.sh`` into ``outdir``; return their paths.
+
+    Modes never widen the inputs' (see :func:`output_modes`) nor a file being
+    replaced; with ``force`` an existing file is first copied to ``NAME.bak``
+    (a line for each goes to ``notes``).
+    """
     check_outdir(outdir, force=force)
     out = Path(outdir)
     config_text = json.dumps(migrated_config(ctx), indent=2) + "\n"
     script_text = migrated_script(ctx)  # build both before touching the disk
+    config_mode, script_mode = output_modes(ctx)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / CONFIG_NAME, config_text, 0o644)
-    _atomic_write(out / SCRIPT_NAME, script_text, 0o755)
+    for name, text, mode in ((CONFIG_NAME, config_text, config_mode), (SCRIPT_NAME, script_text, script_mode)):
+        target = out / name
+        existing = _mode_of([str(target)]) if target.exists() and not target.is_symlink() else None
+        if existing is not None:
+            mode &= existing | (0o700 if name == SCRIPT_NAME else 0o600)
+        saved = _backup(target)
+        if saved is not None and notes is not None:
+            notes.append(f"kept the previous {target} as {saved}")
+        _atomic_write(target, text, mode)
     return [str(out / CONFIG_NAME), str(out / SCRIPT_NAME)]

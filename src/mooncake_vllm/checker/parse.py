@@ -20,6 +20,7 @@ from mooncake_vllm.checker.model import (
     HOLDER, MASTER, METADATA, OTHER, PIP, PROXY, VLLM, Deployment, Launch, MooncakeConfigFile, Where,
 )  # fmt: skip
 from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.files import NotRegularFileError, TooLargeError, read_regular
 
 __all__ = ["MAX_INPUT_BYTES", "parse_config_text", "parse_shell", "read_deployment"]
 
@@ -41,16 +42,21 @@ _SHORT = {VLLM: {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size",
 
 
 # --------------------------------------------------------------------------- files
-def _read_text(path: Path, problems: list[ConfigProblem]) -> str | None:
+def _read_text(path: Path, problems: list[ConfigProblem], *, follow: bool = True) -> str | None:
+    """The text of ``path`` if it is a regular file of at most MAX_INPUT_BYTES (counted on the bytes read);
+    a FIFO never hangs the checker and a symlink to /dev/zero is refused, not read (:func:`read_regular`)."""
     name = str(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_INPUT_BYTES:
-            problems.append(ConfigProblem(name, f"is {size / (1 << 20):.0f} MiB, more than the "
-                                          f"{MAX_INPUT_BYTES >> 20} MiB the checker reads",
-                                          "pass the launch scripts and Mooncake configs themselves"))
-            return None
-        data = path.read_bytes()
+        data = read_regular(path, MAX_INPUT_BYTES, follow=follow)
+    except NotRegularFileError:
+        problems.append(ConfigProblem(name, "is not a regular file (a FIFO, device, socket or directory)",
+                                      "pass the launch scripts and Mooncake configs themselves"))
+        return None
+    except TooLargeError as exc:
+        problems.append(ConfigProblem(name, f"is larger than the {MAX_INPUT_BYTES >> 20} MiB the checker reads "
+                                      f"({exc.size / (1 << 20):.0f} MiB or more)",
+                                      "pass the launch scripts and Mooncake configs themselves"))
+        return None
     except OSError as exc:
         problems.append(ConfigProblem(name, f"cannot be read ({exc.strerror or exc})",
                                       "check the path and its permissions"))
@@ -79,17 +85,31 @@ def _kind_of(path: Path, text: str | None = None) -> str | None:
     return "json" if text.lstrip().startswith("{") else "shell"
 
 
-def _walk(root: Path) -> list[Path]:
+def _walk(root: Path, problems: list[ConfigProblem]) -> list[Path]:
+    """Candidate files under ``root``. Symlinks are never followed: one to a file inside ``root`` is
+    skipped (the target is read itself), one out of ``root``, to a device or dangling is a problem;
+    symlinked directories are not entered. Non-regular files are refused by :func:`_read_text`."""
     found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root, onerror=None):
+    inside = root.resolve()
+    for dirpath, dirnames, filenames in os.walk(root, onerror=None, followlinks=False):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         for filename in sorted(filenames):
             path = Path(dirpath, filename)
             kind = _kind_of(path)
             if kind == "json" and "mooncake" not in filename.lower():
                 continue  # only Mooncake configs among a directory's JSON files
-            if kind:
-                found.append(path)
+            if not kind:
+                continue
+            if path.is_symlink():
+                target = path.resolve()
+                if target.is_file() and target.is_relative_to(inside):
+                    continue  # read as itself
+                what = ("is a dangling symlink" if not target.exists() else
+                        f"is a symlink to {target}, which is not a regular file inside {root}")
+                problems.append(ConfigProblem(str(path), f"{what}; symlinks are not followed",
+                                              "pass the file itself (or copy it into the directory)"))
+                continue
+            found.append(path)
     return found
 
 
@@ -115,19 +135,19 @@ def read_deployment(paths: Iterable[str | os.PathLike[str]], *, env: Mapping[str
                 problems = [ConfigProblem("MOONCAKE_CONFIG_PATH", f"{cfg!r} {p.problem}", p.fix) for p in problems]
         _raise(problems)
         return deployment
-    files: list[tuple[Path, str | None]] = []
+    files: list[tuple[Path, bool]] = []  # (path, follow a final symlink: only for paths given explicitly)
     for path in paths:
         if path.is_dir():
-            files += [(p, None) for p in _walk(path)]
+            files += [(p, False) for p in _walk(path, problems)]
         elif path.exists() or path.is_symlink():
-            files.append((path, "explicit"))
+            files.append((path, True))
         else:
             problems.append(ConfigProblem(str(path), "does not exist", "check the path"))
     if len(files) > MAX_FILES:
         problems.append(ConfigProblem(str(paths[0]), f"holds {len(files)} candidate files (limit {MAX_FILES})",
                                       "point the checker at the deployment's own directory"))
         _raise(problems)
-    texts = [(p, _read_text(p, problems)) for p, _ in files]
+    texts = [(p, _read_text(p, problems, follow=follow)) for p, follow in files]
     base_env: dict[str, str] = {}
     for path, text in texts:  # env files first: they are the environment of every script
         if text is not None and _kind_of(path, text) == "env":

@@ -18,14 +18,16 @@ from pathlib import Path
 
 from mooncake_vllm.checker.catalogue import Rule
 from mooncake_vllm.checker.context import Context, check
-from mooncake_vllm.checker.model import Finding, Where
+from mooncake_vllm.checker.model import MASTER, Finding, Where
+from mooncake_vllm.checker.rules_fleet import DEFAULT_CLIENT_TTL, MIN_CLIENT_TTL
 from mooncake_vllm.checker.rules_mooncake import metadata_urls
 from mooncake_vllm.errors import ConfigError, StoreError, StoreUnavailableError
 from mooncake_vllm.metadata.backends import MetadataBackend, backend_for
-from mooncake_vllm.metadata.gc import DEAD, scan
+from mooncake_vllm.metadata.gc import DEAD, master_segments, scan
 from mooncake_vllm.metadata.gc import probe as tcp_probe
 
-__all__ = ["IB_SYSFS", "is_local_address", "library_fix", "missing_libraries", "mooncake_package_dir"]
+__all__ = ["IB_SYSFS", "is_local_address", "library_fix", "local_master", "missing_libraries",
+           "mooncake_package_dir"]
 
 #: where the kernel lists RDMA devices
 IB_SYSFS = "/sys/class/infiniband"
@@ -197,3 +199,102 @@ def local_hostname_not_local(ctx: Context, rule: Rule) -> Iterable[Finding]:
         host = value.rsplit(":", 1)[0] if value.count(":") == 1 else value.strip("[]")
         if host and not is_local_address(host):
             yield ctx.finding(rule, config.where("local_hostname"), host=value)
+
+
+# -- the live master: client_ttl and how many processes hold the pool (issue 13 item 5) ----------------------
+_DEFAULT_RPC_PORT, _DEFAULT_METRICS_PORT = 50051, 9003
+
+
+def _gflag(argv: list[str], *names: str) -> str | None:
+    """The value of a gflags-style flag (``--name=v``, ``-name=v``, ``--name v``) in ``argv``."""
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.lstrip("-").partition("=")
+        if arg.startswith("-") and key in names:
+            if eq:
+                return value
+            if i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                return argv[i + 1]
+    return None
+
+
+def local_master(address: str, proc_root: str = "/proc") -> tuple[int, list[str]] | None:
+    """``(pid, argv)`` of the mooncake_master on this host serving ``address`` (its RPC host:port), if any."""
+    hp = _host_port(address)
+    if hp is None or not is_local_address(hp[0]):
+        return None
+    try:
+        pids = [p for p in os.listdir(proc_root) if p.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            with open(os.path.join(proc_root, pid, "cmdline"), "rb") as fh:
+                argv = [a.decode(errors="replace") for a in fh.read(1 << 16).split(b"\0") if a]
+        except OSError:
+            continue
+        if not argv or os.path.basename(argv[0]) != "mooncake_master":
+            continue
+        port = _gflag(argv, "rpc_port", "port") or str(_DEFAULT_RPC_PORT)
+        if port.isdigit() and int(port) == hp[1]:
+            return int(pid), argv
+    return None
+
+
+def _masters(ctx: Context) -> Iterator[tuple[str, Where]]:
+    seen = set()
+    for config in ctx.deployment.configs:
+        address = str(config.data.get("master_server_address") or "")
+        if address and not address.startswith("etcd://") and address not in seen:
+            seen.add(address)
+            yield address, config.where("master_server_address")
+
+
+@check("MCV-W103")
+def live_client_ttl_short(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if not ctx.probe:
+        return
+    for address, where in _masters(ctx):
+        found = local_master(address)
+        if found is None:
+            continue  # another host: its command line is not visible from here
+        pid, argv = found
+        try:
+            ttl = float(_gflag(argv, "client_ttl") or DEFAULT_CLIENT_TTL)
+        except ValueError:
+            continue
+        if ttl < MIN_CLIENT_TTL:
+            yield ctx.finding(rule, where, address=address, pid=pid, ttl=f"{ttl:g}")
+
+
+def _metrics_url(ctx: Context, address: str) -> str | None:
+    """The master's HTTP address: from its command line when it runs here, else the scripts' master, else :9003."""
+    hp = _host_port(address)
+    if hp is None:
+        return None
+    host, port = hp[0], str(_DEFAULT_METRICS_PORT)
+    found = local_master(address)
+    if found is not None:
+        metrics_host = _gflag(found[1], "metrics_host")
+        if metrics_host and metrics_host not in ("0.0.0.0", "::"):
+            host = metrics_host
+        port = _gflag(found[1], "metrics_port") or port
+    else:
+        launched = [m.option("--metrics-port") for m in ctx.deployment.of_kind(MASTER)]
+        port = next((p for p in launched if p), port)
+    return f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+
+
+@check("MCV-W104")
+def live_pool_in_one_holder(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if not ctx.probe:
+        return
+    for address, where in _masters(ctx):
+        url = _metrics_url(ctx, address)
+        if url is None:
+            continue
+        try:
+            segments = master_segments(url, ctx.timeout)
+        except StoreUnavailableError:
+            continue  # no HTTP view of this master (MCV-E101 reports an unreachable one)
+        if len(segments) == 1:
+            yield ctx.finding(rule, where, url=url, segment=next(iter(segments)))

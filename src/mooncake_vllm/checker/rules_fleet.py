@@ -6,16 +6,19 @@ from collections.abc import Iterable
 
 from mooncake_vllm.checker.catalogue import Rule
 from mooncake_vllm.checker.context import Context, check
-from mooncake_vllm.checker.model import HOLDER, PROXY, Finding, Launch
+from mooncake_vllm.checker.model import HOLDER, MASTER, PROXY, Finding, Launch
 from mooncake_vllm.checker.rules_mooncake import segment_size
 
-__all__ = ["ADMIN_PROXIES", "V0_DEMO_PROXIES", "proxy_command"]
+__all__ = ["ADMIN_PROXIES", "DEFAULT_CLIENT_TTL", "MIN_CLIENT_TTL", "V0_DEMO_PROXIES", "proxy_command"]
 
 #: the V0-era demo proxies (plain completions, no kv_transfer_params)
 V0_DEMO_PROXIES = {"disagg_proxy_demo.py", "disagg_demo.py", "proxy_demo.py", "disagg_prefill_proxy_server.py"}
 #: proxies whose /instances/add admin API is open (500) or unguarded without ADMIN_API_KEY
 #: (``mooncake-vllm proxy`` keeps its admin API off without a key)
 ADMIN_PROXIES = {"disagg_proxy_demo.py", "disagg_demo.py", "proxy_demo.py"}
+#: mooncake_master's default --client_ttl (seconds), and the shortest the checker accepts without a warning
+DEFAULT_CLIENT_TTL = 10
+MIN_CLIENT_TTL = 10
 
 
 def _model(ctx: Context) -> str | None:
@@ -37,15 +40,45 @@ def proxy_command(launch: Launch | None, *, p2p: bool, model: str | None = None)
     return line + (" --flow p2p" if p2p else "")
 
 
-@check("MCV-E009")
-def no_pool_memory(ctx: Context, rule: Rule) -> Iterable[Finding]:
+def _pool_configs(ctx: Context) -> list:
+    """The configs of the store instances when every one of them holds no pool memory (segment 0), else []."""
     stores = [launch for launch in ctx.deployment.instances if launch.uses_store() and launch.kind != "environment"]
-    if not stores or ctx.deployment.of_kind(HOLDER):
-        return
     used = {id(c): c for launch in stores for c in ctx.deployment.configs_for(launch)}
     if used and all(segment_size(c.data.get("global_segment_size")) == 0 for c in used.values()):
-        config = next(iter(used.values()))
-        yield ctx.finding(rule, config.where("global_segment_size"), config=config.path)
+        return list(used.values())
+    return []
+
+
+@check("MCV-E009")
+def no_pool_memory(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if ctx.deployment.of_kind(HOLDER):
+        return
+    configs = _pool_configs(ctx)
+    if configs:
+        yield ctx.finding(rule, configs[0].where("global_segment_size"), config=configs[0].path)
+
+
+@check("MCV-W017")
+def pool_in_one_holder(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    holders = ctx.deployment.of_kind(HOLDER)
+    if len(holders) == 1 and _pool_configs(ctx):
+        yield ctx.finding(rule, holders[0].where, holder=holders[0].program)
+
+
+@check("MCV-W016")
+def client_ttl_short(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    for launch in ctx.deployment.of_kind(MASTER, HOLDER):
+        if launch.kind == HOLDER and launch.program != "mooncake-vllm up":
+            continue  # only the master (and `up`, which starts one) has a client_ttl
+        value = launch.option("--client-ttl")
+        try:
+            ttl = float(value) if value not in (None, "") else DEFAULT_CLIENT_TTL
+        except ValueError:
+            continue
+        if ttl < MIN_CLIENT_TTL:
+            flag = "--client-ttl" if launch.kind == HOLDER else "--client_ttl"
+            yield ctx.finding(rule, launch.where, what=launch.program, ttl=f"{ttl:g}",
+                              fix_flag=f"{flag}={DEFAULT_CLIENT_TTL}")
 
 
 @check("MCV-E011")

@@ -57,10 +57,11 @@ def run(args: argparse.Namespace) -> int:
         result, ctx = run_check(args.paths, target_vllm=args.target_vllm, target_mooncake=args.target_mooncake,
                                 probe=args.probe, ignore=args.ignore, timeout=args.timeout)
         written: list[str] = []
+        notes: list[str] = []
         if args.fix:
             from mooncake_vllm.checker.fix import write_migration
 
-            written = write_migration(ctx, args.fix, force=args.force)
+            written = write_migration(ctx, args.fix, force=args.force, notes=notes)
     except ConfigError as exc:  # bad input: one message listing every problem
         count = len(exc.problems)
         problems = "\n".join(f"  - {p}" for p in exc.problems)
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mooncake-vllm check: {exc}", file=sys.stderr)
         return EXIT_TOOL
     sys.stdout.write(render(result, args.format))
+    for note in notes:
+        print(note, file=sys.stderr)
     for path in written:
         print(f"wrote {path}", file=sys.stderr)
     return result.exit_code

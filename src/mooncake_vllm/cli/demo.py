@@ -61,7 +61,7 @@ def _model(args: argparse.Namespace) -> Path:
 def summarize(a: dict[str, Any], b: dict[str, Any], prompt_len: int) -> tuple[str, bool]:
     """The result table, and whether the demo showed what it should."""
     ra, rb = a["results"][0], b["results"][0]
-    pool = int(b["metrics"].get("vllm:external_prefix_cache_hits", 0))
+    pool = int(b["metrics"]["vllm:external_prefix_cache_hits"])  # missing = broken metrics, never "0"
     same = ra["tokens"] == rb["tokens"]
     rows = [
         ("prompt tokens", f"{prompt_len}", f"{prompt_len}"),

@@ -2,7 +2,10 @@
 
 The metadata URL comes from ``--metadata``, else from the ``metadata_server``
 of ``$MOONCAKE_CONFIG_PATH``, else from ``$MOONCAKE_TE_META_DATA_SERVER``.
-``gc`` is a dry run unless ``--apply`` is given.
+``gc`` is a dry run unless ``--apply`` is given; with ``--apply`` a segment is
+deleted only after it refused connections throughout ``--grace`` seconds and once
+more right before the delete (a timeout never counts as dead), and never while
+the master (``--master``) lists it as mounted.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for each owner's TCP port (default 1.0)")
     gc_parser = sub.choices["gc"]
     gc_parser.add_argument("--apply", action="store_true", help="really delete stale entries (default: dry run)")
+    gc_parser.add_argument("--master", metavar="URL", default=None,
+                           help="mooncake_master's HTTP address (http://HOST:METRICS_PORT, default port 9003): "
+                                "segments it lists as mounted are alive; asked first, and before each delete")
+    gc_parser.add_argument("--grace", type=float, default=None, metavar="S",
+                           help="with --apply: a segment must stay dead (connection refused) over S seconds, "
+                                "probed several times, before its entries are deleted (default 10, Mooncake's "
+                                "client_ttl); a timeout never counts as dead")
     serve = sub.add_parser("serve", help="run the HTTP metadata server (Mooncake's protocol)",
                            description="run the HTTP metadata server (Mooncake's protocol) in the foreground")
     from mooncake_vllm.metadata.server import add_arguments
@@ -86,9 +96,11 @@ def _list(backend: Any, args: argparse.Namespace) -> int:
 
 
 def _gc(backend: Any, args: argparse.Namespace) -> int:
-    from mooncake_vllm.metadata.gc import collect_garbage
+    from mooncake_vllm.metadata.gc import DEFAULT_GRACE, collect_garbage
 
-    report = collect_garbage(backend, apply=args.apply, timeout=args.timeout, prefix=args.prefix)
+    grace = DEFAULT_GRACE if args.grace is None else max(0.0, args.grace)
+    report = collect_garbage(backend, apply=args.apply, timeout=args.timeout, prefix=args.prefix,
+                             master=args.master, grace=grace)
     if args.format == "json":
         print(json.dumps(report.to_dict(), indent=2))
         return 1 if report.errors else 0
@@ -102,7 +114,7 @@ def _gc(backend: Any, args: argparse.Namespace) -> int:
         for key in report.deleted:
             print(f"deleted {key}")
         for key in report.kept:
-            print(f"kept {key} (re-registered since the probe)")
+            print(f"kept {key} ({report.kept_why.get(key, 'changed since the probe')})")
         for err in report.errors:
             print(f"error: {err}", file=sys.stderr)
         print(f"deleted {len(report.deleted)} entr{'y' if len(report.deleted) == 1 else 'ies'}")

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INSTANCE_ENV", "kv_transfer_config", "run_instance", "main"]
+__all__ = ["INSTANCE_ENV", "PREFIX_CACHE_METRICS", "kv_transfer_config", "run_instance", "main"]
 
 #: Environment every offline instance gets (in-process engine, offline, quiet).
 INSTANCE_ENV = {
@@ -53,15 +53,26 @@ def kv_transfer_config(role: str, *, module_path: bool = True, connector: str = 
     return cfg
 
 
+#: vLLM's prefix-cache counters the demo and the tests read (always registered by V1's stat logger)
+PREFIX_CACHE_METRICS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+                        "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits")
+
+
 def _metric_totals(llm: Any) -> dict[str, float]:
+    """vLLM's prefix-cache counters summed over engines.
+
+    Errors propagate and a missing counter is an error: "0 hits" must never
+    stand for "the metrics could not be read".
+    """
     out: dict[str, float] = {}
-    try:
-        for metric in llm.get_metrics():
-            name = getattr(metric, "name", "")
-            if "prefix_cache" in name and hasattr(metric, "value"):
-                out[name] = out.get(name, 0.0) + float(metric.value)
-    except Exception:  # noqa: BLE001 - metrics are best effort
-        pass
+    for metric in llm.get_metrics():
+        name = getattr(metric, "name", "")
+        if "prefix_cache" in name and hasattr(metric, "value"):
+            out[name] = out.get(name, 0.0) + float(metric.value)
+    missing = [name for name in PREFIX_CACHE_METRICS if name not in out]
+    if missing:
+        raise RuntimeError(f"vLLM reported no {', '.join(missing)} (prefix-cache counters found: "
+                           f"{sorted(out) or 'none'}); hit counts would be meaningless")
     return out
 
 

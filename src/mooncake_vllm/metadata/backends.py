@@ -42,6 +42,8 @@ __all__ = [
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 DEFAULT_TIMEOUT = 3.0
+#: largest HTTP answer read from a metadata server or etcd (entries are KiB; a listing of thousands, a few MiB)
+MAX_RESPONSE_BYTES = 64 << 20
 
 
 class MetadataBackend(ABC):
@@ -111,7 +113,8 @@ def http_request(
 ) -> tuple[int, bytes]:
     """One HTTP request with the stdlib; ``(status, body)``.
 
-    Raises :class:`StoreUnavailableError` when the server cannot be reached.
+    Raises :class:`StoreUnavailableError` when the server cannot be reached, and
+    :class:`StoreError` when it answers more than MAX_RESPONSE_BYTES.
     """
     parts = urllib.parse.urlsplit(url)
     conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
@@ -122,7 +125,11 @@ def http_request(
     try:
         conn.request(method, target, body=body, headers=dict(headers or {}))
         resp = conn.getresponse()
-        return resp.status, resp.read()
+        body = resp.read(MAX_RESPONSE_BYTES + 1)  # a runaway server cannot exhaust our memory
+        if len(body) > MAX_RESPONSE_BYTES:
+            raise StoreError(f"{parts.scheme}://{parts.netloc} answered {method} {parts.path} with more than "
+                             f"{MAX_RESPONSE_BYTES >> 20} MiB; is that a metadata server?")
+        return resp.status, body
     except OSError as exc:  # refused, timeout, reset, DNS
         raise StoreUnavailableError(
             f"metadata server {parts.scheme}://{parts.netloc} unreachable ({method} {parts.path}): {exc}; "

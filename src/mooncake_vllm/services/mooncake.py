@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -83,41 +84,70 @@ def _shm_names() -> set[str]:
         return set()
 
 
-def _shm_in_use() -> set[str]:
-    """Names under /dev/shm that some live process has open or mapped."""
+def _shm_in_use() -> tuple[set[str], bool]:
+    """Names under /dev/shm that some live process has open or mapped, and whether every process of
+    this user could be inspected (a process that exited meanwhile does not count as unreadable)."""
     used: set[str] = set()
+    complete = True
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # exited
+        except OSError:
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == os.getuid():
+                    complete = False  # one of ours whose open files we cannot see: it may hold any of ours
+            except OSError:
+                pass
+            continue
+        for fd in fds:
+            try:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    used.add(target[9:].split(" ")[0])
+            except OSError:
+                continue  # closed meanwhile
+            if target.startswith("/dev/shm/"):
+                used.add(target[9:].split(" ")[0])
+        try:  # mapped after the descriptor was closed (unreadable for some init processes: fds suffice there)
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
                     if "/dev/shm/" in line:
                         used.add(line.split("/dev/shm/", 1)[1].split(" ")[0].strip())
         except OSError:
-            continue
-    return used
+            pass
+    return used, complete
 
 
 def clean_dev_shm(before: set[str]) -> list[str]:
     """Remove /dev/shm entries created since ``before`` that no live process uses.
 
-    Only Mooncake-looking names are touched (a SIGKILLed holder can leave its
-    shared-memory pool behind). Returns the names removed.
+    Only Mooncake-looking regular files owned by this user are touched (a
+    SIGKILLed holder can leave its shared-memory pool behind). Nothing is removed
+    when a process of this user could not be inspected, and the in-use scan is
+    repeated right before the removals. Returns the names removed.
     """
     new = _shm_names() - before
     if not new:
         return []
-    candidates = [n for n in new if "mooncake" in n.lower() or n.startswith(("mc_", "mc-"))]
-    if not candidates:
-        return []
-    in_use = _shm_in_use()
-    removed = []
-    for name in candidates:
-        if name in in_use:
+    candidates = []
+    for name in new:
+        if not ("mooncake" in name.lower() or name.startswith(("mc_", "mc-"))):
             continue
+        try:
+            info = os.lstat(_SHM / name)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+            candidates.append(name)
+    removed: list[str] = []
+    for _ in range(2):  # two scans: a file must look unused in both
+        if not candidates:
+            return removed
+        in_use, complete = _shm_in_use()
+        if not complete:
+            return removed
+        candidates = [n for n in candidates if n not in in_use]
+    for name in candidates:
         try:
             (_SHM / name).unlink()
             removed.append(name)
@@ -316,6 +346,7 @@ class LocalStack:
         self.metadata_server: ManagedProcess | None = None
         self.holder: ManagedProcess | None = None
         self.config_path = self.workdir / "mooncake_config.json"
+        self._written: str | None = None  # the config text start() wrote, removed again by stop()
 
     @property
     def master_address(self) -> str:
@@ -377,18 +408,29 @@ class LocalStack:
         except BaseException:
             self.stop()
             raise
+        text = json.dumps(self.config(), indent=2) + "\n"
         tmp = self.config_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.config(), indent=2) + "\n")
+        tmp.write_text(text)
         tmp.replace(self.config_path)  # never half-written
+        self._written = text
         return self
 
     def stop(self) -> None:
-        """Stop holder, metadata and master (in that order); idempotent."""
+        """Stop holder, metadata and master (in that order), then remove the config this stack wrote
+        (it would point at dead ports); idempotent. A config someone changed since is left alone."""
         for attr in ("holder", "metadata_server", "master"):
             proc = getattr(self, attr)
             if proc is not None and not proc.stopped:
                 proc.stop()
                 self.progress(attr.split("_")[0], "stopped", f"exit code {proc.returncode}")
+        written, self._written = self._written, None
+        if written is not None:
+            try:
+                if self.config_path.read_text() == written:
+                    self.config_path.unlink()
+                    self.progress("config", "stopped", f"removed {self.config_path}")
+            except OSError:
+                pass  # already gone or unreadable: nothing of ours to remove
 
     def alive(self) -> bool:
         return bool(self.processes) and all(p.alive() for p in self.processes)
