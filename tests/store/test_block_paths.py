@@ -168,3 +168,35 @@ def test_planted_corrupt_and_foreign_values_are_misses(client: StoreClient,
         assert torch.equal(t.cpu(), old.cpu())
     assert client.stats.snapshot()["corrupt"] >= 3
     assert len(raw) == codec.HEADER_SIZE + layout.block_nbytes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_v0_data_path_full_blocks_and_tail(client: StoreClient, device: str) -> None:
+    """What the V0 connector moves, on V0's flash-layout caches: full blocks + the tail.
+
+    The V0 engine itself runs only on vLLM <= 0.10.0 (torch 2.7), which no GPU
+    machine here has; its batch parsing is tested with real V0 objects in the
+    contract envs, and this proves its data path in host and CUDA memory.
+    """
+    _need(device)
+    from mooncake_vllm.v0.batch import Tail
+
+    src = _caches("flash-nhd", torch.bfloat16, device, 21)
+    dst = _caches("flash-nhd", torch.bfloat16, device, 22)
+    a, b = layout_of(src, client), layout_of(dst, client)
+    keys = _keys(a, 2)
+    assert client.put_blocks(keys, a, [3, 8]) == 2  # two full blocks of a 40-token prompt
+    tail_slots = tuple(5 * BS + i for i in range(8))  # its last 8 tokens, in block 5
+    hidden = torch.randn(64, dtype=torch.bfloat16, device=device)
+    assert client.put_value(keys[0] + "/tail", Tail.gather(src, tail_slots, hidden).pack())
+    # the consumer: other physical blocks, the tail into block 10
+    assert client.get_blocks(keys, b, [1, 2]) == [True, True]
+    raw = client.get_value(keys[0] + "/tail")
+    tail = Tail.unpack(raw)
+    dst_slots = tuple(10 * BS + i for i in range(8))
+    assert tail is not None and tail.fits(dst, dst_slots)
+    tail.scatter(dst, dst_slots)
+    for s, d in zip(src, dst):
+        assert torch.equal(d[:, 1].cpu(), s[:, 3].cpu()) and torch.equal(d[:, 2].cpu(), s[:, 8].cpu())
+        assert torch.equal(d[:, 10, :8].cpu(), s[:, 5, :8].cpu())
+    assert torch.equal(tail.hidden.cpu(), hidden.cpu())

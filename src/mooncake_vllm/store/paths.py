@@ -9,7 +9,9 @@
   them, and the writer re-checks after the put and removes such a value.
 * :class:`LayoutPaths` — per registered layout: the slot pools, the mover, and
   which save kind applies (zero-copy for host memory with Mooncake's
-  multi-buffer API; a snapshot for CUDA memory or without that API). Loads
+  multi-buffer API when each layer's piece of a block is large; a snapshot —
+  one coalesced slice per block — for small pieces, for CUDA memory, or without
+  that API). Loads
   always go through slots: a value is verified before any byte of it reaches
   the KV cache, and a load abandoned at its deadline can only ever write into
   slots that stay reserved until Mooncake returns.
@@ -26,7 +28,11 @@ from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.store.mover import BlockMover
 from mooncake_vllm.store.slots import Run, SlotPool, slots_of
 
-__all__ = ["LayoutPaths", "SaveTicket", "StagingSizes"]
+__all__ = ["COALESCE_BELOW", "LayoutPaths", "SaveTicket", "StagingSizes"]
+
+#: per-layer pieces up to this size are copied into one slice per block: one
+#: transfer slice per small piece costs more than the copy (bench/bench_store.py)
+COALESCE_BELOW = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,8 @@ class LayoutPaths:
         self.layout = layout
         self.slot_nbytes = codec.HEADER_SIZE + layout.block_nbytes
         self.layout_digest = codec.digest16(layout.fingerprint)
-        self.zero_copy_save = multi_buffer and not layout.on_cuda
+        self.zero_copy_save = (multi_buffer and not layout.on_cuda
+                               and layout.seg_nbytes > COALESCE_BELOW)
         pinned = layout.on_cuda
         self.mover = BlockMover(layout, device_stage_bytes=sizes.device_stage)
         self.load_pool = SlotPool(self.slot_nbytes, sizes.load // self.slot_nbytes or 4,
