@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from mooncake_vllm.checker.catalogue import RULES, Rule
 from mooncake_vllm.checker.model import Deployment, Finding, Launch, Where
 from mooncake_vllm.compat.detect import InstalledDistribution, detect_engine, parse_use_v1
-from mooncake_vllm.compat.versions import MooncakeFacts, VllmFacts, parse_version
+from mooncake_vllm.compat.versions import MooncakeFacts, VllmFacts, pep440_version
 from mooncake_vllm.errors import UnsupportedVersionError
 
 __all__ = ["CHECKS", "CheckFn", "Context", "check"]
@@ -86,4 +86,4 @@ class Context:
 
     @staticmethod
     def newer(a: str, b: str) -> bool:
-        return parse_version(a) > parse_version(b)
+        return pep440_version(a) > pep440_version(b)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from mooncake_vllm.checker.catalogue import Rule
 from mooncake_vllm.checker.context import Context, check
 from mooncake_vllm.checker.model import PIP, Deployment, Finding, Where
-from mooncake_vllm.compat.versions import mooncake_facts, parse_version
+from mooncake_vllm.compat.versions import mooncake_facts, pep440_version
 from mooncake_vllm.errors import ConfigError
 
 __all__ = ["metadata_urls", "pip_pins"]
@@ -63,7 +63,7 @@ def adaptor_mooncake_too_new(ctx: Context, rule: Rule) -> Iterable[Finding]:
     if ceiling is None:
         return
     for version, where in ctx.mooncake_versions():
-        if parse_version(version) > parse_version(ceiling):
+        if pep440_version(version) > pep440_version(ceiling):
             yield ctx.finding(rule, where, mooncake=version)
 
 
@@ -73,7 +73,7 @@ def adaptor_needs_source_build(ctx: Context, rule: Rule) -> Iterable[Finding]:
     if ceiling is None:
         return
     for version, where in ctx.mooncake_versions():
-        if parse_version(version) <= parse_version(ceiling):
+        if pep440_version(version) <= pep440_version(ceiling):
             yield ctx.finding(rule, where)
             return
 
@@ -82,7 +82,7 @@ def adaptor_needs_source_build(ctx: Context, rule: Rule) -> Iterable[Finding]:
 def mooncake_version_skew(ctx: Context, rule: Rule) -> Iterable[Finding]:
     versions = {v: w for v, w in reversed(ctx.mooncake_versions()) if w is not None or ctx.mooncake_explicit}
     if len(versions) > 1:
-        ordered = sorted(versions, key=parse_version)
+        ordered = sorted(versions, key=pep440_version)
         where = next((w for w in versions.values() if w is not None), None)
         listing = ", ".join(f"{v} ({versions[v] or '--target-mooncake'})" for v in ordered)
         yield ctx.finding(rule, where, versions=listing, newest=ordered[-1])

@@ -99,7 +99,7 @@ class ProxyServer:
                                                        f"use one of {', '.join(flows.FLOWS)}")])
         self.p2p_mode: str | None = None
         if config.flow == "p2p" and config.target_vllm:
-            self.p2p_mode = flows.p2p_mode(flows.parse_version(config.target_vllm))
+            self.p2p_mode = flows.p2p_mode(flows.release_triple(config.target_vllm))
         for kind, addrs in (("prefill", config.prefill), ("decode", config.decode)):
             for addr in addrs:
                 ep = parse_endpoint(addr, field_name=f"--{kind}")
