@@ -26,6 +26,7 @@ from mooncake_vllm.errors import ConfigError, ConfigProblem
 __all__ = [
     "CONFIG_ENV",
     "EXAMPLE_CONFIG",
+    "IGNORED_KEYS",
     "StoreConfig",
     "load_store_config",
     "metadata_scheme",
@@ -48,12 +49,23 @@ _DEFAULT_SEGMENT = 3355443200  # vLLM V0's default
 _DEFAULT_BUFFER = 1073741824
 _MAX_SIZE = 1 << 50  # 1 PiB: anything larger is a typo
 _PROTOCOLS = ("tcp", "rdma", "efa", "cxl", "ascend")
+#: Keys other tools write into real Mooncake config files that we accept and ignore,
+#: with what each does here (docs/configuration.md lists them). None of them is an
+#: isolation or safety setting: ``tenant_id`` is one, so it is used (key namespace).
+IGNORED_KEYS: dict[str, str] = {
+    "mode": "the P2P demo's role switch; roles come from kv_role here",
+    "metadata_backend": "LMCache's backend name; metadata_server alone decides it here",
+    "prefill_url": "the P2P demo's proxy wiring; `mooncake-vllm proxy` takes it on its command line",
+    "decode_url": "the P2P demo's proxy wiring; `mooncake-vllm proxy` takes it on its command line",
+    "enable_offload": "Mooncake's local-SSD offload switch; capacity only, the pool works without it",
+    "enable_ssd_offload": "Mooncake's local-SSD offload switch; capacity only, the pool works without it",
+    "ssd_offload_path": "Mooncake's local-SSD offload directory; unused without SSD offload",
+    "enable_client_http_server": "Mooncake client's own metrics HTTP server; not started here",
+    "client_http_port": "Mooncake client's own metrics HTTP server; not started here",
+}
 _KNOWN_KEYS = {
     "local_hostname", "metadata_server", "master_server_address", "global_segment_size",
-    "local_buffer_size", "protocol", "device_name",
-    # accepted and ignored: other tools' keys that appear in real files
-    "mode", "enable_offload", "tenant_id", "metadata_backend", "prefill_url", "decode_url",
-    "enable_ssd_offload", "ssd_offload_path", "enable_client_http_server", "client_http_port",
+    "local_buffer_size", "protocol", "device_name", "tenant_id", *IGNORED_KEYS,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -73,6 +85,8 @@ class StoreConfig:
     protocol: str
     device_name: str
     source: str = "dict"
+    #: joins the block key namespace: two tenants never read each other's blocks
+    tenant_id: str = ""
 
     @property
     def metadata_scheme(self) -> str:
@@ -210,6 +224,11 @@ def load_store_config(
     buffer = size("local_buffer_size", _DEFAULT_BUFFER)
     protocol = text("protocol", "tcp")
     device = text("device_name", "")
+    raw_tenant = data.get("tenant_id")
+    if isinstance(raw_tenant, int) and not isinstance(raw_tenant, bool):
+        tenant = str(raw_tenant)  # a numeric tenant id names the same tenant as its digits
+    else:
+        tenant = text("tenant_id", "")
 
     if metadata:
         scheme = metadata_scheme(metadata)
@@ -245,5 +264,5 @@ def load_store_config(
     return StoreConfig(
         local_hostname=hostname, metadata_server=metadata, master_server_address=master,
         global_segment_size=segment or 0, local_buffer_size=buffer or 0, protocol=protocol,
-        device_name=device, source=label,
+        device_name=device, source=label, tenant_id=tenant,
     )

@@ -61,10 +61,21 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
+@pytest.fixture(autouse=True)
+def _package_logger_restored():
+    """register() may hand our package logger vLLM's handler: undo it for the next tests."""
+    logger = logging.getLogger("mooncake_vllm")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+
+
 @pytest.fixture
 def our_log():
-    """Records of our "vllm.mooncake_vllm" loggers (vLLM's "vllm" logger may not propagate to root)."""
-    logger = logging.getLogger("vllm.mooncake_vllm")
+    """Records of our "mooncake_vllm" loggers (vLLM's "vllm" logger may not propagate to root)."""
+    logger = logging.getLogger("mooncake_vllm")
     old = logger.level
     handler = _Records()
     logger.addHandler(handler)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_vllm.checker.catalogue import Rule
+from mooncake_vllm.config import CONFIG_ENV
 
 __all__ = ["Deployment", "Finding", "Launch", "MooncakeConfigFile", "Where"]
 
@@ -156,7 +157,7 @@ class Deployment:
 
     def configs_for(self, launch: Launch) -> list[MooncakeConfigFile]:
         """The config an instance uses (matched by MOONCAKE_CONFIG_PATH's file name), else all configs."""
-        path = launch.env.get("MOONCAKE_CONFIG_PATH")
+        path = launch.env.get(CONFIG_ENV)
         if path:
             name = path.replace("\\", "/").rsplit("/", 1)[-1]
             matched = [c for c in self.configs if c.path.replace("\\", "/").rsplit("/", 1)[-1] == name]

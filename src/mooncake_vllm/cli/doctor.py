@@ -14,10 +14,12 @@ import sys
 from dataclasses import fields
 from typing import Any
 
+from mooncake_vllm.config import CONFIG_ENV
+
 __all__ = ["configure", "run"]
 
 #: environment variables that change what vLLM / Mooncake do
-_ENV = ("VLLM_USE_V1", "MOONCAKE_CONFIG_PATH", "PYTHONHASHSEED", "VLLM_PLUGINS", "MC_TCP_BIND_ADDRESS",
+_ENV = ("VLLM_USE_V1", CONFIG_ENV, "PYTHONHASHSEED", "VLLM_PLUGINS", "MC_TCP_BIND_ADDRESS",
         "MOONCAKE_TE_META_DATA_SERVER")
 
 

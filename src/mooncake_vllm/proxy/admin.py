@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["check_all", "check_instance", "health_loop", "install", "model_matches"]
 
-log = logging.getLogger("mooncake_vllm.proxy")
+log = logging.getLogger(__name__)
 
 
 def model_matches(expected: str, payload: Any) -> tuple[bool, list[str]]:

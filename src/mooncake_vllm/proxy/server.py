@@ -29,7 +29,7 @@ from mooncake_vllm.proxy.scheduling import make_policy
 
 __all__ = ["ProxyConfig", "ProxyError", "ProxyServer", "config_from_env"]
 
-log = logging.getLogger("mooncake_vllm.proxy")
+log = logging.getLogger(__name__)
 
 #: bytes of the prompt's beginning the prefix-aware policy hashes
 PREFIX_CHARS = 256
