@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mooncake_vllm.addresses import HostPort, MetadataURL
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 
 __all__ = [
@@ -95,18 +96,14 @@ class StoreConfig:
 
     @property
     def master_host_port(self) -> tuple[str, int]:
-        host, _, port = self.master_server_address.rpartition(":")
-        return host.strip("[]"), int(port)
+        hp = HostPort.parse(self.master_server_address, field="master_server_address")
+        return hp.host, hp.port
 
 
 def metadata_scheme(url: str) -> str:
-    """Classify a metadata connection string the way Mooncake's parser does."""
-    if url == "P2PHANDSHAKE":
-        return "p2p"
-    scheme, sep, _ = url.partition("://")
-    if not sep:
-        return "etcd"  # Mooncake treats a bare host:port as etcd endpoints
-    return {"https": "http"}.get(scheme.lower(), scheme.lower())
+    """Classify a metadata connection string the way Mooncake's parser does
+    (:attr:`~mooncake_vllm.addresses.MetadataURL.kind`; a bare host:port is etcd)."""
+    return MetadataURL.parse(url).kind
 
 
 def parse_size(value: Any, *, field: str) -> int:
@@ -177,9 +174,12 @@ def _read_source(
     return data, label
 
 
-def _check_host_port(value: str) -> bool:
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+def _etcd_ok(url: str) -> bool:
+    try:
+        MetadataURL.parse(url).etcd_endpoints()
+    except ConfigError:
+        return False
+    return True
 
 
 def load_store_config(
@@ -238,13 +238,11 @@ def load_store_config(
                 "(Mooncake aborts the process on an unknown scheme)",
                 'use "http://host:port/metadata", "etcd://host:port", "P2PHANDSHAKE" '
                 'or "redis://host:port"'))
-        elif scheme == "etcd" and not all(
-            _check_host_port(e) for e in metadata.split("://")[-1].split(",")
-        ):
+        elif scheme == "etcd" and not _etcd_ok(metadata):
             problems.append(ConfigProblem(
                 "metadata_server", f"{metadata!r} is not etcd host:port endpoints",
                 'write "etcd://host:2379" (several: "etcd://h1:2379,h2:2379")'))
-    if master and not master.startswith("etcd://") and not _check_host_port(master):
+    if master and not master.startswith("etcd://") and HostPort.try_parse(master) is None:
         problems.append(ConfigProblem(
             "master_server_address", f"must be host:port, found {master!r}",
             'write e.g. "127.0.0.1:50051"'))

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mooncake_vllm.checker.catalogue import RULES, Rule
-from mooncake_vllm.checker.model import Deployment, Finding, Launch, Where
+from mooncake_vllm.checker.model import Deployment, Finding, Launch, Where, pip_pins
 from mooncake_vllm.compat.detect import InstalledDistribution, detect_engine, parse_use_v1
 from mooncake_vllm.compat.versions import MooncakeFacts, VllmFacts, pep440_version
 from mooncake_vllm.errors import UnsupportedVersionError
@@ -79,8 +79,6 @@ class Context:
         found: list[tuple[str, Where | None]] = []
         if self.mooncake is not None:
             found.append((self.mooncake.version, None))
-        from mooncake_vllm.checker.rules_mooncake import pip_pins  # late: rules import this module
-
         found += [(version, where) for _, version, where in pip_pins(self.deployment) if version]
         return found
 

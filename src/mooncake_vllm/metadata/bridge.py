@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from mooncake_vllm.addresses import MetadataURL
 from mooncake_vllm.errors import StoreUnavailableError
 from mooncake_vllm.metadata.backends import redact_url
 from mooncake_vllm.metadata.server import BACKEND_ENV, READY_PREFIX
@@ -162,8 +163,7 @@ def resolve_metadata_url(url: str, *, supports_redis: bool) -> tuple[str, Callab
     Only ``redis://`` / ``rediss://`` on a build without redis is rewritten, to
     a bridge on loopback; that is logged once per URL as a WARNING.
     """
-    scheme = url.strip().partition("://")[0].lower() if "://" in url else ""
-    if scheme not in ("redis", "rediss") or supports_redis:
+    if MetadataURL.parse(url).kind not in ("redis", "rediss") or supports_redis:
         return url, None
     http_url = bridge_redis_url(url.strip())
     with _lock:

@@ -22,7 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
-from mooncake_vllm.proxy import flows
+from mooncake_vllm.proxy import admin, flows
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.scheduling import make_policy
@@ -113,8 +113,6 @@ class ProxyServer:
     # ---- lifecycle -------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
-        from mooncake_vllm.proxy import admin
-
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._route("/v1/completions"))
         app.router.add_post("/v1/chat/completions", self._route("/v1/chat/completions"))
@@ -127,8 +125,6 @@ class ProxyServer:
         return app
 
     async def _on_startup(self, _app: web.Application) -> None:
-        from mooncake_vllm.proxy import admin
-
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=30, keepalive_timeout=60)
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=self.config.connect_timeout)
         # bodies are relayed as they come: ask upstreams for identity encoding, never decode
