@@ -32,7 +32,7 @@ from matrix_results import env_record, junit_counts  # noqa: E402
 from mooncake_vllm.compat.versions import (  # noqa: E402
     KNOWN_VLLM_RELEASES,
     MIN_SUPPORTED_VLLM,
-    parse_version,
+    pep440_version,
     release_of,
     vllm_facts,
 )
@@ -140,8 +140,8 @@ def render(record: dict[str, Any]) -> str:
     by_release: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         by_release.setdefault(run["release"], []).append(run)
-    releases = sorted(set(KNOWN_VLLM_RELEASES) | set(by_release), key=parse_version)
-    min_key = parse_version(MIN_SUPPORTED_VLLM)
+    releases = sorted(set(KNOWN_VLLM_RELEASES) | set(by_release), key=pep440_version)
+    min_key = pep440_version(MIN_SUPPORTED_VLLM)
     out = [
         "# Compatibility with vLLM releases",
         "",
@@ -162,7 +162,7 @@ def render(record: dict[str, Any]) -> str:
     ]
     for rel in releases:
         tested = sorted(by_release.get(rel, []), key=lambda r: (r["level"] != "e2e", r["env"]))
-        if parse_version(rel) < min_key:
+        if pep440_version(rel) < min_key:
             out.append(f"| {rel} | — | — | unsupported (< {MIN_SUPPORTED_VLLM}) | — | — |")
             continue
         facts = facts_summary(rel)

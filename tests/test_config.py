@@ -123,3 +123,27 @@ def test_parse_size_rejects(value: object) -> None:
 ])
 def test_metadata_scheme(url: str, scheme: str) -> None:
     assert metadata_scheme(url) == scheme
+
+
+_MIN = {"metadata_server": "P2PHANDSHAKE", "master_server_address": "127.0.0.1:5"}
+
+
+def test_tenant_id_is_kept_for_the_key_namespace() -> None:
+    assert load_store_config(_MIN).tenant_id == ""
+    assert load_store_config({**_MIN, "tenant_id": " team-a "}).tenant_id == "team-a"
+    assert load_store_config({**_MIN, "tenant_id": 7}).tenant_id == "7"
+    with pytest.raises(ConfigError) as info:
+        load_store_config({**_MIN, "tenant_id": ["a"]})
+    assert info.value.fields == ["tenant_id"]
+
+
+def test_accepted_and_ignored_keys_are_documented_and_none_is_isolation() -> None:
+    from mooncake_vllm.config import IGNORED_KEYS
+
+    load_store_config({**_MIN, **{key: "x" for key in IGNORED_KEYS}})  # accepted
+    docs = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    for key, what in IGNORED_KEYS.items():
+        assert f"`{key}`" in docs and what, key
+    assert "tenant_id" not in IGNORED_KEYS
+    with pytest.raises(ConfigError, match="tenant_id"):  # a near miss is not silently ignored
+        load_store_config({**_MIN, "tenant": "a"})

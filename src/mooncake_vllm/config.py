@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mooncake_vllm.addresses import HostPort, MetadataURL
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.files import read_regular
 
 __all__ = [
     "CONFIG_ENV",
     "EXAMPLE_CONFIG",
+    "IGNORED_KEYS",
     "StoreConfig",
     "load_store_config",
     "metadata_scheme",
@@ -51,12 +53,23 @@ _MAX_SIZE = 1 << 50  # 1 PiB: anything larger is a typo
 #: largest config file read (a Mooncake config is a few hundred bytes)
 MAX_CONFIG_BYTES = 1 << 20
 _PROTOCOLS = ("tcp", "rdma", "efa", "cxl", "ascend")
+#: Keys other tools write into real Mooncake config files that we accept and ignore,
+#: with what each does here (docs/configuration.md lists them). None of them is an
+#: isolation or safety setting: ``tenant_id`` is one, so it is used (key namespace).
+IGNORED_KEYS: dict[str, str] = {
+    "mode": "the P2P demo's role switch; roles come from kv_role here",
+    "metadata_backend": "LMCache's backend name; metadata_server alone decides it here",
+    "prefill_url": "the P2P demo's proxy wiring; `mooncake-vllm proxy` takes it on its command line",
+    "decode_url": "the P2P demo's proxy wiring; `mooncake-vllm proxy` takes it on its command line",
+    "enable_offload": "Mooncake's local-SSD offload switch; capacity only, the pool works without it",
+    "enable_ssd_offload": "Mooncake's local-SSD offload switch; capacity only, the pool works without it",
+    "ssd_offload_path": "Mooncake's local-SSD offload directory; unused without SSD offload",
+    "enable_client_http_server": "Mooncake client's own metrics HTTP server; not started here",
+    "client_http_port": "Mooncake client's own metrics HTTP server; not started here",
+}
 _KNOWN_KEYS = {
     "local_hostname", "metadata_server", "master_server_address", "global_segment_size",
-    "local_buffer_size", "protocol", "device_name",
-    # accepted and ignored: other tools' keys that appear in real files
-    "mode", "enable_offload", "tenant_id", "metadata_backend", "prefill_url", "decode_url",
-    "enable_ssd_offload", "ssd_offload_path", "enable_client_http_server", "client_http_port",
+    "local_buffer_size", "protocol", "device_name", "tenant_id", *IGNORED_KEYS,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -76,6 +89,8 @@ class StoreConfig:
     protocol: str
     device_name: str
     source: str = "dict"
+    #: joins the block key namespace: two tenants never read each other's blocks
+    tenant_id: str = ""
 
     @property
     def metadata_scheme(self) -> str:
@@ -84,18 +99,14 @@ class StoreConfig:
 
     @property
     def master_host_port(self) -> tuple[str, int]:
-        host, _, port = self.master_server_address.rpartition(":")
-        return host.strip("[]"), int(port)
+        hp = HostPort.parse(self.master_server_address, field="master_server_address")
+        return hp.host, hp.port
 
 
 def metadata_scheme(url: str) -> str:
-    """Classify a metadata connection string the way Mooncake's parser does."""
-    if url == "P2PHANDSHAKE":
-        return "p2p"
-    scheme, sep, _ = url.partition("://")
-    if not sep:
-        return "etcd"  # Mooncake treats a bare host:port as etcd endpoints
-    return {"https": "http"}.get(scheme.lower(), scheme.lower())
+    """Classify a metadata connection string the way Mooncake's parser does
+    (:attr:`~mooncake_vllm.addresses.MetadataURL.kind`; a bare host:port is etcd)."""
+    return MetadataURL.parse(url).kind
 
 
 def parse_size(value: Any, *, field: str) -> int:
@@ -166,9 +177,12 @@ def _read_source(
     return data, label
 
 
-def _check_host_port(value: str) -> bool:
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+def _etcd_ok(url: str) -> bool:
+    try:
+        MetadataURL.parse(url).etcd_endpoints()
+    except ConfigError:
+        return False
+    return True
 
 
 def load_store_config(
@@ -213,6 +227,11 @@ def load_store_config(
     buffer = size("local_buffer_size", _DEFAULT_BUFFER)
     protocol = text("protocol", "tcp")
     device = text("device_name", "")
+    raw_tenant = data.get("tenant_id")
+    if isinstance(raw_tenant, int) and not isinstance(raw_tenant, bool):
+        tenant = str(raw_tenant)  # a numeric tenant id names the same tenant as its digits
+    else:
+        tenant = text("tenant_id", "")
 
     if metadata:
         scheme = metadata_scheme(metadata)
@@ -222,13 +241,11 @@ def load_store_config(
                 "(Mooncake aborts the process on an unknown scheme)",
                 'use "http://host:port/metadata", "etcd://host:port", "P2PHANDSHAKE" '
                 'or "redis://host:port"'))
-        elif scheme == "etcd" and not all(
-            _check_host_port(e) for e in metadata.split("://")[-1].split(",")
-        ):
+        elif scheme == "etcd" and not _etcd_ok(metadata):
             problems.append(ConfigProblem(
                 "metadata_server", f"{metadata!r} is not etcd host:port endpoints",
                 'write "etcd://host:2379" (several: "etcd://h1:2379,h2:2379")'))
-    if master and not master.startswith("etcd://") and not _check_host_port(master):
+    if master and not master.startswith("etcd://") and HostPort.try_parse(master) is None:
         problems.append(ConfigProblem(
             "master_server_address", f"must be host:port, found {master!r}",
             'write e.g. "127.0.0.1:50051"'))
@@ -248,5 +265,5 @@ def load_store_config(
     return StoreConfig(
         local_hostname=hostname, metadata_server=metadata, master_server_address=master,
         global_segment_size=segment or 0, local_buffer_size=buffer or 0, protocol=protocol,
-        device_name=device, source=label,
+        device_name=device, source=label, tenant_id=tenant,
     )

@@ -60,7 +60,12 @@ class StoreUnavailableError(ConnectionError):
 
 
 class StoreError(RuntimeError):
-    """A Mooncake call failed with an error code."""
+    """A Transfer Engine metadata store (etcd, redis, an HTTP metadata server) answered a
+    request with an error; ``code`` is the HTTP status or backend code when there is one.
+
+    The Mooncake data path never raises it: a failed pool call is a miss, counted
+    in :class:`~mooncake_vllm.stats.StoreStats`.
+    """
 
     def __init__(self, message: str, code: int | None = None) -> None:
         self.code = code

@@ -7,7 +7,9 @@ A key names one FULL chunk of ``block_size`` tokens::
 
 * The namespace digest covers what makes two blocks' bytes comparable: model id,
   dtype, KV layout fingerprint, block size, TP rank and size, PP rank. DP ranks
-  share keys (they serve the same model with the same layout).
+  share keys (they serve the same model with the same layout). A ``tenant_id``
+  (Mooncake config) joins the namespace, so two tenants never read each other's
+  blocks; it composes with the per-request cache salt, which seeds the chain.
 * The chunk digest chains ``blake2b(parent || extras || tokens as int64 LE)`` so a
   chunk's key depends on every token before it; request-level extras (LoRA,
   cache salt) seed the chain and multimodal hashes join the chunks they overlap.
@@ -16,21 +18,16 @@ A key names one FULL chunk of ``block_size`` tokens::
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any
-
-from mooncake_vllm.errors import UnsafeHashingError
 
 __all__ = [
     "KEY_PREFIX",
     "KeyNamespace",
     "RequestExtras",
-    "check_vllm_hash_determinism",
     "chunk_digests",
     "chunk_keys",
     "model_id",
@@ -62,6 +59,8 @@ class KeyNamespace:
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
+    #: ``tenant_id`` of the Mooncake config; "" = no tenant (keys as before tenants existed)
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -73,8 +72,9 @@ class KeyNamespace:
 
     def describe(self) -> str:
         """The human-readable namespace string the digest is taken of."""
-        return (f"mcv1|model={self.model_id}|dtype={self.dtype}|layout={self.layout}"
+        text = (f"mcv1|model={self.model_id}|dtype={self.dtype}|layout={self.layout}"
                 f"|bs={self.block_size}|tp={self.tp_rank}/{self.tp_size}|pp={self.pp_rank}")
+        return f"{text}|tenant={self.tenant}" if self.tenant else text
 
     def prefix(self) -> str:
         """``mcv/<16 hex digits>``: the key prefix of this namespace."""
@@ -82,13 +82,12 @@ class KeyNamespace:
         return f"{KEY_PREFIX}/{digest}"
 
 
-def model_id(vllm_config: Any) -> str:
-    """The namespace's model name, the same for V0 and V1 engines:
-    ``kv_connector_extra_config["model_id"]`` or the last path component of the model."""
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    if extra.get("model_id"):
-        return str(extra["model_id"])
-    return PurePath(str(vllm_config.model_config.model).rstrip("/")).name
+def model_id(model: str, configured: str | None = None) -> str:
+    """The namespace's model name, the same for V0 and V1 engines: ``configured``
+    (``kv_connector_extra_config["model_id"]``) or the last path component of ``model``."""
+    if configured:
+        return str(configured)
+    return PurePath(str(model).rstrip("/")).name
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -145,45 +144,3 @@ def chunk_keys(
     """The store key of every full chunk of ``token_ids`` in namespace ``ns``."""
     prefix = ns.prefix()
     return [f"{prefix}/{d.hex()}" for d in chunk_digests(token_ids, ns.block_size, extras)]
-
-
-_SEED_FIX = ("set PYTHONHASHSEED=0 in every instance's environment before it starts "
-             "(setting it inside a running process is too late)")
-
-
-def check_vllm_hash_determinism(
-    vllm_version: str, hash_algorithm: str | None = None, env: Mapping[str, str] | None = None
-) -> None:
-    """Refuse setups whose vLLM block hashes differ between processes.
-
-    Only matters where vLLM's OWN block hashes name stored data (e.g. sharing a
-    pool with vLLM's in-tree connector); mooncake-vllm's keys never depend on them.
-    Raises :class:`UnsafeHashingError` with the exact fix.
-    """
-    from mooncake_vllm.compat.versions import vllm_facts
-
-    env = os.environ if env is None else env
-    facts = vllm_facts(vllm_version)
-    algo = hash_algorithm or facts.default_hash_algorithm
-    seed = env.get("PYTHONHASHSEED")
-    seeded = seed is not None and seed != "random"
-    where = f"vLLM {facts.version} with --prefix-caching-hash-algo {algo}"
-    if algo == "builtin" and sys.version_info < (3, 12):
-        raise UnsafeHashingError(
-            f"{where}: builtin hash(None) depends on object addresses on CPython "
-            f"{sys.version_info.major}.{sys.version_info.minor}, so hashes differ between "
-            f"processes even with PYTHONHASHSEED; start vLLM with --prefix-caching-hash-algo sha256")
-    mode = facts.v1_hash_seed
-    if mode == "unstable":
-        raise UnsafeHashingError(f"{where}: block hashes are per-process in this release; "
-                                 f"upgrade vLLM (0.10.2+ hashes with sha256) or use "
-                                 f"mooncake-vllm's own keys")
-    if mode == "inverted" and seed is not None:
-        raise UnsafeHashingError(
-            f"{where}: this release draws a random root hash exactly when PYTHONHASHSEED IS "
-            f"set (found PYTHONHASHSEED={seed!r}); unset it in every instance's environment")
-    needs_seed = mode == "seed-required" or (mode == "deterministic" and algo.startswith("xxhash"))
-    if needs_seed and not seeded:
-        found = "unset" if seed is None else f"PYTHONHASHSEED={seed!r}"
-        raise UnsafeHashingError(f"{where}: block hashes differ per process unless every "
-                                 f"instance shares one PYTHONHASHSEED ({found}); {_SEED_FIX}")

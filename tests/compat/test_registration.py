@@ -13,7 +13,7 @@ import pytest
 
 from mooncake_vllm.compat import installed_vllm, vllm_facts
 from mooncake_vllm.compat import registration as reg
-from mooncake_vllm.compat.versions import KNOWN_VLLM_RELEASES, MIN_SUPPORTED_VLLM, parse_version
+from mooncake_vllm.compat.versions import KNOWN_VLLM_RELEASES, MIN_SUPPORTED_VLLM, pep440_version
 
 NAME = reg.CONNECTOR_NAME
 
@@ -28,7 +28,7 @@ def test_plan_per_release(version: str, action: str) -> None:
 
 
 def test_every_supported_release_gets_a_plan() -> None:
-    supported = [v for v in KNOWN_VLLM_RELEASES if parse_version(v) >= parse_version(MIN_SUPPORTED_VLLM)]
+    supported = [v for v in KNOWN_VLLM_RELEASES if pep440_version(v) >= pep440_version(MIN_SUPPORTED_VLLM)]
     assert supported
     for version in supported:
         assert reg.plan_for(vllm_facts(version), env={}).acts, version
@@ -61,10 +61,21 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
+@pytest.fixture(autouse=True)
+def _package_logger_restored():
+    """register() may hand our package logger vLLM's handler: undo it for the next tests."""
+    logger = logging.getLogger("mooncake_vllm")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+
+
 @pytest.fixture
 def our_log():
-    """Records of our "vllm.mooncake_vllm" loggers (vLLM's "vllm" logger may not propagate to root)."""
-    logger = logging.getLogger("vllm.mooncake_vllm")
+    """Records of our "mooncake_vllm" loggers (vLLM's "vllm" logger may not propagate to root)."""
+    logger = logging.getLogger("mooncake_vllm")
     old = logger.level
     handler = _Records()
     logger.addHandler(handler)

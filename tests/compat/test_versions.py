@@ -9,7 +9,7 @@ from mooncake_vllm.compat.versions import (
     KNOWN_MOONCAKE_RELEASES,
     KNOWN_VLLM_RELEASES,
     mooncake_facts,
-    parse_version,
+    pep440_version,
     release_of,
     vllm_facts,
 )
@@ -44,7 +44,7 @@ def test_every_known_release_has_facts() -> None:
         assert facts.known
         # V0 KV connectors and the V1 ones overlap only in 0.8.5-0.10.0
         both = facts.v0_kv_connectors and facts.v1_kv_connectors
-        assert both == (parse_version("0.8.5") <= parse_version(facts.release) <= parse_version("0.10.0")), v
+        assert both == (pep440_version("0.8.5") <= pep440_version(facts.release) <= pep440_version("0.10.0")), v
     for v in KNOWN_MOONCAKE_RELEASES:
         assert mooncake_facts(v).known
 
@@ -161,12 +161,10 @@ def test_mooncake_fact_matches_reference(version: str, fact: str, expected: obje
     assert getattr(mooncake_facts(version), fact) == expected
 
 
-def test_fallback_parser_orders_like_packaging() -> None:
+def test_pep440_version_orders_releases_and_names_the_field() -> None:
     texts = ["0.3.3", "0.3.3.post1", "0.3.3.post2", "0.3.4.dev1", "0.3.4rc1", "0.3.4", "0.10.0", "0.10.1.1",
              "0.21.0.dev3", "0.21.0", "0.32.0+cpu"]  # fmt: skip
-    fallback = sorted(texts, key=versions._FallbackVersion.parse)
-    real = sorted(texts, key=parse_version)
-    assert fallback == real
-    assert versions._FallbackVersion.parse("0.32.0+cpu").release == (0, 32, 0)
-    with pytest.raises(ValueError):
-        versions._FallbackVersion.parse("not-a-version")
+    assert sorted(reversed(texts), key=pep440_version) == texts
+    assert pep440_version("0.32.0+cpu").release == (0, 32, 0)
+    with pytest.raises(ConfigError, match="Mooncake version"):
+        pep440_version("not-a-version", what="Mooncake version")

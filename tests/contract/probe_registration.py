@@ -28,8 +28,8 @@ log_buffer = io.StringIO()
 
 
 def _capture_our_log() -> None:
-    """After ``import vllm``: vLLM's dictConfig resets handlers of existing "vllm.*" loggers."""
-    logger = logging.getLogger("vllm.mooncake_vllm")
+    """After ``import vllm``: a handler of our own on the package logger (register() leaves it)."""
+    logger = logging.getLogger("mooncake_vllm")
     logger.addHandler(logging.StreamHandler(log_buffer))
     logger.setLevel(logging.INFO)
 

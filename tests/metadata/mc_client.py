@@ -36,7 +36,7 @@ def main() -> int:
 
     url, cleanup = args.metadata, None
     if args.resolve:
-        from mooncake_vllm.metadata.bridge import mooncake_supports_redis, resolve_metadata_url
+        from mooncake_vllm.store.bridge import mooncake_supports_redis, resolve_metadata_url
 
         url, cleanup = resolve_metadata_url(url, supports_redis=mooncake_supports_redis())
 

@@ -139,7 +139,7 @@ def test_a_runaway_http_answer_is_bounded(monkeypatch) -> None:  # noqa: ANN001
     import http.server
     import threading
 
-    from mooncake_vllm.metadata import backends
+    from mooncake_vllm.metadata import backends, base
 
     class Flood(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
@@ -157,7 +157,7 @@ def test_a_runaway_http_answer_is_bounded(monkeypatch) -> None:  # noqa: ANN001
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Flood)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setattr(backends, "MAX_RESPONSE_BYTES", 1 << 20)
+    monkeypatch.setattr(base, "MAX_RESPONSE_BYTES", 1 << 20)
     try:
         with pytest.raises(StoreError, match="more than 1 MiB"):
             backends.HttpBackend(f"http://127.0.0.1:{server.server_port}/metadata").get("mooncake/ram/x")

@@ -14,9 +14,9 @@ import pytest
 from md_services import HERE, child_env, free_port, readline, stop
 
 from mooncake_vllm.errors import StoreUnavailableError
-from mooncake_vllm.metadata import bridge
+from mooncake_vllm.store import bridge
 from mooncake_vllm.metadata.backends import backend_for, http_request
-from mooncake_vllm.metadata.bridge import mooncake_supports_redis, resolve_metadata_url
+from mooncake_vllm.store.bridge import mooncake_supports_redis, resolve_metadata_url
 
 
 def test_supports_redis_only_when_told() -> None:
@@ -38,7 +38,7 @@ def test_redis_kept_when_the_build_supports_it(md_redis_url: str) -> None:
 def test_rewrite_warns_once_reuses_and_cleans_up(md_redis_url: str, unique: str,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     url = md_redis_url + "/7"
-    with caplog.at_level(logging.WARNING, logger="mooncake_vllm.metadata.bridge"):
+    with caplog.at_level(logging.WARNING, logger="mooncake_vllm.store.bridge"):
         http1, cleanup1 = resolve_metadata_url(url, supports_redis=False)
         http2, cleanup2 = resolve_metadata_url(url, supports_redis=False)
     warnings = [r for r in caplog.records if "no redis plugin" in r.getMessage()]
@@ -107,7 +107,7 @@ def test_without_the_bridge_the_wheel_aborts_on_redis(md_master: str, md_redis_u
 def test_bridge_dies_with_its_parent(md_redis_url: str) -> None:
     """No orphan: when the process that started the bridge is SIGKILLed, the bridge exits by itself."""
 
-    code = ("import time; from mooncake_vllm.metadata.bridge import bridge_redis_url; "
+    code = ("import time; from mooncake_vllm.store.bridge import bridge_redis_url; "
             f"print(bridge_redis_url({md_redis_url + '/10'!r}), flush=True); time.sleep(120)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(),
                               start_new_session=True)

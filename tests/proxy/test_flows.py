@@ -15,14 +15,14 @@ from mooncake_vllm.proxy.instances import Instance, parse_endpoint
      ("v0.33", "bootstrap"), ("1.0.0.dev3+gabc", "bootstrap")],
 )
 def test_p2p_mode_by_version(version: str, mode: str) -> None:
-    assert flows.p2p_mode(flows.parse_version(version)) == mode
+    assert flows.p2p_mode(flows.release_triple(version)) == mode
 
 
 def test_old_or_garbled_versions_are_refused() -> None:
     with pytest.raises(UnsupportedVersionError, match="target is 0.12.0"):
         flows.p2p_mode((0, 12, 0))
     with pytest.raises(ConfigError, match="--target-vllm"):
-        flows.parse_version("latest")
+        flows.release_triple("latest")
 
 
 def test_prefill_body_store_and_p2p() -> None:

@@ -124,7 +124,7 @@ def test_1p1d_through_the_pool_matches_a_single_instance(tiny_model: Path, refer
     assert _metric(str(dec.url), "vllm:external_prefix_cache_hits_total") > hits_before
     # the version detection --flow p2p relies on works against the real server
     version = json.loads(urllib.request.urlopen(str(dec.url) + "/version", timeout=10).read())["version"]
-    assert flows.p2p_mode(flows.parse_version(version)) == "bootstrap"
+    assert flows.p2p_mode(flows.release_triple(version)) == "bootstrap"
 
 
 def test_add_and_remove_a_decode_instance_while_streaming(tiny_model: Path,

@@ -210,3 +210,17 @@ def test_missing_or_unreadable_config_is_one_clear_error(monkeypatch, tmp_path) 
     with pytest.raises(ConfigError) as info:
         _connector()
     assert str(missing) in str(info.value)
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"model_idd": "m"}, "kv_connector_extra_config"),
+    ({"load_failure_policy": "ignore"}, "kv_connector_extra_config.load_failure_policy"),
+    ({"connect_timeout": 0}, "kv_connector_extra_config.connect_timeout"),
+])
+def test_extra_config_typos_v1_rejects_are_rejected_on_v0(extra, field, monkeypatch) -> None:
+    from mooncake_vllm.errors import ConfigError
+
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)  # refused before any config is read
+    with pytest.raises(ConfigError) as info:
+        _connector(extra=extra)
+    assert field in info.value.fields

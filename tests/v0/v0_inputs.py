@@ -58,11 +58,12 @@ def prefill_input(prompts: Sequence[Sequence[int]], blocks: Sequence[Sequence[in
 
 
 def v0_config(block_size: int, *, model: str = "/models/tiny-llama", tp_size: int = 1,
-              role: str = "kv_both") -> Any:
+              role: str = "kv_both", extra: dict[str, Any] | None = None) -> Any:
     """The parts of a VllmConfig the V0 connector reads, with vLLM's REAL KVTransferConfig."""
     from vllm.config import KVTransferConfig
 
-    ktc = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role=role)
+    ktc = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role=role,
+                           kv_connector_extra_config=dict(extra or {}))
     return SimpleNamespace(
         kv_transfer_config=ktc,
         parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1),

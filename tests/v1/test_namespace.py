@@ -11,14 +11,18 @@ from types import SimpleNamespace
 import pytest
 
 from mooncake_vllm.keys import KeyNamespace, RequestExtras
+from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.v1.namespace import (
     ExpectedLayout,
     RankNamespaces,
     check_layout,
-    model_id,
-    rank_namespaces,
     request_extras,
 )
+from mooncake_vllm.v1.namespace import rank_namespaces as _rank_namespaces
+
+
+def rank_namespaces(vllm_config: SimpleNamespace, **kw: object) -> RankNamespaces:
+    return _rank_namespaces(vllm_config, ConnectorSettings.from_vllm_config(vllm_config), **kw)
 
 
 class _Model:
@@ -41,12 +45,23 @@ def _config(tp: int = 1, pp: int = 1, **extra: object) -> SimpleNamespace:
         model_config=_Model(),
         cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=dict(extra)))
+        kv_transfer_config=SimpleNamespace(kv_role="kv_both", kv_connector_extra_config=dict(extra)))
 
 
 def test_model_id_is_the_model_dir_name_unless_configured() -> None:
-    assert model_id(_config()) == "tiny-llama"
-    assert model_id(_config(model_id="shared")) == "shared"
+    assert ConnectorSettings.from_vllm_config(_config()).model_id == "tiny-llama"
+    assert ConnectorSettings.from_vllm_config(_config(model_id="shared")).model_id == "shared"
+    (ns,) = rank_namespaces(_config(model_id="shared")).namespaces
+    assert ns.model_id == "shared"
+
+
+def test_tenant_joins_every_rank_namespace() -> None:
+    plain = rank_namespaces(_config(tp=2)).namespaces
+    a = rank_namespaces(_config(tp=2), tenant="a").namespaces
+    b = rank_namespaces(_config(tp=2), tenant="b").namespaces
+    assert all(n.tenant == "a" for n in a)
+    prefixes = [{n.prefix() for n in group} for group in (plain, a, b)]
+    assert not (prefixes[0] & prefixes[1] or prefixes[0] & prefixes[2] or prefixes[1] & prefixes[2])
 
 
 def test_one_namespace_per_tp_and_pp_rank_without_dp() -> None:

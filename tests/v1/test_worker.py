@@ -227,12 +227,25 @@ def test_round_trip_through_a_real_pool(pool: SharedClient, workers: Any) -> Non
         assert np.array_equal(dst[name][0], before[name][0])
 
 
-def test_a_block_reused_before_its_save_ran_is_never_served(pool: SharedClient,
-                                                             workers: Any) -> None:
-    """Preempted, drained past its wait, blocks reused: the late put stores nothing usable."""
-    src = _cache(3)
-    ns = _ns("late")
-    saver = WorkerLogic(ns, EXPECTED, pool, can_load=False, can_save=True)
+#: a cache whose per-layer block pieces (512 KiB) are saved zero-copy, not coalesced
+BIG = (8, 2, 64, 1024)
+
+
+@pytest.mark.parametrize("shape", [BIG, SHAPE], ids=["zero-copy", "snapshot"])
+def test_a_block_reused_before_its_save_ran_is_never_served(pool: SharedClient, workers: Any,
+                                                             shape: tuple[int, ...]) -> None:
+    """Preempted, given up on, blocks reused, then the put runs: never the new bytes.
+
+    Zero-copy: the late put reads the new occupant's bytes, which no longer match
+    the checksum taken at capture: refused on load and removed by the writer.
+    Snapshot: the put stores the bytes captured right after the forward pass.
+    """
+    expected = ExpectedLayout("cpu", "", "float32", 2, shape[1:])
+    rng = np.random.default_rng(3)
+    src = {f"layer.{i}": rng.standard_normal(shape, dtype=np.float32) for i in range(2)}
+    original = {name: t[[6, 7]].copy() for name, t in src.items()}
+    ns = KeyNamespace(f"worker-test-late-{shape[2]}", "float32", expected.fingerprint, shape[2])
+    saver = WorkerLogic(ns, expected, pool, can_load=False, can_save=True, preempt_wait=0.1)
     workers(saver)
     saver.register_kv_caches(src)
     client = pool.get()
@@ -240,25 +253,32 @@ def test_a_block_reused_before_its_save_ran_is_never_served(pool: SharedClient,
     real_commit = client.commit_save
     client.commit_save = lambda t: (started.set(), gate.wait(5), real_commit(t))[2]  # slow pool
     try:
-        digests = [f"{0xfeed00 + i:032x}" for i in range(2)]
-        saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("v", digests, [8, 9])]))
+        digests = [f"{0xfeed00 + shape[2] + i:032x}" for i in range(2)]
+        saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("v", digests, [6, 7])]))
         assert started.wait(5)  # the put is under way when the preemption comes
-        saver.handle_preemptions({"v"})  # gives up after preempt_wait; vLLM reuses 8 and 9
+        saver.handle_preemptions({"v"})  # gives up after preempt_wait; vLLM reuses 6 and 7
         for t in src.values():
-            t[8:10] = 7.0  # the new occupant's KV
+            t[6:8] = 7.0  # the new occupant's KV
         gate.set()
         _wait_idle(saver, 10)
     finally:
         del client.commit_save
-    keys = saver.keys(digests)
-    dst = _cache(4)
-    loader = WorkerLogic(ns, EXPECTED, pool, can_load=True, can_save=False)
+    dst = {f"layer.{i}": np.zeros(shape, dtype=np.float32) for i in range(2)}
+    loader = WorkerLogic(ns, expected, pool, can_load=True, can_save=False)
     workers(loader)
     loader.register_kv_caches(dst)
     loader.start_load_kv(MooncakeConnectorMetadata(loads=[BlockJob("l", digests, [1, 2])]))
-    assert loader.take_load_errors() == {1, 2}
-    assert not any(client.exists(keys))  # removed, not left for others to trip on
-    assert client.stats.snapshot()["save_raced"] >= 2
+    errors = loader.take_load_errors()
+    for name, t in dst.items():
+        assert not np.any(t[1:3] == 7.0)  # never the new occupant's bytes
+    if shape == BIG:
+        assert errors == {1, 2}
+        assert not any(client.exists(saver.keys(digests)))  # removed, not left to trip on
+        assert client.stats.snapshot()["save_raced"] >= 2
+    else:
+        assert errors == set()
+        for name, t in dst.items():
+            assert np.array_equal(t[1:3], original[name])
 
 
 def test_background_load_is_reported_received_with_failed_blocks(pool: SharedClient,

@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mooncake_vllm.checker.catalogue import RULES, Rule
-from mooncake_vllm.checker.model import Deployment, Finding, Launch, Where
+from mooncake_vllm.checker.model import Deployment, Finding, Launch, Where, pip_pins
 from mooncake_vllm.compat.detect import InstalledDistribution, detect_engine, parse_use_v1
-from mooncake_vllm.compat.versions import MooncakeFacts, VllmFacts, parse_version
+from mooncake_vllm.compat.versions import MooncakeFacts, VllmFacts, pep440_version
 from mooncake_vllm.errors import UnsupportedVersionError
 
 __all__ = ["CHECKS", "CheckFn", "Context", "check"]
@@ -79,11 +79,9 @@ class Context:
         found: list[tuple[str, Where | None]] = []
         if self.mooncake is not None:
             found.append((self.mooncake.version, None))
-        from mooncake_vllm.checker.rules_mooncake import pip_pins  # late: rules import this module
-
         found += [(version, where) for _, version, where in pip_pins(self.deployment) if version]
         return found
 
     @staticmethod
     def newer(a: str, b: str) -> bool:
-        return parse_version(a) > parse_version(b)
+        return pep440_version(a) > pep440_version(b)

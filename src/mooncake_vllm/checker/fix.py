@@ -26,6 +26,7 @@ from mooncake_vllm.checker.context import Context
 from mooncake_vllm.checker.model import HOLDER, MASTER, METADATA, PROXY, Launch, MooncakeConfigFile, Where
 from mooncake_vllm.checker.rules_engine import V0_ONLY_FLAGS
 from mooncake_vllm.checker.rules_mooncake import segment_size
+from mooncake_vllm.config import CONFIG_ENV
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 
 __all__ = ["CONFIG_NAME", "SCRIPT_NAME", "check_outdir", "migrated_config", "migrated_script", "output_modes",
@@ -34,7 +35,7 @@ __all__ = ["CONFIG_NAME", "SCRIPT_NAME", "check_outdir", "migrated_config", "mig
 CONFIG_NAME = "mooncake_config.json"
 SCRIPT_NAME = "launch_v1.sh"
 _V0_SEGMENT, _V0_BUFFER = 3355443200, 1073741824  # vLLM V0 defaults (vllm §4)
-_DROP_ENV = {"VLLM_USE_V1", "MOONCAKE_CONFIG_PATH"}
+_DROP_ENV = {"VLLM_USE_V1", CONFIG_ENV}
 _DROP_OPTIONS = {"--kv-transfer-config", "--model", *V0_ONLY_FLAGS}
 _BOOTSTRAP_PORT = 8998  # VLLM_MOONCAKE_BOOTSTRAP_PORT default (vllm §9)
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_vllm.checker.catalogue import Rule
+from mooncake_vllm.config import CONFIG_ENV
 
-__all__ = ["Deployment", "Finding", "Launch", "MooncakeConfigFile", "Where"]
+__all__ = ["Deployment", "Finding", "Launch", "MooncakeConfigFile", "Where", "pip_pins"]
 
 
 @dataclass(frozen=True)
@@ -156,10 +158,27 @@ class Deployment:
 
     def configs_for(self, launch: Launch) -> list[MooncakeConfigFile]:
         """The config an instance uses (matched by MOONCAKE_CONFIG_PATH's file name), else all configs."""
-        path = launch.env.get("MOONCAKE_CONFIG_PATH")
+        path = launch.env.get(CONFIG_ENV)
         if path:
             name = path.replace("\\", "/").rsplit("/", 1)[-1]
             matched = [c for c in self.configs if c.path.replace("\\", "/").rsplit("/", 1)[-1] == name]
             if matched:
                 return matched
         return list(self.configs)
+
+
+_MOONCAKE_REQ = re.compile(r"^(mooncake[-_.]transfer[-_.]engine(?:[-_.][a-z0-9]+)*)(?:\[[^\]]*\])?(?:==([^,;\s]+))?",
+                           re.IGNORECASE)
+
+
+def pip_pins(deployment: Deployment) -> list[tuple[str, str | None, Where]]:
+    """``(package, pinned version or None, where)`` for each Mooncake ``pip install`` in the scripts."""
+    pins = []
+    for launch in deployment.of_kind(PIP):
+        if "install" not in launch.argv:
+            continue
+        for arg in launch.argv[launch.argv.index("install") + 1:]:
+            m = _MOONCAKE_REQ.match(arg)
+            if m:
+                pins.append((m[1].lower().replace("_", "-"), m[2], launch.where))
+    return pins

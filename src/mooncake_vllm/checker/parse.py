@@ -19,6 +19,7 @@ from pathlib import Path
 from mooncake_vllm.checker.model import (
     HOLDER, MASTER, METADATA, OTHER, PIP, PROXY, VLLM, Deployment, Launch, MooncakeConfigFile, Where,
 )  # fmt: skip
+from mooncake_vllm.config import CONFIG_ENV
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.files import NotRegularFileError, TooLargeError, read_regular
 
@@ -126,13 +127,13 @@ def read_deployment(paths: Iterable[str | os.PathLike[str]], *, env: Mapping[str
     if not paths:
         deployment.from_environment = True
         deployment.launches.append(Launch("environment", [], env, Where("environment")))
-        cfg = env.get("MOONCAKE_CONFIG_PATH")
+        cfg = env.get(CONFIG_ENV)
         if cfg:
             text = _read_text(Path(cfg), problems)
             if text is not None:
                 _add_config(deployment, text, cfg, problems)
             if problems:
-                problems = [ConfigProblem("MOONCAKE_CONFIG_PATH", f"{cfg!r} {p.problem}", p.fix) for p in problems]
+                problems = [ConfigProblem(CONFIG_ENV, f"{cfg!r} {p.problem}", p.fix) for p in problems]
         _raise(problems)
         return deployment
     files: list[tuple[Path, bool]] = []  # (path, follow a final symlink: only for paths given explicitly)

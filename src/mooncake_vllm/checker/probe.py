@@ -16,6 +16,7 @@ import subprocess
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from mooncake_vllm.addresses import HostPort
 from mooncake_vllm.checker.catalogue import Rule
 from mooncake_vllm.checker.context import Context, check
 from mooncake_vllm.checker.model import MASTER, Finding, Where
@@ -43,13 +44,6 @@ _LIB_FIXES = {
 }
 
 
-def _host_port(address: str) -> tuple[str, int] | None:
-    host, sep, port = address.strip().rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 @check("MCV-E101")
 def master_unreachable(ctx: Context, rule: Rule) -> Iterable[Finding]:
     if not ctx.probe:
@@ -57,11 +51,11 @@ def master_unreachable(ctx: Context, rule: Rule) -> Iterable[Finding]:
     seen = set()
     for config in ctx.deployment.configs:
         address = str(config.data.get("master_server_address") or "")
-        hp = _host_port(address) if not address.startswith("etcd://") else None
+        hp = HostPort.try_parse(address, default_host="127.0.0.1") if not address.startswith("etcd://") else None
         if hp is None or hp in seen:
             continue
         seen.add(hp)
-        reason = tcp_probe(*hp, ctx.timeout)
+        reason = tcp_probe(hp.host, hp.port, ctx.timeout)
         if reason:
             yield ctx.finding(rule, config.where("master_server_address"), address=address, reason=reason)
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from mooncake_vllm.checker.catalogue import Rule
 from mooncake_vllm.checker.context import Context, check
 from mooncake_vllm.checker.model import Finding, Launch
+from mooncake_vllm.config import CONFIG_ENV
 
 __all__ = ["V0_ONLY_FLAGS", "V1_ONLY_CONNECTORS"]
 
@@ -105,7 +106,7 @@ def kv_config_invalid(ctx: Context, rule: Rule) -> Iterable[Finding]:
 @check("MCV-E010")
 def config_path_missing(ctx: Context, rule: Rule) -> Iterable[Finding]:
     for launch in ctx.deployment.instances:
-        if launch.uses_store() and not launch.env.get("MOONCAKE_CONFIG_PATH"):
+        if launch.uses_store() and not launch.env.get(CONFIG_ENV):
             yield ctx.finding(rule, launch.where, connector="MooncakeStoreConnector")
 
 

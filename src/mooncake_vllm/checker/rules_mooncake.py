@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 from mooncake_vllm.checker.catalogue import Rule
 from mooncake_vllm.checker.context import Context, check
-from mooncake_vllm.checker.model import PIP, Deployment, Finding, Where
-from mooncake_vllm.compat.versions import mooncake_facts, parse_version
+from mooncake_vllm.checker.model import Finding, Where, pip_pins
+from mooncake_vllm.compat.versions import mooncake_facts, pep440_version
 from mooncake_vllm.errors import ConfigError
 
-__all__ = ["metadata_urls", "pip_pins"]
-
-_MOONCAKE_REQ = re.compile(r"^(mooncake[-_.]transfer[-_.]engine(?:[-_.][a-z0-9]+)*)(?:\[[^\]]*\])?(?:==([^,;\s]+))?",
-                           re.IGNORECASE)
-
-
-def pip_pins(deployment: Deployment) -> list[tuple[str, str | None, Where]]:
-    """``(package, pinned version or None, where)`` for each Mooncake ``pip install`` in the scripts."""
-    pins = []
-    for launch in deployment.of_kind(PIP):
-        if "install" not in launch.argv:
-            continue
-        for arg in launch.argv[launch.argv.index("install") + 1:]:
-            m = _MOONCAKE_REQ.match(arg)
-            if m:
-                pins.append((m[1].lower().replace("_", "-"), m[2], launch.where))
-    return pins
+__all__ = ["metadata_urls"]
 
 
 def metadata_urls(ctx: Context) -> list[tuple[str, Where]]:
@@ -63,7 +46,7 @@ def adaptor_mooncake_too_new(ctx: Context, rule: Rule) -> Iterable[Finding]:
     if ceiling is None:
         return
     for version, where in ctx.mooncake_versions():
-        if parse_version(version) > parse_version(ceiling):
+        if pep440_version(version) > pep440_version(ceiling):
             yield ctx.finding(rule, where, mooncake=version)
 
 
@@ -73,7 +56,7 @@ def adaptor_needs_source_build(ctx: Context, rule: Rule) -> Iterable[Finding]:
     if ceiling is None:
         return
     for version, where in ctx.mooncake_versions():
-        if parse_version(version) <= parse_version(ceiling):
+        if pep440_version(version) <= pep440_version(ceiling):
             yield ctx.finding(rule, where)
             return
 
@@ -82,7 +65,7 @@ def adaptor_needs_source_build(ctx: Context, rule: Rule) -> Iterable[Finding]:
 def mooncake_version_skew(ctx: Context, rule: Rule) -> Iterable[Finding]:
     versions = {v: w for v, w in reversed(ctx.mooncake_versions()) if w is not None or ctx.mooncake_explicit}
     if len(versions) > 1:
-        ordered = sorted(versions, key=parse_version)
+        ordered = sorted(versions, key=pep440_version)
         where = next((w for w in versions.values() if w is not None), None)
         listing = ", ".join(f"{v} ({versions[v] or '--target-mooncake'})" for v in ordered)
         yield ctx.finding(rule, where, versions=listing, newest=ordered[-1])

@@ -14,10 +14,12 @@ import sys
 from dataclasses import fields
 from typing import Any
 
+from mooncake_vllm.config import CONFIG_ENV
+
 __all__ = ["configure", "run"]
 
 #: environment variables that change what vLLM / Mooncake do
-_ENV = ("VLLM_USE_V1", "MOONCAKE_CONFIG_PATH", "PYTHONHASHSEED", "VLLM_PLUGINS", "MC_TCP_BIND_ADDRESS",
+_ENV = ("VLLM_USE_V1", CONFIG_ENV, "PYTHONHASHSEED", "VLLM_PLUGINS", "MC_TCP_BIND_ADDRESS",
         "MOONCAKE_TE_META_DATA_SERVER")
 
 
@@ -77,7 +79,7 @@ def collect(vllm_version: str | None = None, env: dict[str, str] | None = None) 
 
 
 def _text(report: dict[str, Any]) -> str:
-    from mooncake_vllm.compat.versions import parse_version
+    from mooncake_vllm.compat.versions import pep440_version
 
     vllm = report["vllm"]
     lines = [f"python      {report['python']}",
@@ -92,7 +94,7 @@ def _text(report: dict[str, Any]) -> str:
         lines += [f"  {name:<36} {value}" for name, value in report["facts"].items() if name not in ("version",)]
         lines.append("  from the table rows:")
         notes = set(report["facts_sources"].values())
-        lines += [f"    {note}" for note in sorted(notes, key=lambda n: parse_version(n.split()[1].rstrip(":")))]
+        lines += [f"    {note}" for note in sorted(notes, key=lambda n: pep440_version(n.split()[1].rstrip(":")))]
     if "mooncake_facts" in report:
         lines.append(f"\nMooncake facts used ({report['mooncake_facts']['version']}):")
         lines += [f"  {name:<36} {value}" for name, value in report["mooncake_facts"].items() if name != "version"]

@@ -35,10 +35,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, object]:
-    from mooncake_vllm.config import load_store_config
+    from mooncake_vllm.config import CONFIG_ENV, load_store_config
 
     data: dict[str, object] = {}
-    path = args.config or (None if args.master else os.environ.get("MOONCAKE_CONFIG_PATH"))
+    path = args.config or (None if args.master else os.environ.get(CONFIG_ENV))
     if path:
         base = load_store_config(path)
         data = {"metadata_server": base.metadata_server, "master_server_address": base.master_server_address,

@@ -51,9 +51,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _metadata_url(args: argparse.Namespace) -> str | None:
     if args.metadata:
         return str(args.metadata)
-    if os.environ.get("MOONCAKE_CONFIG_PATH"):
-        from mooncake_vllm.config import load_store_config
+    from mooncake_vllm.config import CONFIG_ENV, load_store_config
 
+    if os.environ.get(CONFIG_ENV):
         return load_store_config().metadata_server
     return os.environ.get("MOONCAKE_TE_META_DATA_SERVER") or None
 

@@ -59,7 +59,7 @@ async def _serve(server) -> None:  # noqa: ANN001 - ProxyServer, imported lazily
     """Serve until SIGTERM/SIGINT, then stop listening and let requests in flight finish."""
     import signal
 
-    log = logging.getLogger("mooncake_vllm.proxy")
+    log = logging.getLogger(__name__)
     port = await server.start()
     cfg = server.config
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host

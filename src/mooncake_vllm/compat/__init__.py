@@ -23,7 +23,7 @@ from mooncake_vllm.compat.versions import (
     MooncakeFacts,
     VllmFacts,
     mooncake_facts,
-    parse_version,
+    pep440_version,
     vllm_facts,
 )
 
@@ -40,6 +40,6 @@ __all__ = [
     "installed_mooncake",
     "installed_vllm",
     "mooncake_facts",
-    "parse_version",
+    "pep440_version",
     "vllm_facts",
 ]

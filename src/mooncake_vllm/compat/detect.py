@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from mooncake_vllm.compat.versions import (
     LAST_V0_RELEASE,
-    parse_version,
+    pep440_version,
     vllm_facts,
 )
 from mooncake_vllm.errors import UnsupportedVersionError
@@ -176,15 +176,15 @@ def check_mooncake_for_vllm(vllm_version: str, mooncake_version: str, *, in_tree
     store connector will run), also require its minimum Mooncake (0.3.9 from 0.21).
     """
     facts = vllm_facts(vllm_version, strict=False)
-    mooncake = parse_version(mooncake_version, what="Mooncake version")
-    if facts.max_mooncake and mooncake > parse_version(facts.max_mooncake):
+    mooncake = pep440_version(mooncake_version, what="Mooncake version")
+    if facts.max_mooncake and mooncake > pep440_version(facts.max_mooncake):
         raise UnsupportedVersionError(
             f"vLLM {vllm_version} imports `mooncake_vllm_adaptor`, which Mooncake {mooncake_version} does not "
             f"provide (removed in 0.3.4). Fix: pin mooncake-transfer-engine=={facts.max_mooncake} and build "
             f"Mooncake from source (the wheel hides the adaptor inside the mooncake package), or upgrade "
             f"vLLM to >= 0.8.5, which imports mooncake.store."
         )
-    if in_tree_store and facts.min_mooncake_in_tree_store and mooncake < parse_version(facts.min_mooncake_in_tree_store):
+    if in_tree_store and facts.min_mooncake_in_tree_store and mooncake < pep440_version(facts.min_mooncake_in_tree_store):
         raise UnsupportedVersionError(
             f"vLLM {vllm_version}'s MooncakeStoreConnector needs Mooncake >= {facts.min_mooncake_in_tree_store} "
             f"(setup(dict), multi-buffer APIs), but {mooncake_version} is installed. Fix: "

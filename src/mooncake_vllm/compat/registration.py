@@ -47,6 +47,7 @@ from typing import Any
 
 from mooncake_vllm.compat.detect import check_mooncake_for_vllm, installed_mooncake, installed_vllm
 from mooncake_vllm.compat.versions import VllmFacts, vllm_facts
+from mooncake_vllm.logs import follow_vllm_logging
 
 __all__ = [
     "CONNECTOR_NAME",
@@ -59,8 +60,9 @@ __all__ = [
     "register",
 ]
 
-# A child of vLLM's "vllm" logger, so the one override line shows up in vLLM's own log.
-log = logging.getLogger("vllm.mooncake_vllm.registration")
+# register() first lets our package logger use vLLM's handler (mooncake_vllm.logs),
+# so the one override line shows up in vLLM's own log.
+log = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "MooncakeStoreConnector"
 FACADE_MODULE = "mooncake_vllm.compat.facade"
@@ -158,6 +160,7 @@ def _warn_in_tree_mooncake(version: str) -> None:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point. Never raises."""
     try:
+        follow_vllm_logging()
         dist = installed_vllm()
         if dist is None:
             log.debug("mooncake-vllm: no vLLM distribution found; nothing to register")

@@ -2,9 +2,8 @@
 
 Every version-dependent behaviour the project relies on is one row in
 :data:`VLLM_CHANGES` or :data:`MOONCAKE_CHANGES`: "from release X, these facts
-hold", each with a one-line source note pointing into
-``/work/shared/reference/vllm-kv-connector-api.md`` (``vllm §N``) or
-``mooncake-store-api.md`` (``mooncake §N``). :func:`vllm_facts` and
+hold", each with a one-line source note pointing into the reference notes on
+vLLM's KV connector API (``vllm §N``) or Mooncake's store API (``mooncake §N``). :func:`vllm_facts` and
 :func:`mooncake_facts` fold the rows up to a version into one frozen record; the
 facade, the registration, the migration checker and the tox matrix all read
 those records instead of comparing versions themselves.
@@ -17,11 +16,12 @@ Mooncake versions compare fully (``0.3.3.post2 < 0.3.4``), because its
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from types import MappingProxyType
 from typing import Any, Mapping
+
+from packaging.version import InvalidVersion, Version
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem, UnsupportedVersionError
 
@@ -36,7 +36,7 @@ __all__ = [
     "VllmFacts",
     "check_tables",
     "mooncake_facts",
-    "parse_version",
+    "pep440_version",
     "release_of",
     "vllm_facts",
 ]
@@ -71,52 +71,14 @@ KNOWN_MOONCAKE_RELEASES: tuple[str, ...] = (
 
 
 # --------------------------------------------------------------------------- versions
-try:  # packaging is in every venv that has pip's vendored deps installed
-    from packaging.version import InvalidVersion as _InvalidVersion
-    from packaging.version import Version as _Version
-except ImportError:  # pragma: no cover - exercised only without packaging
-    _Version = None  # type: ignore[assignment,misc]
-    _InvalidVersion = ValueError  # type: ignore[assignment,misc]
-
-_FALLBACK_RE = re.compile(
-    r"^v?(?P<rel>\d+(?:\.\d+)*)(?:[-_.]?(?P<pre>a|b|rc)(?P<pren>\d*))?"
-    r"(?:[-_.]?post(?P<post>\d*))?(?:[-_.]?dev(?P<dev>\d*))?(?:\+(?P<local>[a-z0-9.]+))?$",
-    re.IGNORECASE,
-)
-
-
-@dataclass(frozen=True, order=True)
-class _FallbackVersion:
-    """Tiny PEP 440 subset used when ``packaging`` is not importable."""
-
-    _key: tuple[Any, ...]
-    release: tuple[int, ...] = field(compare=False)
-
-    @classmethod
-    def parse(cls, text: str) -> "_FallbackVersion":
-        m = _FALLBACK_RE.match(text.strip())
-        if not m:
-            raise ValueError(text)
-        rel = tuple(int(p) for p in m["rel"].split("."))
-        padded = rel + (0,) * max(0, 4 - len(rel))
-        pre = (["a", "b", "rc"].index(m["pre"].lower()), int(m["pren"] or 0)) if m["pre"] else (9, 0)
-        post = int(m["post"] or 0) if m["post"] is not None else -1
-        dev = int(m["dev"] or 0) if m["dev"] is not None else 1 << 62
-        if m["dev"] is not None and m["pre"] is None and m["post"] is None:
-            pre = (-1, 0)  # X.devN sorts before X.aN
-        return cls((padded, pre, post, dev), rel)
-
-
-def parse_version(text: str, *, what: str = "version") -> Any:
-    """Parse a PEP 440 version (``packaging.version.Version`` when available).
+def pep440_version(text: str, *, what: str = "version") -> Version:
+    """Parse a PEP 440 version into a comparable ``packaging.version.Version``.
 
     Raises :class:`~mooncake_vllm.errors.ConfigError` naming ``what`` on garbage.
     """
     try:
-        if _Version is not None:
-            return _Version(str(text).strip())
-        return _FallbackVersion.parse(str(text))  # pragma: no cover
-    except (_InvalidVersion, ValueError, TypeError):
+        return Version(str(text).strip())
+    except (InvalidVersion, TypeError):
         raise ConfigError(
             what,
             [ConfigProblem(what, f"{text!r} is not a version", "give a release such as 0.10.0 or 0.32.0")],
@@ -125,13 +87,13 @@ def parse_version(text: str, *, what: str = "version") -> Any:
 
 def release_of(text: str, *, what: str = "version") -> str:
     """The ``X.Y.Z`` release part of a version: ``0.32.0+cpu`` -> ``0.32.0``."""
-    rel = tuple(parse_version(text, what=what).release)
+    rel = tuple(pep440_version(text, what=what).release)
     rel = rel + (0,) * max(0, 3 - len(rel))
     return ".".join(str(p) for p in rel)
 
 
 def _rel_key(text: str) -> tuple[int, ...]:
-    rel = tuple(parse_version(text).release)
+    rel = tuple(pep440_version(text).release)
     return rel + (0,) * max(0, 4 - len(rel))
 
 
@@ -411,17 +373,17 @@ MOONCAKE_CHANGES: tuple[_Change, ...] = (
 @lru_cache(maxsize=256)
 def mooncake_facts(version: str) -> MooncakeFacts:
     """Facts for a Mooncake release (``0.3.3.post2`` < ``0.3.4``; local parts ignored)."""
-    parsed = parse_version(version, what="Mooncake version")
+    parsed = pep440_version(version, what="Mooncake version")
     if getattr(parsed, "local", None):
-        parsed = parse_version(str(parsed).split("+", 1)[0], what="Mooncake version")
-    values, sources = _fold(MOONCAKE_CHANGES, parsed, parse_version, {})
-    known = parsed <= parse_version(NEWEST_KNOWN_MOONCAKE)
+        parsed = pep440_version(str(parsed).split("+", 1)[0], what="Mooncake version")
+    values, sources = _fold(MOONCAKE_CHANGES, parsed, pep440_version, {})
+    known = parsed <= pep440_version(NEWEST_KNOWN_MOONCAKE)
     return MooncakeFacts(version=str(version).strip(), known=known, sources=MappingProxyType(sources), **values)
 
 
 def check_tables() -> None:
     """Sanity check of both tables (rows sorted, naming real fields); run by the tests."""
-    for changes, cls, key in ((VLLM_CHANGES, VllmFacts, _rel_key), (MOONCAKE_CHANGES, MooncakeFacts, parse_version)):
+    for changes, cls, key in ((VLLM_CHANGES, VllmFacts, _rel_key), (MOONCAKE_CHANGES, MooncakeFacts, pep440_version)):
         names = {f.name for f in fields(cls)}
         prev = None
         for change in changes:

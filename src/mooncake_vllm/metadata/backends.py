@@ -18,18 +18,20 @@ way Mooncake's ``parseConnectionString`` does:
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import threading
 import urllib.parse
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from types import TracebackType
 
+from mooncake_vllm.addresses import P2P_HANDSHAKE, MetadataURL
 from mooncake_vllm.errors import ConfigError, ConfigProblem, StoreError, StoreUnavailableError
+from mooncake_vllm.addresses import redact_url
+from mooncake_vllm.metadata.base import DEFAULT_TIMEOUT, MetadataBackend, http_request
+from mooncake_vllm.metadata.etcd import EtcdBackend
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "P2P_HANDSHAKE",
     "HttpBackend",
     "MemoryBackend",
@@ -39,47 +41,6 @@ __all__ = [
     "http_request",
     "redact_url",
 ]
-
-P2P_HANDSHAKE = "P2PHANDSHAKE"
-DEFAULT_TIMEOUT = 3.0
-#: largest HTTP answer read from a metadata server or etcd (entries are KiB; a listing of thousands, a few MiB)
-MAX_RESPONSE_BYTES = 64 << 20
-
-
-class MetadataBackend(ABC):
-    """A key/value store holding Transfer Engine metadata."""
-
-    #: the connection string this backend was made from (credentials removed)
-    url: str = ""
-
-    @abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The stored bytes, or None when the key is absent."""
-
-    @abstractmethod
-    def put(self, key: str, value: bytes) -> None:
-        """Store ``value`` verbatim under ``key`` (overwrites)."""
-
-    @abstractmethod
-    def delete(self, key: str) -> None:
-        """Remove ``key``; a missing key is not an error."""
-
-    @abstractmethod
-    def list(self, prefix: str = "mooncake/") -> list[str]:
-        """Every key starting with ``prefix``, sorted."""
-
-    def close(self) -> None:
-        """Release connections (idempotent)."""
-
-    def __enter__(self) -> MetadataBackend:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r})"
-
 
 class MemoryBackend(MetadataBackend):
     """A thread-safe in-process dict; what the embedded server uses by default."""
@@ -105,38 +66,6 @@ class MemoryBackend(MetadataBackend):
     def list(self, prefix: str = "mooncake/") -> list[str]:
         with self._lock:
             return sorted(k for k in self._data if k.startswith(prefix))
-
-
-def http_request(
-    method: str, url: str, body: bytes | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-    headers: Mapping[str, str] | None = None,
-) -> tuple[int, bytes]:
-    """One HTTP request with the stdlib; ``(status, body)``.
-
-    Raises :class:`StoreUnavailableError` when the server cannot be reached, and
-    :class:`StoreError` when it answers more than MAX_RESPONSE_BYTES.
-    """
-    parts = urllib.parse.urlsplit(url)
-    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = conn_cls(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
-    target = parts.path or "/"
-    if parts.query:
-        target += "?" + parts.query
-    try:
-        conn.request(method, target, body=body, headers=dict(headers or {}))
-        resp = conn.getresponse()
-        body = resp.read(MAX_RESPONSE_BYTES + 1)  # a runaway server cannot exhaust our memory
-        if len(body) > MAX_RESPONSE_BYTES:
-            raise StoreError(f"{parts.scheme}://{parts.netloc} answered {method} {parts.path} with more than "
-                             f"{MAX_RESPONSE_BYTES >> 20} MiB; is that a metadata server?")
-        return resp.status, body
-    except OSError as exc:  # refused, timeout, reset, DNS
-        raise StoreUnavailableError(
-            f"metadata server {parts.scheme}://{parts.netloc} unreachable ({method} {parts.path}): {exc}; "
-            "check that it runs and that the URL is right"
-        ) from exc
-    finally:
-        conn.close()
 
 
 class HttpBackend(MetadataBackend):
@@ -259,14 +188,6 @@ class RedisBackend(MetadataBackend):
         self._client.close()
 
 
-def redact_url(url: str) -> str:
-    """``url`` with any ``user:password@`` replaced by ``***@``."""
-    parts = urllib.parse.urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
-
-
 def _url_error(url: str, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"metadata URL {redact_url(url)!r}", [ConfigProblem("metadata_server", problem, fix)])
 
@@ -285,11 +206,8 @@ def backend_for(url: str, *, timeout: float = DEFAULT_TIMEOUT) -> MetadataBacken
         )
     if text in ("memory", "memory://"):
         return MemoryBackend()
-    scheme, sep, _ = text.partition("://")
-    scheme = scheme.lower() if sep else ""
+    scheme = MetadataURL.parse(text).scheme
     if scheme in ("", "etcd"):
-        from mooncake_vllm.metadata.etcd import EtcdBackend
-
         return EtcdBackend.from_url(text, timeout=timeout)
     if scheme in ("redis", "rediss"):
         return RedisBackend(text, timeout=timeout)

@@ -25,42 +25,14 @@ import base64
 import json
 import threading
 
-from mooncake_vllm.errors import ConfigError, ConfigProblem, StoreError, StoreUnavailableError
-from mooncake_vllm.metadata.backends import DEFAULT_TIMEOUT, MetadataBackend, http_request
+from mooncake_vllm.addresses import MetadataURL
+from mooncake_vllm.errors import StoreError, StoreUnavailableError
+from mooncake_vllm.metadata.base import DEFAULT_TIMEOUT, MetadataBackend, http_request
 
-__all__ = ["EtcdBackend", "parse_etcd_endpoints"]
+__all__ = ["EtcdBackend"]
 
 #: gateway prefixes by etcd release, newest first
 _API_PREFIXES = ("/v3/", "/v3beta/", "/v3alpha/")
-
-
-def parse_etcd_endpoints(url: str) -> list[str]:
-    """``etcd://h:p,h2:p2`` or bare ``h:p[;h2:p2]`` → ``["http://h:p", ...]``."""
-    text = url.strip()
-    if text.lower().startswith("etcd://"):
-        text = text[len("etcd://"):]
-    endpoints: list[str] = []
-    for raw in text.replace(";", ",").split(","):
-        item = raw.strip().rstrip("/")
-        if not item:
-            continue
-        scheme = "http"
-        if "://" in item:
-            scheme, _, item = item.partition("://")
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(
-                f"metadata URL {url!r}",
-                [ConfigProblem("metadata_server", f"etcd endpoint {raw.strip()!r} is not host:port",
-                               "use etcd://host:2379 or host:2379 (comma-separated for a cluster)")],
-            )
-        endpoints.append(f"{scheme}://{host}:{port}")
-    if not endpoints:
-        raise ConfigError(
-            f"metadata URL {url!r}",
-            [ConfigProblem("metadata_server", "no etcd endpoint given", "use etcd://host:2379")],
-        )
-    return endpoints
 
 
 def _b64(text: str | bytes) -> str:
@@ -91,7 +63,7 @@ class EtcdBackend(MetadataBackend):
 
     @classmethod
     def from_url(cls, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> EtcdBackend:
-        return cls(parse_etcd_endpoints(url), timeout=timeout)
+        return cls(MetadataURL.parse(url).etcd_endpoints(), timeout=timeout)
 
     def _post(self, endpoint: str, method: str, payload: dict) -> tuple[int, bytes]:
         prefixes = [self._api[endpoint]] if endpoint in self._api else list(_API_PREFIXES)

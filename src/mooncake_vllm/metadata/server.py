@@ -47,15 +47,12 @@ from aiohttp import web
 from mooncake_vllm.errors import ConfigError, StoreError, StoreUnavailableError
 from mooncake_vllm.metadata.backends import MemoryBackend, MetadataBackend, backend_for
 from mooncake_vllm.metadata.entries import KIND_RPC_META, parse_key, validate_key
+from mooncake_vllm.store.bridge import BACKEND_ENV, READY_PREFIX
 
 __all__ = ["BACKEND_ENV", "READY_PREFIX", "MetadataServer", "add_arguments", "main", "serve"]
 
 log = logging.getLogger(__name__)
 
-READY_PREFIX = "mooncake-vllm metadata server ready at "
-#: the child process reads its backend from here when ``--backend`` is absent
-#: (keeps redis passwords out of ``ps``)
-BACKEND_ENV = "MOONCAKE_VLLM_METADATA_BACKEND"
 MAX_BODY = 16 << 20
 
 

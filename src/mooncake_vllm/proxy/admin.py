@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["check_all", "check_instance", "health_loop", "install", "model_matches"]
 
-log = logging.getLogger("mooncake_vllm.proxy")
+log = logging.getLogger(__name__)
 
 
 def model_matches(expected: str, payload: Any) -> tuple[bool, list[str]]:
@@ -83,7 +83,7 @@ async def _detect_version(server: ProxyServer, inst: Instance) -> None:
     payload = await _get_json(server, inst.url + "/version")
     version = payload.get("version") if isinstance(payload, dict) else None
     if version:
-        server.p2p_mode = flows.p2p_mode(flows.parse_version(version, field_name=f"{inst.key} /version"))
+        server.p2p_mode = flows.p2p_mode(flows.release_triple(version, field_name=f"{inst.key} /version"))
         log.info("upstream vLLM %s: P2P kv_transfer_params mode %r", version, server.p2p_mode)
 
 

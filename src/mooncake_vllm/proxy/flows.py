@@ -36,7 +36,7 @@ __all__ = [
     "new_transfer_id",
     "p2p_mode",
     "parse_engine_ids",
-    "parse_version",
+    "release_triple",
     "plan_decode",
     "prefill_body",
 ]
@@ -45,7 +45,7 @@ FLOWS: tuple[str, str] = ("store", "p2p")
 P2P_MODES: tuple[str, str] = ("handoff", "bootstrap")
 
 
-def parse_version(text: str, *, field_name: str = "--target-vllm") -> tuple[int, int, int]:
+def release_triple(text: str, *, field_name: str = "--target-vllm") -> tuple[int, int, int]:
     """``"0.16.0rc1"`` -> ``(0, 16, 0)`` (PEP 440 via ``compat.versions``); ``ConfigError`` naming the field."""
     major, minor, patch = (int(p) for p in release_of(str(text), what=field_name).split(".")[:3])
     return major, minor, patch

@@ -9,11 +9,10 @@ after ``@`` (``10.0.0.2:8100@8998``).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from mooncake_vllm.addresses import HOST_PORT_FIX, HostPort
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 
 __all__ = ["KINDS", "Endpoint", "Instance", "InstancePool", "parse_endpoint"]
@@ -21,8 +20,6 @@ __all__ = ["KINDS", "Endpoint", "Instance", "InstancePool", "parse_endpoint"]
 #: the two instance kinds of a disaggregated deployment
 KINDS: tuple[str, str] = ("prefill", "decode")
 
-# RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens.
-_LABEL = re.compile(r"^(?!-)[A-Za-z0-9_-]{1,63}(?<!-)$")
 
 
 @dataclass(frozen=True)
@@ -56,52 +53,26 @@ class Endpoint:
         return self.key
 
 
-def _bad(field_name: str, value: str, problem: str) -> ConfigError:
-    fix = "use host:port, [ipv6]:port or dns-name:port, e.g. 127.0.0.1:8100 or [::1]:8100"
-    return ConfigError(field_name, [ConfigProblem(field_name, f"{value!r}: {problem}", fix)])
-
-
-def _port(text: str, field_name: str, value: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise _bad(field_name, value, f"port {text!r} is not a number in 1..65535")
-    return int(text)
-
-
 def parse_endpoint(value: str, *, field_name: str = "instance") -> Endpoint:
     """Parse ``[scheme://]host:port[@bootstrap_port]``; raises ``ConfigError`` naming the field."""
     if not isinstance(value, str) or not value.strip():
-        raise _bad(field_name, str(value), "empty address")
+        return _endpoint(HostPort.parse("", field=field_name, strict=True, shown=str(value)))
     text = value.strip().rstrip("/")
     scheme = "http"
     if "://" in text:
         scheme, text = text.split("://", 1)
         if scheme not in ("http", "https"):
-            raise _bad(field_name, value, f"scheme {scheme!r} is not http or https")
+            raise ConfigError(field_name, [ConfigProblem(
+                field_name, f"{value!r}: scheme {scheme!r} is not http or https", HOST_PORT_FIX)])
     bootstrap: int | None = None
     if "@" in text:
         text, boot = text.rsplit("@", 1)
-        bootstrap = _port(boot, field_name, value)
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or not rest.startswith(":"):
-            raise _bad(field_name, value, "a bracketed IPv6 address needs ']:port' after it")
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise _bad(field_name, value, f"{host!r} is not an IPv6 address") from None
-        return Endpoint(host, _port(rest[1:], field_name, value), scheme, bootstrap)
-    if text.count(":") != 1:
-        problem = "no port" if ":" not in text else "an IPv6 address must be written in brackets"
-        raise _bad(field_name, value, problem)
-    host, port_text = text.split(":")
-    port = _port(port_text, field_name, value)
-    try:
-        ipaddress.IPv4Address(host)
-    except ValueError:
-        labels = host.split(".")
-        if not host or len(host) > 253 or not all(_LABEL.match(lab) for lab in labels):
-            raise _bad(field_name, value, f"{host!r} is neither an IP address nor a DNS name") from None
-    return Endpoint(host.lower(), port, scheme, bootstrap)
+        bootstrap = HostPort.parse(f"_:{boot}", field=field_name, shown=value).port
+    return _endpoint(HostPort.parse(text, field=field_name, strict=True, shown=value), scheme, bootstrap)
+
+
+def _endpoint(hp: HostPort, scheme: str = "http", bootstrap: int | None = None) -> Endpoint:
+    return Endpoint(hp.host, hp.port, scheme, bootstrap)
 
 
 @dataclass(eq=False)

@@ -22,14 +22,14 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
-from mooncake_vllm.proxy import flows
+from mooncake_vllm.proxy import admin, flows
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.scheduling import make_policy
 
 __all__ = ["ProxyConfig", "ProxyError", "ProxyServer", "config_from_env"]
 
-log = logging.getLogger("mooncake_vllm.proxy")
+log = logging.getLogger(__name__)
 
 #: bytes of the prompt's beginning the prefix-aware policy hashes
 PREFIX_CHARS = 256
@@ -99,7 +99,7 @@ class ProxyServer:
                                                        f"use one of {', '.join(flows.FLOWS)}")])
         self.p2p_mode: str | None = None
         if config.flow == "p2p" and config.target_vllm:
-            self.p2p_mode = flows.p2p_mode(flows.parse_version(config.target_vllm))
+            self.p2p_mode = flows.p2p_mode(flows.release_triple(config.target_vllm))
         for kind, addrs in (("prefill", config.prefill), ("decode", config.decode)):
             for addr in addrs:
                 ep = parse_endpoint(addr, field_name=f"--{kind}")
@@ -113,8 +113,6 @@ class ProxyServer:
     # ---- lifecycle -------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
-        from mooncake_vllm.proxy import admin
-
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._route("/v1/completions"))
         app.router.add_post("/v1/chat/completions", self._route("/v1/chat/completions"))
@@ -127,8 +125,6 @@ class ProxyServer:
         return app
 
     async def _on_startup(self, _app: web.Application) -> None:
-        from mooncake_vllm.proxy import admin
-
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=30, keepalive_timeout=60)
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=self.config.connect_timeout)
         # bodies are relayed as they come: ask upstreams for identity encoding, never decode

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from mooncake_vllm.config import CONFIG_ENV
 from mooncake_vllm.services.process import (
     ManagedProcess,
     ServiceError,
@@ -379,7 +380,7 @@ class LocalStack:
 
     def env(self) -> dict[str, str]:
         """Environment for a client of this stack: MOONCAKE_CONFIG_PATH plus the MC_* variables."""
-        return {"MOONCAKE_CONFIG_PATH": str(self.config_path), **client_env()}
+        return {CONFIG_ENV: str(self.config_path), **client_env()}
 
     def _step(self, component: str, start: Callable[[], ManagedProcess]) -> ManagedProcess:
         self.progress(component, "starting", "")

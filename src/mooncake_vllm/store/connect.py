@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from mooncake_vllm.config import StoreConfig
-from mooncake_vllm.errors import ConfigError, ConfigProblem, StoreUnavailableError
+from mooncake_vllm.addresses import MetadataURL
+from mooncake_vllm.errors import StoreUnavailableError
 from mooncake_vllm.store.codes import call
 
 __all__ = ["CLIENT_ENV_DEFAULTS", "open_store", "pick_local_hostname", "tcp_reachable"]
@@ -53,28 +54,20 @@ def tcp_reachable(host: str, port: int, timeout: float) -> str | None:
         return exc.strerror or str(exc)
 
 
-def _metadata_endpoint(url: str, scheme: str) -> tuple[str, int] | None:
-    if scheme == "http":
-        hostport = url.split("://", 1)[1].split("/", 1)[0]
-    elif scheme == "etcd":
-        hostport = url.split("://", 1)[-1].split(",")[0]
-    else:
+def _metadata_endpoint(url: str) -> tuple[str, int] | None:
+    """Where a TCP probe of the metadata server goes (``None``: nothing to probe)."""
+    try:
+        address = MetadataURL.parse(url).probe_address()
+    except ValueError:
         return None
-    host, _, port = hostport.rpartition(":")
-    return (host.strip("[]"), int(port)) if port.isdigit() else None
+    return (address.host, address.port) if address is not None else None
 
 
 def _resolve_metadata(config: StoreConfig) -> tuple[str, Callable[[], None] | None]:
     if config.metadata_scheme != "redis":
         return config.metadata_server, None
-    try:
-        from mooncake_vllm.metadata.bridge import mooncake_supports_redis, resolve_metadata_url
-    except ImportError:  # pragma: no cover - the bridge ships with the package
-        raise ConfigError(config.source, [ConfigProblem(
-            "metadata_server", "redis:// is not compiled into published Mooncake wheels "
-            "(the process would abort with exit code 134)",
-            'use "http://host:port/metadata" or run `mooncake-vllm metadata serve '
-            '--backend redis://...`')]) from None
+    from mooncake_vllm.store.bridge import mooncake_supports_redis, resolve_metadata_url
+
     return resolve_metadata_url(config.metadata_server, supports_redis=mooncake_supports_redis())
 
 
@@ -87,7 +80,7 @@ def _preflight(config: StoreConfig, metadata: str, timeout: float) -> None:
                 f"no Mooncake master at {config.master_server_address} ({reason}); "
                 f"start one (`mooncake_master --rpc_port={port}` or `mooncake-vllm up`) "
                 f"or fix master_server_address in {config.source}")
-    endpoint = _metadata_endpoint(metadata, config.metadata_scheme)
+    endpoint = _metadata_endpoint(metadata)
     if endpoint:
         reason = tcp_reachable(*endpoint, min(timeout, 2.0))
         if reason:

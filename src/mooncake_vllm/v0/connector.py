@@ -27,14 +27,16 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 
 from mooncake_vllm.config import load_store_config
-from mooncake_vllm.keys import KeyNamespace, chunk_keys, model_id
+from mooncake_vllm.keys import KeyNamespace, chunk_keys
 from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.logs import follow_vllm_logging
+from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.store import StoreClient
 from mooncake_vllm.v0.batch import SeqSpan, Tail, prefill_spans, tail_key
 
 __all__ = ["MooncakeStoreConnector"]
 
-log = logging.getLogger("vllm.mooncake_vllm.v0")
+log = logging.getLogger(__name__)
 
 #: V0 attention-metadata class name -> the KV layout kind its caches have.
 _LAYOUT_BY_METADATA = {"FlashAttentionMetadata": "nhd", "MLACommonMetadata": "mla",
@@ -46,7 +48,10 @@ class MooncakeStoreConnector(KVConnectorBase):
 
     def __init__(self, rank: int, local_rank: int, config: Any,
                  store: StoreClient | None = None) -> None:
+        follow_vllm_logging()
         self.config = config
+        # validated exactly as on V1: a typo V1 rejects is rejected here too
+        self.settings = settings = ConnectorSettings.from_vllm_config(config)
         parallel = config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         self.pp_size = int(parallel.pipeline_parallel_size)
@@ -55,12 +60,12 @@ class MooncakeStoreConnector(KVConnectorBase):
         self.pp_rank = (rank // self.tp_size) % self.pp_size
         self.local_rank = local_rank
         self.block_size = int(config.cache_config.block_size)
-        self.model_id = model_id(config)
-        extra = config.kv_transfer_config.kv_connector_extra_config or {}
-        self.variant = str(extra.get("layout_variant", ""))
+        self.model_id = settings.model_id
+        self.variant = settings.layout_variant or ""
         # the same two sources as the V1 connector: extra_config's path, else $MOONCAKE_CONFIG_PATH
         self.store = store if store is not None else StoreClient.connect(
-            load_store_config(extra.get("mooncake_config_path")))
+            load_store_config(settings.mooncake_config_path), timeout=settings.connect_timeout)
+        self.tenant = self.store.config.tenant_id
         self._layout: BlockLayout | None = None
         self._layout_key: tuple[int, ...] = ()
         self.namespace: KeyNamespace | None = None
@@ -86,7 +91,7 @@ class MooncakeStoreConnector(KVConnectorBase):
         self.namespace = KeyNamespace(model_id=self.model_id, dtype=layout.dtype,
                                       layout=layout.fingerprint, block_size=layout.block_size,
                                       tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                      pp_rank=self.pp_rank)
+                                      pp_rank=self.pp_rank, tenant=self.tenant)
         return layout
 
     def _skip(self, why: str) -> None:

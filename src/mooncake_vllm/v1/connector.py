@@ -11,17 +11,9 @@ in-tree class of the same name (vLLM >= 0.21) set ``MOONCAKE_VLLM_DISABLE=1``
 (the plugin then leaves the name alone). The Mooncake
 settings come from ``$MOONCAKE_CONFIG_PATH`` (both the V0 and the V1 JSON shapes,
 ``"global_segment_size": "0"`` included). Private settings go in
-``kv_connector_extra_config``:
-
-``model_id``               key namespace model name (default: model dir basename)
-``mooncake_config_path``   instead of ``$MOONCAKE_CONFIG_PATH``
-``load_failure_policy``    ``"recompute"`` (default; sets vLLM's kv_load_failure_policy)
-                           or ``"fail"``
-``save_queue_size``        save jobs buffered per worker (default 64; full → dropped)
-``connect_timeout``        seconds to reach the pool at start (default 5)
-``layout_variant``         override the predicted KV layout variant tag
-``load_async``             ``true`` (default): load in the background where vLLM can
-                           recompute failed blocks (>= 0.11.1); ``false``: before the forward
+``kv_connector_extra_config`` (validated once into
+:class:`~mooncake_vllm.settings.ConnectorSettings`, the keys are listed there).
+A ``tenant_id`` in the Mooncake config joins the key namespace.
 
 The save thread and Mooncake's client threads run off vLLM's CPU compute cores
 (``MOONCAKE_VLLM_THREAD_AFFINITY=off`` leaves thread affinity alone).
@@ -31,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +33,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from mooncake_vllm import __version__
 from mooncake_vllm.config import load_store_config
-from mooncake_vllm.errors import ConfigError, ConfigProblem, UnsupportedVersionError
+from mooncake_vllm.errors import UnsupportedVersionError
+from mooncake_vllm.logs import follow_vllm_logging
+from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.v1.client import SharedClient, shared_client
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
@@ -54,63 +47,13 @@ if TYPE_CHECKING:
 
 __all__ = ["INSTANCES", "MooncakeStoreConnector"]
 
-log = logging.getLogger("mooncake_vllm.v1")
+log = logging.getLogger(__name__)
 
 #: Live connectors of this process (tests and the demo read their counters).
 INSTANCES: weakref.WeakSet[MooncakeStoreConnector] = weakref.WeakSet()
 
-_EXTRA_KEYS = {"model_id", "mooncake_config_path", "load_failure_policy", "save_queue_size",
-               "connect_timeout", "layout_variant", "load_async"}
 _BASE_TAKES_KV_CACHE_CONFIG = "kv_cache_config" in inspect.signature(
     KVConnectorBase_V1.__init__).parameters
-
-
-def _ensure_log_handler() -> None:
-    """Make our INFO/WARNING lines visible in vLLM's format (once per process).
-
-    Unless someone already gave the ``mooncake_vllm`` logger a handler, it gets one
-    on stderr at INFO and stops propagating (so no line is printed twice).
-    """
-    pkg = logging.getLogger("mooncake_vllm")
-    if pkg.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s",
-                                           "%m-%d %H:%M:%S"))
-    pkg.addHandler(handler)
-    if pkg.level == logging.NOTSET:
-        pkg.setLevel(logging.INFO)
-    pkg.propagate = False
-
-
-def _settings(extra: dict[str, Any]) -> dict[str, Any]:
-    problems: list[ConfigProblem] = []
-    unknown = sorted(set(extra) - _EXTRA_KEYS)
-    if unknown:
-        problems.append(ConfigProblem(
-            "kv_connector_extra_config", f"unknown key(s) {unknown}",
-            f"use only {sorted(_EXTRA_KEYS)}"))
-    policy = extra.get("load_failure_policy", "recompute")
-    if policy not in ("recompute", "fail"):
-        problems.append(ConfigProblem("kv_connector_extra_config.load_failure_policy",
-                                      f"found {policy!r}", 'use "recompute" or "fail"'))
-    load_async = extra.get("load_async", True)
-    if not isinstance(load_async, bool):
-        problems.append(ConfigProblem("kv_connector_extra_config.load_async",
-                                      f"must be true or false, found {load_async!r}",
-                                      "omit it (background loads where the release supports "
-                                      "them) or set false (load before the forward pass)"))
-    out = {"policy": policy, "load_async": load_async}
-    for name, default in (("save_queue_size", 64), ("connect_timeout", 5.0)):
-        value = extra.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            problems.append(ConfigProblem(f"kv_connector_extra_config.{name}",
-                                          f"must be a positive number, found {value!r}",
-                                          f"omit it or set e.g. {default}"))
-        out[name] = value
-    if problems:
-        raise ConfigError("kv_connector_extra_config", problems)
-    return out
 
 
 def _require_supported_vllm() -> None:
@@ -154,52 +97,55 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
-        _ensure_log_handler()
+        follow_vllm_logging()
         _require_supported_vllm()
         if _BASE_TAKES_KV_CACHE_CONFIG:
             super().__init__(vllm_config, role, kv_cache_config)
         else:  # pragma: no cover - vLLM < 0.11.1
             super().__init__(vllm_config, role)
         ktc = vllm_config.kv_transfer_config
-        extra = dict(ktc.kv_connector_extra_config or {})
-        settings = _settings(extra)
-        self.kv_role = str(ktc.kv_role)
-        self.can_save = self.kv_role in ("kv_producer", "kv_both")
-        self.can_load = self.kv_role in ("kv_consumer", "kv_both")
-        self.store_config = load_store_config(extra.get("mooncake_config_path"))
+        self.settings = settings = ConnectorSettings.from_vllm_config(vllm_config)
+        self.kv_role = settings.kv_role
+        self.can_save = settings.can_save
+        self.can_load = settings.can_load
+        self.store_config = load_store_config(settings.mooncake_config_path)
         self.shared: SharedClient = shared_client(self.store_config,
-                                                  timeout=float(settings["connect_timeout"]))
+                                                  timeout=settings.connect_timeout)
+        tenant = self.store_config.tenant_id
         block_size = int(vllm_config.cache_config.block_size)
         self.scheduler: SchedulerLogic | None = None
         self.worker: WorkerLogic | None = None
         if role == KVConnectorRole.SCHEDULER:
-            if settings["policy"] == "recompute" and hasattr(ktc, "kv_load_failure_policy"):
+            if settings.load_failure_policy == "recompute" and hasattr(
+                    ktc, "kv_load_failure_policy"):
                 # The scheduler reads this right after building us: a pool miss is never fatal.
                 ktc.kv_load_failure_policy = "recompute"
-            self.scheduler = SchedulerLogic(rank_namespaces(vllm_config), block_size,
+            self.scheduler = SchedulerLogic(rank_namespaces(vllm_config, settings, tenant=tenant),
+                                            block_size,
                                             self._lookup, can_load=self.can_load,
                                             can_save=self.can_save,
-                                            load_async=settings["load_async"]
+                                            load_async=settings.load_async
                                             and _background_loads_supported())
-            self._announce(vllm_config)
+            self._announce(self.scheduler.namespaces.namespaces[0])
         else:
             tp_rank, pp_rank = _worker_ranks()
-            (namespace,) = rank_namespaces(vllm_config, only=(tp_rank, pp_rank)).namespaces
-            self.worker = WorkerLogic(namespace, expected_layout(vllm_config, pp_rank),
+            (namespace,) = rank_namespaces(vllm_config, settings, tenant=tenant,
+                                           only=(tp_rank, pp_rank)).namespaces
+            layout = expected_layout(vllm_config, pp_rank, variant=settings.layout_variant)
+            self.worker = WorkerLogic(namespace, layout,
                                       self.shared, can_load=self.can_load,
                                       can_save=self.can_save,
-                                      queue_size=int(settings["save_queue_size"]))
+                                      queue_size=settings.save_queue_size)
         self.shared.start()
         INSTANCES.add(self)
 
-    def _announce(self, vllm_config: Any) -> None:
+    def _announce(self, ns: Any) -> None:
         try:
             import vllm
 
             vllm_version = vllm.__version__
         except Exception:  # noqa: BLE001
             vllm_version = "unknown"
-        ns = rank_namespaces(vllm_config).namespaces[0]
         log.info("mooncake-vllm %s: MooncakeStoreConnector on the vLLM V1 engine (vllm %s), "
                  "role %s, pool %s, namespace %s", __version__, vllm_version, self.kv_role,
                  self.store_config.master_server_address, ns.describe())

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_vllm.errors import UnsupportedVersionError
-from mooncake_vllm.keys import KeyNamespace, RequestExtras, model_id
+from mooncake_vllm.keys import KeyNamespace, RequestExtras
 from mooncake_vllm.layout import BlockLayout, layout_fingerprint
+from mooncake_vllm.settings import ConnectorSettings
 
 __all__ = [
     "ExpectedLayout",
     "RankNamespaces",
     "check_layout",
     "expected_layout",
-    "model_id",
     "rank_namespaces",
     "request_extras",
 ]
@@ -95,9 +95,10 @@ def _layer_count(vllm_config: Any, pp_rank: int) -> int:
     return end - start
 
 
-def expected_layout(vllm_config: Any, pp_rank: int = 0) -> ExpectedLayout:
-    """Predict the KV block layout of pipeline stage ``pp_rank`` from the config."""
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
+                    variant: str | None = None) -> ExpectedLayout:
+    """Predict the KV block layout of pipeline stage ``pp_rank`` from the config;
+    ``variant`` (``layout_variant`` of the settings) overrides the variant tag."""
     model_config = vllm_config.model_config
     block_size = int(vllm_config.cache_config.block_size)
     head_size = int(model_config.get_head_size())
@@ -105,14 +106,13 @@ def expected_layout(vllm_config: Any, pp_rank: int = 0) -> ExpectedLayout:
     layers = _layer_count(vllm_config, pp_rank)
     dtype = _dtype_name(vllm_config)
     if _is_cpu_platform():
-        kind, variant = "cpu", _cpu_isa(vllm_config, block_size, head_size)
+        kind, predicted = "cpu", _cpu_isa(vllm_config, block_size, head_size)
         shape: tuple[int, ...] = (heads, block_size, 2 * head_size)
     elif getattr(model_config, "use_mla", False):
-        kind, variant, shape = "mla", "", (block_size, head_size)
+        kind, predicted, shape = "mla", "", (block_size, head_size)
     else:
-        kind, variant, shape = "nhd", "", (2, block_size, heads, head_size)
-    variant = str(extra.get("layout_variant", variant))
-    return ExpectedLayout(kind, variant, dtype, layers, shape)
+        kind, predicted, shape = "nhd", "", (2, block_size, heads, head_size)
+    return ExpectedLayout(kind, predicted if variant is None else variant, dtype, layers, shape)
 
 
 def check_layout(expected: ExpectedLayout, actual: BlockLayout) -> None:
@@ -150,22 +150,23 @@ class RankNamespaces:
         return hits
 
 
-def rank_namespaces(vllm_config: Any, *, only: tuple[int, int] | None = None) -> RankNamespaces:
-    """Namespaces of all TP×PP ranks (or of the one ``(tp_rank, pp_rank)``)."""
+def rank_namespaces(vllm_config: Any, settings: ConnectorSettings, *, tenant: str = "",
+                    only: tuple[int, int] | None = None) -> RankNamespaces:
+    """Namespaces of all TP×PP ranks (or of the one ``(tp_rank, pp_rank)``);
+    ``tenant`` is the Mooncake config's ``tenant_id``."""
     parallel = vllm_config.parallel_config
     tp_size = int(parallel.tensor_parallel_size)
     pp_size = int(parallel.pipeline_parallel_size)
-    mid = model_id(vllm_config)
     block_size = int(vllm_config.cache_config.block_size)
     out: list[KeyNamespace] = []
     for pp in range(pp_size):
-        layout = expected_layout(vllm_config, pp)
+        layout = expected_layout(vllm_config, pp, variant=settings.layout_variant)
         for tp in range(tp_size):
             if only is not None and only != (tp, pp):
                 continue
-            out.append(KeyNamespace(model_id=mid, dtype=layout.dtype,
+            out.append(KeyNamespace(model_id=settings.model_id, dtype=layout.dtype,
                                     layout=layout.fingerprint, block_size=block_size,
-                                    tp_rank=tp, tp_size=tp_size, pp_rank=pp))
+                                    tp_rank=tp, tp_size=tp_size, pp_rank=pp, tenant=tenant))
     return RankNamespaces(tuple(out))
 
 

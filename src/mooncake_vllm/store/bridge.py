@@ -23,9 +23,8 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from mooncake_vllm.addresses import MetadataURL, redact_url
 from mooncake_vllm.errors import StoreUnavailableError
-from mooncake_vllm.metadata.backends import redact_url
-from mooncake_vllm.metadata.server import BACKEND_ENV, READY_PREFIX
 
 __all__ = [
     "ASSUME_REDIS_ENV",
@@ -36,6 +35,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: the line the embedded metadata server prints once it listens (``... at <url>``)
+READY_PREFIX = "mooncake-vllm metadata server ready at "
+#: where the embedded metadata server finds its backend URL (keeps redis passwords off argv)
+BACKEND_ENV = "MOONCAKE_VLLM_METADATA_BACKEND"
 
 #: set to 1 when your Mooncake was built from source with USE_REDIS=ON
 ASSUME_REDIS_ENV = "MOONCAKE_VLLM_ASSUME_REDIS"
@@ -162,8 +166,7 @@ def resolve_metadata_url(url: str, *, supports_redis: bool) -> tuple[str, Callab
     Only ``redis://`` / ``rediss://`` on a build without redis is rewritten, to
     a bridge on loopback; that is logged once per URL as a WARNING.
     """
-    scheme = url.strip().partition("://")[0].lower() if "://" in url else ""
-    if scheme not in ("redis", "rediss") or supports_redis:
+    if MetadataURL.parse(url).kind not in ("redis", "rediss") or supports_redis:
         return url, None
     http_url = bridge_redis_url(url.strip())
     with _lock:

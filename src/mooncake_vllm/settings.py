@@ -1,0 +1,114 @@
+"""The connector's own settings, read once from vLLM's ``kv_transfer_config``.
+
+Both engines build one frozen :class:`ConnectorSettings` per connector with
+:meth:`ConnectorSettings.from_vllm_config` and pass it down as a value, the way
+vLLM's ``KVTransferConfig`` keeps ``is_kv_producer`` / ``get_from_extra_config``
+in one object. V0 and V1 validate ``kv_connector_extra_config`` the same way: a
+key or value one engine rejects, the other rejects too, with one
+:class:`~mooncake_vllm.errors.ConfigError` naming the field and the fix.
+
+``kv_connector_extra_config`` keys:
+
+``model_id``               key namespace model name (default: model dir basename)
+``mooncake_config_path``   instead of ``$MOONCAKE_CONFIG_PATH``
+``load_failure_policy``    ``"recompute"`` (default; sets vLLM's kv_load_failure_policy)
+                           or ``"fail"`` (V1 only; V0 always recomputes)
+``save_queue_size``        save jobs buffered per worker (default 64; full → dropped; V1 only)
+``connect_timeout``        seconds to reach the pool at start (default 5)
+``layout_variant``         override the predicted KV layout variant tag
+``load_async``             ``true`` (default): load in the background where vLLM can
+                           recompute failed blocks (>= 0.11.1); ``false``: before the
+                           forward pass (V1 only; V0 always loads before it)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.keys import model_id as _model_id
+
+__all__ = ["EXTRA_KEYS", "ROLES", "ConnectorSettings"]
+
+#: every key ``kv_connector_extra_config`` may hold
+EXTRA_KEYS = ("connect_timeout", "layout_variant", "load_async", "load_failure_policy",
+              "model_id", "mooncake_config_path", "save_queue_size")
+#: vLLM's ``kv_role`` values and what each lets the connector do: (save, load)
+ROLES = {"kv_both": (True, True), "kv_producer": (True, False), "kv_consumer": (False, True)}
+_POLICIES = ("recompute", "fail")
+_FIELD = "kv_connector_extra_config"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Everything the connector takes from vLLM's ``kv_transfer_config``, validated."""
+
+    kv_role: str = "kv_both"
+    model_id: str = ""
+    mooncake_config_path: str | None = None
+    load_failure_policy: str = "recompute"
+    save_queue_size: int = 64
+    connect_timeout: float = 5.0
+    layout_variant: str | None = None
+    load_async: bool = True
+
+    @property
+    def can_save(self) -> bool:
+        """The role stores KV (``kv_producer``, ``kv_both``)."""
+        return ROLES.get(self.kv_role, (False, False))[0]
+
+    @property
+    def can_load(self) -> bool:
+        """The role loads KV (``kv_consumer``, ``kv_both``)."""
+        return ROLES.get(self.kv_role, (False, False))[1]
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> ConnectorSettings:
+        """The settings of a ``VllmConfig`` (V0 or V1): its ``kv_transfer_config`` and model."""
+        ktc = vllm_config.kv_transfer_config
+        return cls.from_extra(getattr(ktc, "kv_connector_extra_config", None) or {},
+                              kv_role=str(getattr(ktc, "kv_role", None) or "kv_both"),
+                              model=str(vllm_config.model_config.model))
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any], *, kv_role: str = "kv_both",
+                   model: str = "") -> ConnectorSettings:
+        """Validate ``kv_connector_extra_config``; one ConfigError lists every problem."""
+        problems: list[ConfigProblem] = []
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        if unknown:
+            problems.append(ConfigProblem(_FIELD, f"unknown key(s) {unknown}",
+                                          f"use only {sorted(EXTRA_KEYS)}"))
+        if kv_role not in ROLES:
+            problems.append(ConfigProblem("kv_role", f"found {kv_role!r}",
+                                          f"use one of {', '.join(ROLES)}"))
+        policy = extra.get("load_failure_policy", "recompute")
+        if policy not in _POLICIES:
+            problems.append(ConfigProblem(f"{_FIELD}.load_failure_policy",
+                                          f"found {policy!r}", 'use "recompute" or "fail"'))
+        load_async = extra.get("load_async", True)
+        if not isinstance(load_async, bool):
+            problems.append(ConfigProblem(f"{_FIELD}.load_async",
+                                          f"must be true or false, found {load_async!r}",
+                                          "omit it (background loads where the release "
+                                          "supports them) or set false"))
+        numbers: dict[str, Any] = {}
+        for name, default in (("save_queue_size", 64), ("connect_timeout", 5.0)):
+            value = extra.get(name, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                problems.append(ConfigProblem(f"{_FIELD}.{name}",
+                                              f"must be a positive number, found {value!r}",
+                                              f"omit it or set e.g. {default}"))
+            numbers[name] = value
+        texts = {name: None if extra.get(name) is None else str(extra[name])
+                 for name in ("model_id", "mooncake_config_path", "layout_variant")}
+        if problems:
+            raise ConfigError(_FIELD, problems)
+        return cls(kv_role=kv_role, model_id=_model_id(model, texts["model_id"]),
+                   mooncake_config_path=texts["mooncake_config_path"] or None,
+                   load_failure_policy=str(policy),
+                   save_queue_size=int(numbers["save_queue_size"]),
+                   connect_timeout=float(numbers["connect_timeout"]),
+                   layout_variant=texts["layout_variant"], load_async=bool(load_async))

@@ -1,0 +1,59 @@
+"""ConnectorSettings: vLLM's kv_transfer_config read and validated once, the same for V0 and V1."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from mooncake_vllm.errors import ConfigError
+from mooncake_vllm.settings import EXTRA_KEYS, ConnectorSettings
+
+
+def _vllm_config(role: str = "kv_both", model: str = "/models/org/tiny-llama/", **extra: object):
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role=role, kv_connector_extra_config=dict(extra)),
+        model_config=SimpleNamespace(model=model))
+
+
+def test_defaults_and_role_flags() -> None:
+    s = ConnectorSettings.from_vllm_config(_vllm_config())
+    assert (s.model_id, s.load_failure_policy, s.save_queue_size, s.connect_timeout) == (
+        "tiny-llama", "recompute", 64, 5.0)
+    assert s.mooncake_config_path is None and s.layout_variant is None
+    flags = {role: (ConnectorSettings(kv_role=role).can_save, ConnectorSettings(kv_role=role).can_load)
+             for role in ("kv_both", "kv_producer", "kv_consumer")}
+    assert flags == {"kv_both": (True, True), "kv_producer": (True, False), "kv_consumer": (False, True)}
+
+
+def test_every_documented_key_is_read() -> None:
+    s = ConnectorSettings.from_vllm_config(_vllm_config(
+        "kv_consumer", model_id="shared", mooncake_config_path="/etc/mc.json",
+        load_failure_policy="fail", save_queue_size=8, connect_timeout=2, layout_variant="amx",
+        load_async=False))
+    assert s == ConnectorSettings(kv_role="kv_consumer", model_id="shared",
+                                  mooncake_config_path="/etc/mc.json", load_failure_policy="fail",
+                                  save_queue_size=8, connect_timeout=2.0, layout_variant="amx",
+                                  load_async=False)
+    assert sorted(EXTRA_KEYS) == sorted(
+        ["model_id", "mooncake_config_path", "load_failure_policy", "save_queue_size",
+         "connect_timeout", "layout_variant", "load_async"])
+    with pytest.raises(AttributeError):
+        s.kv_role = "kv_both"  # type: ignore[misc]  # frozen
+
+
+def test_every_problem_in_one_error_naming_field_and_fix() -> None:
+    with pytest.raises(ConfigError) as info:
+        ConnectorSettings.from_vllm_config(_vllm_config(
+            model_idd="x", load_failure_policy="ignore", save_queue_size=True, connect_timeout=-1))
+    err = info.value
+    assert err.fields == ["kv_connector_extra_config",
+                          "kv_connector_extra_config.load_failure_policy",
+                          "kv_connector_extra_config.save_queue_size",
+                          "kv_connector_extra_config.connect_timeout"]
+    assert "model_idd" in str(err) and "use only" in str(err) and '"recompute" or "fail"' in str(err)
+
+
+def test_unknown_role_is_refused() -> None:
+    with pytest.raises(ConfigError, match="kv_role"):
+        ConnectorSettings.from_vllm_config(_vllm_config("kv_everything"))
