@@ -170,6 +170,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections.append((title, proc.log_tail(_LOG_LINES) or "(empty log)"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # JUnit files record commit, wheels, device and each test's level markers (compat table)
+    from tests.junit_provenance import register
+
+    register(config)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     stop_all()
 

@@ -93,6 +93,7 @@ def test_v1_class_implements_this_releases_base() -> None:
     assert _arity_ok(MooncakeStoreConnector, high) and _arity_ok(MooncakeStoreConnector, low)
 
 
+@pytest.mark.v0
 @pytest.mark.skipif(not FACTS.v0_kv_connectors, reason=f"vLLM {_DIST.version} has no V0 KV connectors")
 def test_v0_class_implements_this_releases_base() -> None:
     from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
