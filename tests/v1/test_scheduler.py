@@ -214,3 +214,26 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_is_over
     logic.update_state_after_alloc(done, Blocks([1, 2, 3, 4, 5]), 16)
     logic.build_connector_meta(_output())
     assert logic.request_finished(done) == (False, None)
+
+
+def test_a_failed_load_is_never_offered_again_but_a_delivered_one_is() -> None:
+    pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=False,
+                           load_async=True)
+    req = _request("f", TOKENS)
+    assert logic.get_num_new_matched_tokens(req, 0) == (16, True)
+    logic.update_state_after_alloc(req, Blocks([7, 8, 9, 10, 11]), 16)
+    logic.build_connector_meta(_output())
+    # vLLM recovered from the failed load (2 chunks arrived) and asks again: recompute
+    assert logic.get_num_new_matched_tokens(req, 8) == (0, False)
+    assert logic.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert logic.counters["failed_loads_not_retried"] == 1
+    # delivered: vLLM schedules it with the promised tokens; after a preemption the pool
+    # may serve it again
+    ok = _request("d", TOKENS)
+    assert logic.get_num_new_matched_tokens(ok, 0) == (16, True)
+    logic.update_state_after_alloc(ok, Blocks([1, 2, 3, 4, 5]), 16)
+    logic.build_connector_meta(_output())
+    logic.build_connector_meta(_output(new=[SimpleNamespace(
+        req_id="d", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=16)], scheduled={"d": 2}))
+    assert logic.get_num_new_matched_tokens(ok, 0) == (16, True)

@@ -267,6 +267,9 @@ class StoreClient:
             self.stats.add("skipped_existing", len(ticket.keys) - len(todo))
             stored = 0
             for i in range(0, len(todo), _MAX_BATCH):
+                if not self.health.admit():  # the lookup (or a batch) just found it away
+                    self.stats.add("saves_skipped", len(todo) - i)
+                    return stored
                 ok = self._put_batch(paths, ticket, todo[i:i + _MAX_BATCH])
                 if ok is None:
                     return stored  # abandoned: the late call hands the slots back

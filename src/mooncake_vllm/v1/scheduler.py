@@ -49,6 +49,11 @@ class RequestState:
     loaded_upto: int = 0  # chunks [0, loaded_upto) came from (so are in) the pool
     saved_upto: int = 0  # chunks [0, saved_upto) were handed to the workers to save
     has_saves: bool = False
+    #: tokens computed once the planned load lands; cleared when vLLM schedules them
+    promised: int = 0
+    #: a load of this request failed: never offer it the pool again (the values that
+    #: failed are likely still there, and a retry would fail the same way, forever)
+    refuse_loads: bool = False
     block_ids: list[int] = field(default_factory=list)  # mirror for engines without block state
 
 
@@ -92,6 +97,13 @@ class SchedulerLogic:
         if st is None:
             return 0, False
         st.pending_load = None
+        if st.promised and num_computed_tokens < st.promised:
+            # asked again before vLLM ever ran with what we promised: the load failed
+            st.promised, st.refuse_loads = 0, True
+            self.counters["failed_loads_not_retried"] = self.counters.get(
+                "failed_loads_not_retried", 0) + 1
+        if st.refuse_loads:
+            return 0, False
         bs = self.block_size
         claimable = (st.prompt_len - 1) // bs  # never the chunk with the last prompt token
         start = num_computed_tokens // bs
@@ -124,6 +136,7 @@ class SchedulerLogic:
         self._loads.append(BlockJob(st.req_id, st.digests[start:end], block_ids[start:end],
                                     background=self.load_async))
         st.loaded_upto = max(st.loaded_upto, end)
+        st.promised = end * self.block_size
         self.counters["load_jobs"] += 1
         self.counters["hit_tokens"] += end * self.block_size - computed
 
@@ -137,6 +150,7 @@ class SchedulerLogic:
             st = self.requests.get(req_id)
             if st is not None:
                 st.block_ids = []
+        self._keep_promises(scheduler_output)
         if not self.can_save:
             return meta
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
@@ -163,6 +177,16 @@ class SchedulerLogic:
             done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._plan_save(meta, st, done, block_state)
         return meta
+
+    def _keep_promises(self, scheduler_output: Any) -> None:
+        """A request vLLM schedules with what we promised to load got it: clear the promise."""
+        cached = scheduler_output.scheduled_cached_reqs
+        pairs = [(new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs]
+        pairs += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, computed in pairs:
+            st = self.requests.get(req_id)
+            if st is not None and st.promised and computed >= st.promised:
+                st.promised = 0
 
     def _plan_save(self, meta: MooncakeConnectorMetadata, st: RequestState, done_tokens: int,
                    block_state: Any) -> None:
