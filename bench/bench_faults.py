@@ -64,17 +64,18 @@ def hung_master(work: str) -> dict:
         ns = KeyNamespace("faults", "float32", layout.fingerprint, 64)
         base = [_request(client, layout, chunk_keys(ns, list(range(i * 640, i * 640 + 640))))
                 for i in range(20)]
+        # a worker connected while the pool was healthy (its own client, as in vLLM)
+        shared = SharedClient(load_store_config(stack.config_path))
+        assert shared.start() is not None
+        expected = ExpectedLayout("cpu", "", "float32", 2, (2, 64, 1024))
+        worker = WorkerLogic(ns, expected, shared, can_load=False, can_save=True)
+        worker.register_kv_caches({f"l{i}": t for i, t in enumerate(kv)})
         os.kill(stack.master.pid, signal.SIGSTOP)
         try:
             hung = [_request(client, layout, chunk_keys(ns, list(range(10**6 + i * 640,
                                                                         10**6 + i * 640 + 640))))
                     for i in range(50)]
-            # a finished request's blocks, zero-copy save in flight when the master hangs
-            shared = SharedClient(load_store_config(stack.config_path))
-            shared.start()
-            expected = ExpectedLayout("cpu", "", "float32", 2, (2, 64, 1024))
-            worker = WorkerLogic(ns, expected, shared, can_load=False, can_save=True)
-            worker.register_kv_caches({f"l{i}": t for i, t in enumerate(kv)})
+            # a finished request whose zero-copy save meets the hung master
             t0 = time.monotonic()
             worker.wait_for_save(MooncakeConnectorMetadata(saves=[
                 BlockJob("r", [f"{0xfa17 + i:032x}" for i in range(4)], [4, 5, 6, 7])]))

@@ -12,11 +12,21 @@ Kinds (per-layer tensor shape → segments per block):
 * ``nhd-interleaved`` ``[num_blocks, 2, block_size, kv_heads, head]`` (FlashInfer) →
   ``kv[b]``; byte-identical per block to ``nhd``, so both share one fingerprint
 * ``mla``   ``[num_blocks, block_size, head]`` → ``kv[b]``
+* ``hnc``   ``[num_blocks, heads, block_size, C]`` (vLLM's generic ``[B, H, N, C]``
+  per-layer views of one backing buffer, releases with a resolved
+  ``KVCacheLayout``; C holds K then V of one head and token, or MLA's latent with
+  ``heads == 1``) → ``kv[b]``
 
 The two 5-dim GPU kinds may come with the HND stride order vLLM's backends use
 (``get_kv_cache_stride_order``): the logical shape stays ``[.., block_size,
 kv_heads, head]`` while memory runs ``heads, block_size, head``. Their bytes are
 then named ``hnd``: a block's stored bytes are always its bytes in memory.
+Likewise the 4-dim ``hnc`` kind is named ``hnc`` when memory runs heads first
+(``LBHNC``/``BLHNC``) and ``nhc`` when it runs tokens first (``LBNHC``/``BLNHC``).
+Block-outermost layouts (``BL..``: one buffer, each block holding every layer's
+page) give per-layer views whose blocks are still contiguous, so their bytes and
+fingerprints equal the layer-outermost ones. Layouts that split one layer's page
+(``BHLNC``, ``LHBNC``) are refused with a clear error.
 
 The fingerprint names the bytes, not the backend: blocks are interchangeable
 exactly when fingerprints match. Tensors may live in host or CUDA memory
@@ -30,10 +40,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KINDS", "BlockLayout", "TensorView", "layout_fingerprint"]
+__all__ = ["KINDS", "BlockLayout", "TensorView", "bytes_kind", "layout_fingerprint"]
 
-KINDS = ("cpu", "nhd", "nhd-interleaved", "mla")
-_BYTES_KIND = {"cpu": "cpu", "nhd": "nhd", "nhd-interleaved": "nhd", "mla": "mla", "hnd": "hnd"}
+KINDS = ("cpu", "nhd", "nhd-interleaved", "mla", "hnc")
+_BYTES_KIND = {"cpu": "cpu", "nhd": "nhd", "nhd-interleaved": "nhd", "mla": "mla", "hnd": "hnd",
+               "hnc": "hnc", "nhc": "nhc"}
 #: 5-dim kinds whose inner ``[block_size, heads, head]`` may be stored heads-first
 _FIVE_DIM = ("nhd", "nhd-interleaved")
 
@@ -77,11 +88,19 @@ class TensorView:
         return (len(self.shape) == 5 and self.shape[2] > 1 and self.shape[3] > 1
                 and self.strides[3] > self.strides[2])
 
+    def tokens_first(self) -> bool:
+        """4-dim ``[B, heads, block_size, C]`` stored tokens-first (``LBNHC``/``BLNHC``)."""
+        return (len(self.shape) == 4 and self.shape[1] > 1 and self.shape[2] > 1
+                and self.strides[2] > self.strides[1])
+
     def physical(self) -> TensorView:
-        """The same memory with ``block_size`` and ``heads`` swapped where stored HND."""
-        if not self.heads_first():
+        """The same memory with ``block_size`` and ``heads`` swapped where stored so."""
+        if self.heads_first():
+            order: tuple[int, ...] = (0, 1, 3, 2, 4)
+        elif self.tokens_first():
+            order = (0, 2, 1, 3)
+        else:
             return self
-        order = (0, 1, 3, 2, 4)
         return TensorView(self.ptr, tuple(self.shape[i] for i in order),
                           tuple(self.strides[i] for i in order), self.itemsize, self.dtype,
                           self.device)
@@ -105,6 +124,15 @@ def _guess_kind(shape: tuple[int, ...]) -> str:
     raise ValueError(
         f"cannot tell the KV layout of a tensor of shape {list(shape)}; "
         f"pass kind= one of {', '.join(KINDS)}")
+
+
+def bytes_kind(kind: str, heads_first: bool) -> str:
+    """The fingerprint kind of tensor kind ``kind`` stored (or not) heads before tokens."""
+    if kind in _FIVE_DIM:
+        return "hnd" if heads_first else "nhd"
+    if kind == "hnc":
+        return "hnc" if heads_first else "nhc"
+    return kind
 
 
 def layout_fingerprint(kind: str, dtype: str, num_layers: int,
@@ -137,18 +165,30 @@ class BlockLayout:
         self.dtype = first.dtype
         self.device = first.device
         self.num_layers = len(views)
-        self.heads_first = kind in _FIVE_DIM and first.heads_first()
+        if kind == "hnc":
+            if len(first.shape) != 4:
+                raise ValueError(f"a {kind} KV tensor is [num_blocks, heads, block_size, C]; "
+                                 f"found shape {list(first.shape)}")
+            self.heads_first = not first.tokens_first()
+        else:
+            self.heads_first = kind in _FIVE_DIM and first.heads_first()
         shape = first.shape
         if kind == "nhd":
             self.num_blocks, self.block_size = shape[1], shape[2]
             seg_dims, block_shape = 2, (2, *shape[2:])
         else:
             self.num_blocks = shape[0]
-            self.block_size = shape[2] if kind in ("cpu", "nhd-interleaved") else shape[1]
+            self.block_size = shape[2] if kind in ("cpu", "nhd-interleaved", "hnc") else shape[1]
             seg_dims, block_shape = 1, shape[1:]
-        if not first.physical().contiguous_from(seg_dims):
+        physical = first.physical() if kind in (*_FIVE_DIM, "hnc") else first
+        if not physical.contiguous_from(seg_dims):
+            hint = ""
+            if kind == "hnc":
+                hint = ("; this vLLM KV cache layout splits one layer's page of a block "
+                        "(BHLNC or LHBNC). Fix: set VLLM_KV_CACHE_LAYOUT to LBNHC, LBHNC, "
+                        "BLNHC or BLHNC")
             raise ValueError(f"each block of a {kind} KV tensor must be contiguous; "
-                             f"strides {list(first.strides)} for shape {list(shape)}")
+                             f"strides {list(first.strides)} for shape {list(shape)}{hint}")
         self.block_shape = tuple(block_shape)
         count = 1
         for n in shape[seg_dims:]:
@@ -158,8 +198,8 @@ class BlockLayout:
         self.block_nbytes = self._seg_nbytes * self._segs_per_layer * self.num_layers
         self.segs_per_layer = self._segs_per_layer
         self.seg_nbytes = self._seg_nbytes
-        bytes_kind = "hnd" if self.heads_first else kind
-        self.fingerprint = layout_fingerprint(bytes_kind, self.dtype, self.num_layers,
+        self.fingerprint = layout_fingerprint(bytes_kind(kind, self.heads_first), self.dtype,
+                                              self.num_layers,
                                               self.block_shape, variant)
 
     @property
@@ -177,6 +217,15 @@ class BlockLayout:
             raise ValueError("no KV cache tensors given")
         if kind == "auto":
             kind = _guess_kind(views[0].shape)
+        elif kind in _FIVE_DIM:
+            # FlashAttention and FlashInfer tensors hold the same bytes per block (one
+            # fingerprint): the tensor's own shape tells which of the two it is
+            try:
+                guessed = _guess_kind(views[0].shape)
+            except ValueError:
+                guessed = kind
+            if guessed in _FIVE_DIM:
+                kind = guessed
         if kind not in KINDS:
             raise ValueError(f"unknown KV layout kind {kind!r}; expected one of {', '.join(KINDS)}")
         return cls(views, kind, variant, tensors)
@@ -210,7 +259,10 @@ class BlockLayout:
         out = []
         for tensor in self.tensors:
             t = torch.as_tensor(tensor)
-            if self.heads_first:
+            if self.kind == "hnc" and not self.heads_first and t.dim() == 4 \
+                    and t.shape[1] > 1 and t.shape[2] > 1:
+                t = t.permute(0, 2, 1, 3)
+            elif self.heads_first and self.kind in _FIVE_DIM:
                 t = t.permute(0, 1, 3, 2, 4)
             # view(), never reshape(): a silent copy would make loads write nowhere
             if self.kind == "nhd":

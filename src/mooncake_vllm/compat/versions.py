@@ -180,6 +180,27 @@ class VllmFacts:
     min_mooncake_in_tree_store: str | None = None
     # V0 store connector (vllm §4)
     v0_store_needs_chunked_prefill_off: bool = False
+    # GPU KV cache layout handed to V1 connectors (read from each release's wheel:
+    # vllm/v1/attention/backends/*.py, v1/worker/gpu_model_runner.py, platforms/cuda.py)
+    #: per-layer KV views: "backend" (each backend's ``get_kv_cache_shape``: FlashAttention
+    #: ``[2, B, N, H, D]``, FlashInfer ``[B, 2, N, H, D]``, MLA ``[B, N, D]``) | "bhnc" (generic
+    #: ``[B, H, N, C]`` views of one buffer in a resolved ``KVCacheLayout``)
+    kv_view_shape: str = "backend"
+    #: where vLLM decides NHD vs HND: None (always NHD, the runner ignores stride orders) |
+    #: "connector-utils" (kv_connector.utils.get_kv_connector_cache_layout: NixlConnector ->
+    #: HND) | "backends-utils" (v1.attention.backends.utils.get_kv_cache_layout: override >
+    #: VLLM_KV_CACHE_LAYOUT > connector) | "cache-config" (cache_config.kv_cache_layout,
+    #: resolved by the engine core before any connector is built)
+    kv_layout_source: str | None = None
+    kv_layout_env: bool = False  #: VLLM_KV_CACHE_LAYOUT is read
+    #: FlashInfer on compute capability 10.x forces HND (set_kv_cache_layout override)
+    kv_layout_blackwell_flashinfer_hnd: bool = False
+    #: the connector class may ask for a layout (``get_required_kvcache_layout``)
+    kv_layout_connector_hook: bool = False
+    #: cross-layer KV (one buffer, each block holding all layers): "none" | "opt-in" (only
+    #: for a connector whose ``prefer_cross_layer_blocks`` is True; ours never is) |
+    #: "layout" (block-outermost ``KVCacheLayout`` BL..: per-layer views into one buffer)
+    cross_layer_kv: str = "none"
     #: field name -> reference note of the row that set it
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -230,13 +251,20 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        module_path=True, multi_connector=True, plugins_in_engine_core=True, kv_config_kind="dataclass",
        rejects_unknown_kv_keys=True, kv_config_fields=_KV_FIELDS_090,
        our_v1_connector=True),  # vllm §7: 0.9.0 V1 API (blocks, request_finished, get_finished)
-    _c("0.10.0", "vllm §11: +sha256_cbor_64bit",
-       hash_algorithms=("builtin", "sha256", "sha256_cbor_64bit")),
+    _c("0.9.1", "wheel: FlashAttention get_kv_cache_stride_order honoured by the V1 GPU runner; "
+       "layout from kv_connector.utils.get_kv_connector_cache_layout (NixlConnector -> HND)",
+       kv_layout_source="connector-utils"),
+    _c("0.9.2", "wheel: v1/attention/backends/utils.get_kv_cache_layout (lru_cache), "
+       "VLLM_KV_CACHE_LAYOUT; FlashInfer stride order too",
+       kv_layout_source="backends-utils", kv_layout_env=True),
+    _c("0.10.0", "vllm §11: +sha256_cbor_64bit; wheel: FlashInfer on SM 10.x sets HND (set_kv_cache_layout)",
+       hash_algorithms=("builtin", "sha256", "sha256_cbor_64bit"),
+       kv_layout_blackwell_flashinfer_hnd=True),
     _c("0.10.1", "vllm §2/§6/§7: V0 connectors removed; name free on V1; request.block_hashes",
        v0_kv_connectors=False, v0_name="absent", v0_claim=None, in_tree_v0_store=False,
        v0_store_needs_chunked_prefill_off=False, in_tree_mooncake_connector=None,
        v1_name="free", v1_claim="register", factory_api="create_connector(config, role)",
-       block_hashes_on_request=True),
+       block_hashes_on_request=True, kv_layout_connector_hook=True),
     _c("0.10.2", "vllm §5/§11: pydantic dataclass (unknown keys ignored, unverified); builtin hash removed, sha256 default",
        kv_config_kind="pydantic-dataclass", rejects_unknown_kv_keys=False,
        hash_algorithms=("sha256", "sha256_cbor_64bit"), default_hash_algorithm="sha256",
@@ -248,6 +276,8 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        use_v1_env="removed", v1_ctor_args=(2, 3), multi_children_get_kv_cache_config=True,
        factory_api="create_connector(config, role, kv_cache_config=None)",
        kv_config_fields=_KV_FIELDS_0111, load_error_reporting=True),
+    _c("0.12.0", "vllm §7: prefer_cross_layer_blocks/register_cross_layers_kv_cache (opt-in cross-layer KV)",
+       cross_layer_kv="opt-in"),
     _c("0.13.0", "vllm §5/§6/§11: V1 P2P MooncakeConnector; +kv_load_failure_policy; hashing.py algorithms",
        in_tree_mooncake_connector="v1-p2p", p2p_transfer_params="handoff",
        kv_config_fields=_KV_FIELDS_0130,
@@ -263,8 +293,12 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        factory_api="create_connector(config, role, kv_cache_config)", min_mooncake_in_tree_store="0.3.9"),
     _c("0.22.0", "vllm §10: store config 'mode'; segment 0 requires mode=standalone-store",
        store_mode_key=True, store_segment_zero_needs_mode=True),
-    _c("0.29.0", "vllm §10/§11: DEFAULT_NONE_HASH_SEED -> sha256 deterministic without PYTHONHASHSEED; tenant_id",
-       v1_hash_seed="deterministic", store_tenant_id=True),
+    _c("0.29.0", "vllm §7/§10/§11: DEFAULT_NONE_HASH_SEED -> sha256 deterministic without PYTHONHASHSEED; "
+       "tenant_id; wheel: v1/kv_cache_layout.KVCacheLayout resolved by the engine core into "
+       "cache_config.kv_cache_layout, generic [B, H, N, C] views; BL.. layouts = cross-layer",
+       v1_hash_seed="deterministic", store_tenant_id=True, kv_view_shape="bhnc",
+       kv_layout_source="cache-config", kv_layout_blackwell_flashinfer_hnd=False,
+       cross_layer_kv="layout"),
     _c("0.32.0", "vllm §5: kv_buffer_size, kv_rank, kv_parallel_size, kv_ip removed",
        kv_config_fields=_KV_FIELDS_0130 - _KV_REMOVED_0320, removed_kv_fields=_KV_REMOVED_0320),
 )  # fmt: skip

@@ -12,6 +12,7 @@ Request-level facts (LoRA, cache salt, multimodal hashes) become
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,8 +20,9 @@ from typing import Any
 
 from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.keys import KeyNamespace, RequestExtras
-from mooncake_vllm.layout import BlockLayout, layout_fingerprint
+from mooncake_vllm.layout import BlockLayout, bytes_kind, layout_fingerprint
 from mooncake_vllm.settings import ConnectorSettings
+from mooncake_vllm.v1.layout_prediction import gpu_layout_name, predict_block
 
 __all__ = [
     "ExpectedLayout",
@@ -43,11 +45,13 @@ class ExpectedLayout:
     dtype: str
     num_layers: int
     block_shape: tuple[int, ...]
+    #: memory runs heads before tokens inside a block (HND, LBHNC/BLHNC)
+    heads_first: bool = False
 
     @property
     def fingerprint(self) -> str:
-        return layout_fingerprint(self.kind, self.dtype, self.num_layers, self.block_shape,
-                                  self.variant)
+        return layout_fingerprint(bytes_kind(self.kind, self.heads_first), self.dtype,
+                                  self.num_layers, self.block_shape, self.variant)
 
 
 def _dtype_name(vllm_config: Any) -> str:
@@ -55,12 +59,17 @@ def _dtype_name(vllm_config: Any) -> str:
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto"
     if cache_dtype == "auto":
         return model_dtype
-    try:  # fp8 and friends: name the torch dtype vLLM allocates
-        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-
-        return str(STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]).removeprefix("torch.")
-    except (ImportError, KeyError):
-        return str(cache_dtype)
+    # fp8 and friends: name the torch dtype vLLM allocates (uint8 for every fp8 flavour:
+    # the backends view it as float8 inside their kernels)
+    for module in ("vllm.utils.torch_utils", "vllm.utils"):
+        try:
+            table = importlib.import_module(module).STR_DTYPE_TO_TORCH_DTYPE
+            return str(table[cache_dtype]).removeprefix("torch.")
+        except (ImportError, AttributeError, KeyError):
+            continue
+    if str(cache_dtype).startswith("fp8"):
+        return "uint8"
+    return str(cache_dtype)
 
 
 def _is_cpu_platform() -> bool:
@@ -105,14 +114,29 @@ def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
     heads = int(model_config.get_num_kv_heads(vllm_config.parallel_config))
     layers = _layer_count(vllm_config, pp_rank)
     dtype = _dtype_name(vllm_config)
+    heads_first = False
     if _is_cpu_platform():
         kind, predicted = "cpu", _cpu_isa(vllm_config, block_size, head_size)
         shape: tuple[int, ...] = (heads, block_size, 2 * head_size)
-    elif getattr(model_config, "use_mla", False):
-        kind, predicted, shape = "mla", "", (block_size, head_size)
     else:
-        kind, predicted, shape = "nhd", "", (2, block_size, heads, head_size)
-    return ExpectedLayout(kind, predicted if variant is None else variant, dtype, layers, shape)
+        facts = _installed_facts()
+        name = gpu_layout_name(vllm_config, facts)
+        kind, heads_first, shape = predict_block(
+            facts, name, use_mla=bool(getattr(model_config, "use_mla", False)), heads=heads,
+            head_size=head_size, block_size=block_size)
+        predicted = ""
+    return ExpectedLayout(kind, predicted if variant is None else variant, dtype, layers, shape,
+                          heads_first)
+
+
+def _installed_facts() -> Any:
+    """The version facts of the installed vLLM (the layout decision is per release)."""
+    from mooncake_vllm.compat import installed_vllm, vllm_facts
+
+    dist = installed_vllm()
+    if dist is None:  # pragma: no cover - a vLLM config without vLLM
+        raise UnsupportedVersionError("MooncakeStoreConnector: vLLM is not installed")
+    return vllm_facts(dist.version)
 
 
 def check_layout(expected: ExpectedLayout, actual: BlockLayout) -> None:
