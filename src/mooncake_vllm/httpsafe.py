@@ -328,10 +328,10 @@ async def read_body(request: web.Request, *, limit: int, timeout: float, limit_h
                     timeout_hint: str = "") -> bytes:
     """The whole body, or ``web.HTTPException`` 413 (over ``limit``) / 408 (slower than ``timeout``)."""
     size = request.content_length
-    too_big = (f"request body of {{}} bytes is over the limit of {limit} bytes; send a smaller body or "
-               f"{limit_hint}")
+    def too_big(size: object) -> str:
+        return f"request body of {size} bytes is over the limit of {limit} bytes; send a smaller body or {limit_hint}"
     if size is not None and size > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size, text=too_big.format(size) + "\n")
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size, text=too_big(size) + "\n")
     async def whole() -> bytes:
         if size is not None:
             return await request.read()  # Content-Length checked above
@@ -340,7 +340,7 @@ async def read_body(request: web.Request, *, limit: int, timeout: float, limit_h
             buf += chunk
             if len(buf) > limit:
                 raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(buf),
-                                                    text=too_big.format(f"more than {limit}") + "\n")
+                                                    text=too_big(f"more than {limit}") + "\n")
         return bytes(buf)
 
     try:
@@ -355,4 +355,4 @@ async def read_body(request: web.Request, *, limit: int, timeout: float, limit_h
         if exc.text and "over the limit" in exc.text:
             raise
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=limit + 1,
-                                            text=too_big.format(f"more than {limit}") + "\n") from None
+                                            text=too_big(f"more than {limit}") + "\n") from None
