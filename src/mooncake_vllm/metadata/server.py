@@ -119,9 +119,9 @@ class ServerLimits:
                 if value <= 0:
                     raise ValueError
             except ValueError:
-                problems.append(ConfigProblem(var, f"{raw!r} is not a positive {'number' if kind is float else 'integer'}",
-                                              f"set {var} to a positive {'number of seconds' if kind is float else 'integer'} "
-                                              "or unset it for the default"))
+                what = "number of seconds" if kind is float else "integer"
+                problems.append(ConfigProblem(var, f"{raw!r} is not a positive {what}",
+                                              f"set {var} to a positive {what} or unset it for the default"))
                 continue
             setattr(out, name, value)
         if problems:

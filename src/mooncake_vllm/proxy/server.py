@@ -22,7 +22,15 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
-from mooncake_vllm.httpsafe import ConnectionGuard, GuardedTCPSite, JsonBodyError, describe_exc, loads_json, read_body, redact
+from mooncake_vllm.httpsafe import (
+    ConnectionGuard,
+    GuardedTCPSite,
+    JsonBodyError,
+    describe_exc,
+    loads_json,
+    read_body,
+    redact,
+)
 from mooncake_vllm.proxy import flows
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.metrics import ProxyMetrics
