@@ -52,6 +52,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds /instances/remove and shutdown (SIGTERM) wait for requests in flight")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="upper bound on one upstream request, seconds (default: none)")
+    parser.add_argument("--max-body-mb", type=int, default=64,
+                        help="largest client request body in MiB; larger ones get 413 (default 64)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -89,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
             host=args.host, port=args.port,
             scheduling=args.scheduling, flow=args.flow, target_vllm=args.target_vllm,
             health_interval=args.health_interval, health_failures=args.health_failures,
-            drain_timeout=args.drain_timeout, request_timeout=args.request_timeout))
+            drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
+            max_body_bytes=args.max_body_mb << 20))
     except (ConfigError, UnsupportedVersionError) as exc:
         print(f"mooncake-vllm proxy: {exc}", file=sys.stderr)
         return 2

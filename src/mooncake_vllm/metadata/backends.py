@@ -24,9 +24,8 @@ import threading
 import urllib.parse
 from collections.abc import Mapping
 
-from mooncake_vllm.addresses import P2P_HANDSHAKE, MetadataURL
+from mooncake_vllm.addresses import P2P_HANDSHAKE, MetadataURL, redact_url
 from mooncake_vllm.errors import ConfigError, ConfigProblem, StoreError, StoreUnavailableError
-from mooncake_vllm.addresses import redact_url
 from mooncake_vllm.metadata.base import DEFAULT_TIMEOUT, MetadataBackend, http_request
 from mooncake_vllm.metadata.etcd import EtcdBackend
 
@@ -35,6 +34,7 @@ __all__ = [
     "P2P_HANDSHAKE",
     "HttpBackend",
     "MemoryBackend",
+    "MetadataFullError",
     "MetadataBackend",
     "RedisBackend",
     "backend_for",
@@ -42,26 +42,53 @@ __all__ = [
     "redact_url",
 ]
 
+class MetadataFullError(StoreError):
+    """A put the memory backend refuses: its total size or key count cap would be exceeded."""
+
+
 class MemoryBackend(MetadataBackend):
-    """A thread-safe in-process dict; what the embedded server uses by default."""
+    """A thread-safe in-process dict; what the embedded server uses by default.
+
+    ``max_total_bytes`` / ``max_keys`` bound what it holds (defaults as Mooncake's
+    own HTTP metadata server: 1 GiB, 65536 keys); a put over either raises
+    :class:`MetadataFullError` and stores nothing.
+    """
 
     url = "memory"
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_total_bytes: int = 1 << 30, max_keys: int = 65536) -> None:
         self._data: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        self.max_total_bytes, self.max_keys = max_total_bytes, max_keys
+        self.total_bytes = 0
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
             return self._data.get(key)
 
     def put(self, key: str, value: bytes) -> None:
+        value = bytes(value)
         with self._lock:
-            self._data[key] = bytes(value)
+            old = self._data.get(key)
+            if old is None and len(self._data) >= self.max_keys:
+                raise MetadataFullError(
+                    f"metadata store full: {len(self._data)} keys, the limit is {self.max_keys} "
+                    "(MC_METADATA_MAX_KEYS); remove stale entries with `mooncake-vllm metadata gc --apply` "
+                    "or raise MC_METADATA_MAX_KEYS for the metadata server")
+            total = self.total_bytes - (len(old) if old is not None else 0) + len(value)
+            if total > self.max_total_bytes:
+                raise MetadataFullError(
+                    f"metadata store full: {self.total_bytes} bytes stored, this {len(value)}-byte value would "
+                    f"exceed the limit of {self.max_total_bytes} bytes (MC_METADATA_MAX_TOTAL_BYTES); remove stale "
+                    "entries with `mooncake-vllm metadata gc --apply` or raise MC_METADATA_MAX_TOTAL_BYTES")
+            self._data[key] = value
+            self.total_bytes = total
 
     def delete(self, key: str) -> None:
         with self._lock:
-            self._data.pop(key, None)
+            old = self._data.pop(key, None)
+            if old is not None:
+                self.total_bytes -= len(old)
 
     def list(self, prefix: str = "mooncake/") -> list[str]:
         with self._lock:

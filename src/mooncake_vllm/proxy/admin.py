@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_vllm.errors import ConfigError, UnsupportedVersionError
+from mooncake_vllm.httpsafe import JsonBodyError, describe_exc, loads_json, read_body
 from mooncake_vllm.proxy import flows
 from mooncake_vllm.proxy.instances import KINDS, Endpoint, Instance, parse_endpoint
 
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
 __all__ = ["check_all", "check_instance", "health_loop", "install", "model_matches"]
 
 log = logging.getLogger(__name__)
+
+#: largest admin request body and health-probe answer read
+ADMIN_BODY_LIMIT = 64 << 10
+PROBE_ANSWER_LIMIT = 1 << 20
 
 
 def model_matches(expected: str, payload: Any) -> tuple[bool, list[str]]:
@@ -49,7 +54,12 @@ async def _get_json(server: ProxyServer, url: str) -> Any:
     async with server.session.get(url, timeout=timeout) as resp:
         if resp.status != 200:
             raise ConnectionError(f"GET {url} answered HTTP {resp.status}")
-        return await resp.json(content_type=None)
+        raw = b""
+        async for chunk in resp.content.iter_any():
+            raw += chunk
+            if len(raw) > PROBE_ANSWER_LIMIT:
+                raise ConnectionError(f"GET {url} answered more than {PROBE_ANSWER_LIMIT} bytes")
+        return loads_json(raw, what=f"GET {url} answer") if raw.strip() else None  # /health: 200, no body
 
 
 async def check_instance(server: ProxyServer, inst: Instance) -> str | None:
@@ -75,7 +85,7 @@ async def check_instance(server: ProxyServer, inst: Instance) -> str | None:
                 return f"bootstrap server {inst.endpoint.bootstrap_url} has no engine registered yet"
             inst.engine_ids = ids
     except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError, UnsupportedVersionError) as exc:
-        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return describe_exc(exc, server.secrets())
     return None
 
 
@@ -93,7 +103,7 @@ async def check_all(server: ProxyServer) -> None:
     results = await asyncio.gather(*(check_instance(server, i) for i in insts), return_exceptions=True)
     for inst, res in zip(insts, results):
         if isinstance(res, BaseException):
-            res = f"{type(res).__name__}: {res}"
+            res = describe_exc(res, server.secrets())
         if res is None:
             inst.probe_failures = 0
             if not inst.healthy:
@@ -138,9 +148,14 @@ async def _admin_request(server: ProxyServer, request: web.Request) -> tuple[str
     if (denied := _denied(server, request)) is not None:
         return denied
     try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        return _err(400, 'body must be JSON: {"type": "prefill"|"decode", "instance": "host:port"}')
+        raw = await read_body(request, limit=ADMIN_BODY_LIMIT, timeout=server.config.body_timeout,
+                              limit_hint='send only {"type": ..., "instance": ...}')
+    except web.HTTPException as exc:
+        return _err(exc.status, (exc.text or exc.reason).strip())
+    try:
+        body = loads_json(raw, what="admin request body")
+    except JsonBodyError as exc:
+        return _err(400, f'{exc}; send {{"type": "prefill"|"decode", "instance": "host:port"}}')
     if not isinstance(body, dict):
         return _err(400, 'body must be a JSON object: {"type": "prefill"|"decode", "instance": "host:port"}')
     kind, addr = body.get("type"), body.get("instance")

@@ -22,6 +22,15 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.httpsafe import (
+    ConnectionGuard,
+    GuardedTCPSite,
+    JsonBodyError,
+    describe_exc,
+    loads_json,
+    read_body,
+    redact,
+)
 from mooncake_vllm.proxy import admin, flows
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.metrics import ProxyMetrics
@@ -48,14 +57,20 @@ class ProxyConfig:
     scheduling: str = "round_robin"
     flow: str = "store"
     target_vllm: str | None = None  # p2p only; None = ask the instances' GET /version
-    admin_api_key: str | None = None  # None/empty: admin endpoints disabled (403)
-    upstream_api_key: str | None = None  # sent as Bearer when the client sends none
+    admin_api_key: str | None = field(default=None, repr=False)  # None/empty: admin endpoints disabled (403)
+    upstream_api_key: str | None = field(default=None, repr=False)  # sent as Bearer when the client sends none
     health_interval: float = 5.0
     health_timeout: float = 2.0
     health_failures: int = 2  # consecutive failed checks before leaving rotation
     connect_timeout: float = 5.0
     request_timeout: float | None = None  # whole upstream request; None = no limit
     drain_timeout: float = 300.0
+    max_body_bytes: int = 64 << 20  # one client request body (413 above)
+    max_upstream_bytes: int = 256 << 20  # one buffered upstream answer (prefill, non-streamed decode)
+    header_timeout: float = 10.0  # a client's request head must arrive within this
+    body_timeout: float = 60.0  # ... and its body within this (408 otherwise)
+    idle_timeout: float = 60.0  # idle keep-alive client connections close after this
+    max_connections: int = 4096  # open client connections (always kept below the descriptor limit)
 
 
 class ProxyError(Exception):
@@ -108,12 +123,17 @@ class ProxyServer:
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
         self.pending_adds: set[tuple[str, str]] = set()
+        self.guard = ConnectionGuard(
+            max_connections=config.max_connections, header_timeout=config.header_timeout,
+            idle_timeout=config.idle_timeout, name="proxy",
+            header_timeout_hint="the proxy's header_timeout", max_connections_hint=(
+                "raise the proxy's max_connections and its descriptor limit (ulimit -n)"))
         self.app = self._build_app()
 
     # ---- lifecycle -------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.config.max_body_bytes + 1, middlewares=[self.guard.middleware])
         app.router.add_post("/v1/completions", self._route("/v1/completions"))
         app.router.add_post("/v1/chat/completions", self._route("/v1/chat/completions"))
         app.router.add_get("/v1/models", self.handle_models)
@@ -148,12 +168,12 @@ class ProxyServer:
     async def start(self) -> int:
         """Serve on ``config.host:config.port`` (0 = a free port); returns the port."""
         # on stop: listening ends at once, handlers in flight get up to drain_timeout to finish
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=self.config.drain_timeout)
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=self.config.drain_timeout,
+                                     keepalive_timeout=self.config.idle_timeout, lingering_time=2.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=1024)
+        site = GuardedTCPSite(self._runner, self.config.host, self.config.port, guard=self.guard, backlog=1024)
         await site.start()
-        sockets = self._runner.addresses
-        self.config.port = int(sockets[0][1]) if sockets else self.config.port
+        self.config.port = site.port
         return self.config.port
 
     async def stop(self) -> None:
@@ -179,8 +199,19 @@ class ProxyServer:
             headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
         return headers
 
+    def secrets(self, request: web.Request | None = None) -> tuple[str | None, ...]:
+        """Every secret an error text could echo: our keys and the client's own credentials."""
+        out: list[str | None] = [self.config.upstream_api_key, self.config.admin_api_key]
+        if request is not None:
+            for name in ("Authorization", "X-API-Key"):
+                value = request.headers.get(name)
+                if value:
+                    out += [value, value.partition(" ")[2].strip()]
+        return tuple(out)
+
     def _fail(self, inst: Instance, reason: str, detail: str) -> None:
-        """Count an upstream failure; connection-level ones take the instance out of rotation."""
+        """Count an upstream failure; connection-level ones take the instance out of rotation.
+        ``detail`` goes to the log and ``GET /status``: it must already be free of secrets."""
         self.metrics.error(inst.kind, reason)
         if reason in ("connect", "disconnect", "timeout"):
             if inst.healthy:
@@ -191,24 +222,52 @@ class ProxyServer:
             inst.errors += 1
             inst.last_error = detail
 
-    def _upstream_failure(self, inst: Instance, exc: BaseException, *, last: bool) -> ProxyError | None:
+    def _upstream_failure(self, inst: Instance, exc: BaseException, *, last: bool,
+                          secrets: tuple[str | None, ...] = ()) -> ProxyError | None:
         """The client's error for a failed upstream call, or None to retry elsewhere
-        (only a refused connection is retried: the request never reached the instance)."""
+        (only a refused connection is retried: the request never reached the instance).
+        Error texts are ``describe_exc``: never ``repr``, whose aiohttp form holds the request headers."""
+        if isinstance(exc, ProxyError):
+            return exc
+        secrets = (*secrets, *self.secrets())
         if isinstance(exc, aiohttp.ClientConnectorError):
-            self._fail(inst, "connect", f"connect failed: {exc.os_error or exc}")
+            self._fail(inst, "connect", "connect failed: " + describe_exc(exc.os_error or exc, secrets))
             if last or not self.pool.available(inst.kind):
-                return ProxyError(502, f"{inst.kind} instance {inst.key} is unreachable: {exc}", reason="connect")
+                return ProxyError(502, f"{inst.kind} instance {inst.key} is unreachable: {describe_exc(exc, secrets)}",
+                                  reason="connect")
             return None
         if isinstance(exc, asyncio.TimeoutError):
             self._fail(inst, "timeout", f"{inst.kind} timed out")
             return ProxyError(504, f"{inst.kind} instance {inst.key} timed out", "timeout", reason="timeout")
-        self._fail(inst, "disconnect", f"{inst.kind} failed: {exc!r}")
-        return ProxyError(502, f"{inst.kind} instance {inst.key} failed before answering: {exc!r}",
+        detail = describe_exc(exc, secrets)
+        self._fail(inst, "disconnect", f"{inst.kind} failed: {detail}")
+        return ProxyError(502, f"{inst.kind} instance {inst.key} failed before answering: {detail}",
                           reason="disconnect")
 
-    async def _error_from(self, inst: Instance, up: aiohttp.ClientResponse) -> ProxyError:
-        """A ProxyError for an upstream answer >= 400: 4xx as is, 5xx as 502."""
-        text = (await up.read()).decode("utf-8", "replace")[:2000]
+    async def _read_upstream(self, inst: Instance, up: aiohttp.ClientResponse, limit: int) -> bytes:
+        """At most ``limit`` bytes of an upstream answer; ProxyError 502 when it is longer."""
+        buf = bytearray()
+        async for chunk in up.content.iter_any():
+            buf += chunk
+            if len(buf) > limit:
+                self._fail(inst, "too_large", f"{inst.kind} answer over {limit} bytes")
+                raise ProxyError(502, f"{inst.kind} instance {inst.key} answered more than {limit} bytes (the "
+                                 "proxy's max_upstream_bytes); raise it if such answers are expected",
+                                 reason="too_large")
+        return bytes(buf)
+
+    async def _error_from(self, inst: Instance, up: aiohttp.ClientResponse,
+                          secrets: tuple[str | None, ...] = ()) -> ProxyError:
+        """A ProxyError for an upstream answer >= 400: 4xx as is, 5xx as 502. The upstream's
+        text is cut to 2000 bytes (never read further) and redacted: an upstream that echoes
+        the request would otherwise hand the client our upstream key."""
+        raw = b""
+        try:
+            while len(raw) < 2000 and (chunk := await up.content.read(2000 - len(raw))):
+                raw += chunk
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass  # what came is enough to explain the error
+        text = redact(raw.decode("utf-8", "replace"), (*secrets, *self.secrets()))
         if up.status < 500:
             self.metrics.error(inst.kind, f"http_{up.status}")
             try:
@@ -216,13 +275,15 @@ class ProxyServer:
                 msg = err.get("error", err).get("message") if isinstance(err, dict) else None
             except (ValueError, AttributeError):
                 msg = None
-            return ProxyError(up.status, str(msg or text), "invalid_request_error", reason=f"http_{up.status}")
+            return ProxyError(up.status, redact(str(msg or text), (*secrets, *self.secrets())),
+                              "invalid_request_error", reason=f"http_{up.status}")
         self._fail(inst, f"http_{up.status}", f"HTTP {up.status}")
         return ProxyError(502, f"{inst.kind} instance {inst.key} answered HTTP {up.status}: {text}",
                           reason=f"http_{up.status}")
 
     async def _post_prefill(self, route: str, body: dict[str, Any], headers: dict[str, str],
-                            prefix: bytes, transfer_id: str) -> tuple[Instance, dict[str, Any] | None, int | None]:
+                            prefix: bytes, transfer_id: str,
+                            secrets: tuple[str | None, ...] = ()) -> tuple[Instance, dict[str, Any] | None, int | None]:
         """Run the prefill step (one retry on another instance if a connection fails)."""
         mode = self.p2p_mode or ""
         data = json.dumps(flows.prefill_body(body, self.config.flow, mode, transfer_id)).encode()
@@ -235,12 +296,12 @@ class ProxyServer:
             try:
                 async with self.session.post(inst.url + route, data=data, headers=hdrs) as up:
                     if up.status >= 400:
-                        raise await self._error_from(inst, up)
-                    raw = await up.read()
+                        raise await self._error_from(inst, up, secrets)
+                    raw = await self._read_upstream(inst, up, self.config.max_upstream_bytes)
                 return inst, (json.loads(raw) if mode == "handoff" else None), dp_rank
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                if (err := self._upstream_failure(inst, exc, last=attempt == 1)) is not None:
-                    raise err from exc
+                if (err := self._upstream_failure(inst, exc, last=attempt == 1, secrets=secrets)) is not None:
+                    raise err from None
             finally:
                 inst.release()
         raise AssertionError("unreachable")  # pragma: no cover
@@ -249,21 +310,22 @@ class ProxyServer:
                             prefix: bytes, stream: bool, t0: float) -> tuple[web.StreamResponse, int]:
         """Send the decode request and relay its answer (streamed or whole); also the status to record."""
         assert self.session is not None
+        secrets = self.secrets(request)
         for attempt in (0, 1):
             inst = self.pick("decode", prefix)
             inst.acquire()
             try:
                 async with self.session.post(inst.url + route, data=data, headers=headers) as up:
                     if up.status >= 400:
-                        raise await self._error_from(inst, up)
+                        raise await self._error_from(inst, up, secrets)
                     if not stream:
-                        raw = await up.read()
+                        raw = await self._read_upstream(inst, up, self.config.max_upstream_bytes)
                         self.metrics.observe_ttfb(route, time.perf_counter() - t0)
                         return web.Response(body=raw, status=up.status, content_type=up.content_type or None), up.status
                     return await self._stream(request, inst, up, route, t0)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                if (err := self._upstream_failure(inst, exc, last=attempt == 1)) is not None:
-                    raise err from exc
+                if (err := self._upstream_failure(inst, exc, last=attempt == 1, secrets=secrets)) is not None:
+                    raise err from None
             finally:
                 inst.release()
         raise AssertionError("unreachable")  # pragma: no cover
@@ -285,10 +347,11 @@ class ProxyServer:
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                 asyncio.TimeoutError) as exc:
             reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnect"
-            self._fail(inst, reason, f"stream broke: {exc!r}")
-            err = ProxyError(502, f"decode instance {inst.key} broke the stream: {exc!r}", reason=reason)
+            detail = describe_exc(exc, self.secrets(request))
+            self._fail(inst, reason, f"stream broke: {detail}")
+            err = ProxyError(502, f"decode instance {inst.key} broke the stream: {detail}", reason=reason)
             if first:  # nothing sent yet: a plain HTTP error
-                raise err from exc
+                raise err from None
             await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
             resp.force_close()
             await resp.write_eof()
@@ -316,12 +379,17 @@ class ProxyServer:
             if request.content_type != "application/json":
                 raise ProxyError(415, f"Content-Type must be application/json, got {request.content_type!r}",
                                  "invalid_request_error", reason="bad_request")
-            raw = await request.read()
             try:
-                body = json.loads(raw)
-            except ValueError as exc:
-                raise ProxyError(400, f"request body is not valid JSON: {exc}", "invalid_request_error",
-                                 reason="bad_request") from None
+                raw = await read_body(request, limit=self.config.max_body_bytes, timeout=self.config.body_timeout,
+                                      limit_hint="raise the proxy's --max-body-mb",
+                                      timeout_hint="raise the proxy's body_timeout")
+            except web.HTTPException as exc:  # 413/408: recorded and answered as what they are
+                raise ProxyError(exc.status, (exc.text or exc.reason).strip(), "invalid_request_error",
+                                 reason="too_large" if exc.status == 413 else "body_timeout") from None
+            try:
+                body = loads_json(raw, what="request body")
+            except JsonBodyError as exc:
+                raise ProxyError(400, str(exc), "invalid_request_error", reason="bad_request") from None
             if not isinstance(body, dict):
                 raise ProxyError(400, "request body must be a JSON object", "invalid_request_error",
                                  reason="bad_request")
@@ -335,7 +403,8 @@ class ProxyServer:
             request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
             headers = self._headers(request, request_id)
             transfer_id = flows.new_transfer_id()
-            prefill, pre_json, dp_rank = await self._post_prefill(route, body, headers, prefix, transfer_id)
+            prefill, pre_json, dp_rank = await self._post_prefill(route, body, headers, prefix, transfer_id,
+                                                                  self.secrets(request))
             try:
                 plan = flows.plan_decode(self.config.flow, self.p2p_mode or "", prefill, transfer_id,
                                          pre_json, dp_rank)
@@ -363,12 +432,14 @@ class ProxyServer:
             inst = self.pick(kind, b"")
             async with self.session.get(inst.url + "/v1/models", headers=self._headers(request, "models")) as up:
                 if up.status >= 400:
-                    raise await self._error_from(inst, up)
-                return web.Response(body=await up.read(), status=up.status, content_type="application/json")
+                    raise await self._error_from(inst, up, self.secrets(request))
+                raw = await self._read_upstream(inst, up, 16 << 20)
+                return web.Response(body=raw, status=up.status, content_type="application/json")
         except ProxyError as exc:
             return exc.response()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return ProxyError(502, f"{kind} instance failed to list models: {exc!r}").response()
+            detail = describe_exc(exc, self.secrets(request))
+            return ProxyError(502, f"{kind} instance failed to list models: {detail}").response()
 
     async def handle_metrics(self, _request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(self.pool), content_type="text/plain",

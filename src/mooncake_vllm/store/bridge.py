@@ -58,7 +58,7 @@ def mooncake_supports_redis(env: Mapping[str, str] = os.environ) -> bool:
 
 @dataclass
 class _Bridge:
-    redis_url: str
+    redis_url: str = field(repr=False)  # may hold a password
     proc: subprocess.Popen
     url: str = ""
     users: int = 0
@@ -89,6 +89,9 @@ def _pump(bridge: _Bridge) -> None:
 def _start(redis_url: str, timeout: float) -> _Bridge:
     env = dict(os.environ)
     env[BACKEND_ENV] = redis_url  # not on the command line: it may hold a password
+    # The bridge listens on loopback for this process's own Transfer Engine, whose HTTP
+    # plugin (0.3.x wheels) sends no bearer token: enforcing one would fail its setup.
+    env.pop("MC_METADATA_HTTP_TOKEN", None)
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(
