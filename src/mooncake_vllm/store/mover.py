@@ -43,6 +43,9 @@ class BlockMover:
         self.views = layout.byte_views()
         self.slot_nbytes = HEADER_SIZE + layout.block_nbytes
         self.cuda = layout.on_cuda
+        #: host memory moves through numpy fancy indexing: torch's CPU index_select
+        #: on bytes runs at a fraction of memcpy speed (measured 0.3-0.8 vs 3.7 GB/s)
+        self._host_views = None if self.cuda else [v.numpy() for v in self.views]
         self._shape = (layout.num_layers, layout.segs_per_layer, layout.seg_nbytes)
         if self.cuda:
             self.device = torch.device(layout.device)
@@ -65,12 +68,22 @@ class BlockMover:
         return t.pin_memory().to(self.device, non_blocking=True)  # on the current (our) stream
 
     def _gather_into(self, rows: Any, block_ids: Sequence[int]) -> None:
-        idx = self._index(block_ids)
         dst = self._payload(rows)
+        if self._host_views is not None:
+            ids, out = list(block_ids), dst.numpy()
+            for layer, view in enumerate(self._host_views):
+                out[:, layer] = view[:, ids].transpose(1, 0, 2)
+            return
+        idx = self._index(block_ids)
         for layer, view in enumerate(self.views):
             dst[:, layer].copy_(view.index_select(1, idx).transpose(0, 1))
 
     def _scatter_from(self, rows: Any, positions: Sequence[int], block_ids: Sequence[int]) -> None:
+        if self._host_views is not None:
+            src, ids = self._payload(rows).numpy()[list(positions)], list(block_ids)
+            for layer, view in enumerate(self._host_views):
+                view[:, ids] = src[:, layer].transpose(1, 0, 2)
+            return
         if len(positions) != rows.shape[0]:
             rows = rows.index_select(0, self._index(positions))
         src = self._payload(rows)

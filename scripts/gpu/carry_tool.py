@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Helpers for carrying vLLM + Mooncake to the GPU machine (stdlib only; runs here and there).
+
+  carry_tool.py extract ARCHIVE=DEST ...     unpack .tar.xz archives in parallel, one process each
+  carry_tool.py fatbin-list SO               entries of an ELF's .nv_fatbin (kind, arch, bytes)
+  carry_tool.py fatbin-prune SRC DST [ARCH]  copy SRC to DST, dropping the fatbin ELF images that an
+                                             sm_ARCH GPU can never load (default 90: H100/H200)
+  carry_tool.py fatbin-check SO              on the GPU machine: load every fatbin of SO that holds
+                                             an image for this GPU with cuModuleLoadFatBinary
+
+Why prune: vLLM's _C_stable_libtorch.abi3.so carries its kernels as zstd-compressed cubins for
+sm_75/80/86/89/90/100/120, which no archiver can shrink (85 MB as .xz). A cubin for sm_8x, sm_10x or
+sm_12x never runs on sm_90 (cubins are only compatible within one major version), so on an H200 only
+the sm_90/sm_90a cubins and the PTX are ever read. fatbin-prune rewrites each fatbin in place: the
+header plus the kept entries, then zeros up to the fatbin's old end, so every offset in the ELF (and
+every pointer the CUDA runtime registers) stays where it was; a fatbin that would keep nothing is left
+untouched. The kept entries are byte-identical (checked with cuobjdump here, see make_bundles.sh).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import hashlib
+import os
+import struct
+import sys
+import tarfile
+import time
+
+FATBIN_MAGIC = 0xBA55ED50
+KIND = {1: "ptx", 2: "elf"}
+
+
+# ---------------------------------------------------------------- fatbin
+def _sections(data: bytes) -> dict[str, tuple[int, int]]:
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise ValueError("not a 64-bit ELF file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    raw = []
+    for i in range(shnum):
+        name, _typ, _flags, _addr, off, size = struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize)
+        raw.append((name, off, size))
+    stroff = raw[shstrndx][1]
+    out = {}
+    for name, off, size in raw:
+        end = data.index(b"\0", stroff + name)
+        out[data[stroff + name:end].decode()] = (off, size)
+    return out
+
+
+def fatbins(data: bytes):
+    """Yield (blob_offset, blob_size, [entry dicts]) for each fatbin in .nv_fatbin."""
+    secs = _sections(data)
+    if ".nv_fatbin" not in secs:
+        return
+    off, size = secs[".nv_fatbin"]
+    p, end = off, off + size
+    while p + 16 <= end:
+        magic, _ver, hsz, fsz = struct.unpack_from("<IHHQ", data, p)
+        if magic != FATBIN_MAGIC:
+            p += 8  # blobs are 8-byte aligned; skip padding
+            continue
+        entries = []
+        q, qe = p + hsz, p + hsz + fsz
+        while q < qe:
+            kind, _v, ehsz, psz = struct.unpack_from("<HHIQ", data, q)
+            arch, = struct.unpack_from("<I", data, q + 28)
+            entries.append(dict(kind=kind, arch=arch, off=q, size=ehsz + psz))
+            q += ehsz + psz
+        if q != qe:
+            raise ValueError(f"fatbin at {p:#x}: entries overrun its size")
+        yield p, hsz, hsz + fsz, entries
+        p = qe
+
+
+def _usable(e: dict, arch: int) -> bool:
+    """Can a GPU of compute capability `arch` (e.g. 90) ever load this entry?"""
+    if KIND.get(e["kind"]) == "ptx":
+        return e["arch"] <= arch
+    return e["arch"] // 10 == arch // 10 and e["arch"] <= arch
+
+
+def fatbin_list(path: str) -> None:
+    data = open(path, "rb").read()
+    tally: dict[tuple, list[int]] = {}
+    n = 0
+    for _p, _h, _s, entries in fatbins(data):
+        n += 1
+        for e in entries:
+            t = tally.setdefault((KIND.get(e["kind"], e["kind"]), e["arch"]), [0, 0])
+            t[0] += 1
+            t[1] += e["size"]
+    print(f"{path}: {n} fatbins")
+    for (kind, arch), (cnt, size) in sorted(tally.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {kind} sm_{arch}: {cnt} entries, {size / 1e6:.2f} MB")
+
+
+def fatbin_prune(src: str, dst: str, arch: int = 90) -> None:
+    data = bytearray(open(src, "rb").read())
+    kept_blobs = untouched = dropped = 0
+    dropped_bytes = 0
+    for p, hsz, total, entries in list(fatbins(bytes(data))):
+        keep = [e for e in entries if _usable(e, arch)]
+        if not keep or len(keep) == len(entries):
+            untouched += 1
+            continue
+        body = b"".join(bytes(data[e["off"]:e["off"] + e["size"]]) for e in keep)
+        header = bytearray(data[p:p + hsz])
+        struct.pack_into("<Q", header, 8, len(body))
+        new = bytes(header) + body
+        data[p:p + total] = new + b"\0" * (total - len(new))
+        kept_blobs += 1
+        dropped += len(entries) - len(keep)
+        dropped_bytes += total - len(new)
+    tmp = dst + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, os.stat(src).st_mode & 0o777)
+    os.replace(tmp, dst)
+    print(f"pruned {src} -> {dst}: {kept_blobs} fatbins rewritten, {untouched} untouched, "
+          f"{dropped} entries ({dropped_bytes / 1e6:.1f} MB) zeroed; sm_{arch} images and PTX kept")
+
+
+def fatbin_check(path: str) -> int:
+    """Load, with the CUDA driver, every fatbin of `path` that has an image for this GPU."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    def ck(rc, what):
+        if rc != 0:
+            msg = ctypes.c_char_p()
+            cuda.cuGetErrorString(rc, ctypes.byref(msg))
+            raise RuntimeError(f"{what}: CUDA error {rc} {msg.value.decode() if msg.value else ''}")
+    ck(cuda.cuInit(0), "cuInit")
+    dev = ctypes.c_int()
+    ck(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    ck(cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev), "cc major")
+    ck(cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev), "cc minor")
+    arch = major.value * 10 + minor.value
+    ctx = ctypes.c_void_p()
+    ck(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    ck(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    data = open(path, "rb").read()
+    buf = ctypes.create_string_buffer(data, len(data))
+    base = ctypes.addressof(buf)
+    ok = skipped = 0
+    t = time.time()
+    for p, _h, _s, entries in fatbins(data):
+        if not any(_usable(e, arch) for e in entries):
+            skipped += 1
+            continue
+        mod = ctypes.c_void_p()
+        ck(cuda.cuModuleLoadFatBinary(ctypes.byref(mod), ctypes.c_void_p(base + p)), f"fatbin at {p:#x}")
+        ck(cuda.cuModuleUnload(mod), "cuModuleUnload")
+        ok += 1
+    print(f"fatbin-check {os.path.basename(path)} on sm_{arch}: {ok} fatbins loaded, "
+          f"{skipped} without an image for this GPU, {time.time() - t:.1f}s")
+    return 0
+
+
+# ---------------------------------------------------------------- archives
+def _extract_one(job: tuple[str, str]) -> tuple[str, float, int]:
+    archive, dest = job
+    t = time.time()
+    os.makedirs(dest, exist_ok=True)
+    n = 0
+    with tarfile.open(archive, "r:*") as tf:
+        members = tf.getmembers()
+        n = len(members)
+        if hasattr(tarfile, "tar_filter"):
+            tf.extractall(dest, members=members, filter="tar")
+        else:
+            tf.extractall(dest, members=members)
+    return archive, time.time() - t, n
+
+
+def extract(jobs: list[tuple[str, str]]) -> int:
+    # biggest first, so the longest one starts at once
+    jobs = sorted(jobs, key=lambda j: -os.path.getsize(j[0]))
+    with cf.ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as ex:
+        for archive, secs, n in ex.map(_extract_one, jobs):
+            print(f"  extracted {os.path.basename(archive)} ({os.path.getsize(archive) / 2**20:.1f} MiB, "
+                  f"{n} members) in {secs:.1f}s", flush=True)
+    return 0
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__)
+        return 2
+    cmd, args = argv[0], argv[1:]
+    if cmd == "extract":
+        return extract([tuple(a.split("=", 1)) for a in args])
+    if cmd == "fatbin-list":
+        for a in args:
+            fatbin_list(a)
+        return 0
+    if cmd == "fatbin-prune":
+        fatbin_prune(args[0], args[1], int(args[2]) if len(args) > 2 else 90)
+        return 0
+    if cmd == "fatbin-check":
+        return fatbin_check(args[0])
+    if cmd == "sha256":
+        for a in args:
+            print(sha256(a), a)
+        return 0
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
