@@ -3,8 +3,11 @@
 
   carry_tool.py extract ARCHIVE=DEST ...     unpack .tar.xz archives in parallel, one process each
   carry_tool.py fatbin-list SO               entries of an ELF's .nv_fatbin (kind, arch, bytes)
-  carry_tool.py fatbin-prune SRC DST [ARCH]  copy SRC to DST, dropping the fatbin ELF images that an
-                                             sm_ARCH GPU can never load (default 90: H100/H200)
+  carry_tool.py fatbin-prune SRC DST [ARCH [PATCH]]
+                                             copy SRC to DST, dropping the fatbin ELF images that an
+                                             sm_ARCH GPU can never load (default 90: H100/H200);
+                                             PATCH: also write the dropped bytes, for fatbin-unprune
+  carry_tool.py fatbin-unprune DST PATCH OUT rebuild SRC byte for byte (sha256-checked)
   carry_tool.py fatbin-check SO              on the GPU machine: load every fatbin of SO that holds
                                              an image for this GPU with cuModuleLoadFatBinary
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import hashlib
+import json
 import os
 import struct
 import sys
@@ -96,20 +100,35 @@ def fatbin_list(path: str) -> None:
         print(f"  {kind} sm_{arch}: {cnt} entries, {size / 1e6:.2f} MB")
 
 
-def fatbin_prune(src: str, dst: str, arch: int = 90) -> None:
-    data = bytearray(open(src, "rb").read())
+def fatbin_prune(src: str, dst: str, arch: int = 90, patch: str | None = None) -> None:
+    """Write DST = SRC without the fatbin images an sm_`arch` GPU cannot load; with `patch`, also
+    write what fatbin-unprune needs to rebuild SRC byte for byte from DST."""
+    orig = open(src, "rb").read()
+    data = bytearray(orig)
     kept_blobs = untouched = dropped = 0
     dropped_bytes = 0
-    for p, hsz, total, entries in list(fatbins(bytes(data))):
+    layout, chunks, chunk_off = [], [], 0
+    for p, hsz, total, entries in list(fatbins(orig)):
         keep = [e for e in entries if _usable(e, arch)]
         if not keep or len(keep) == len(entries):
             untouched += 1
             continue
-        body = b"".join(bytes(data[e["off"]:e["off"] + e["size"]]) for e in keep)
-        header = bytearray(data[p:p + hsz])
+        body = b"".join(orig[e["off"]:e["off"] + e["size"]] for e in keep)
+        header = bytearray(orig[p:p + hsz])
         struct.pack_into("<Q", header, 8, len(body))
         new = bytes(header) + body
         data[p:p + total] = new + b"\0" * (total - len(new))
+        rec = {"p": p, "total": total, "header": orig[p:p + hsz].hex(), "entries": []}
+        q = p + hsz
+        for e in entries:
+            if e in keep:
+                rec["entries"].append(["keep", q, e["size"]])
+                q += e["size"]
+            else:
+                rec["entries"].append(["drop", chunk_off, e["size"]])
+                chunks.append(orig[e["off"]:e["off"] + e["size"]])
+                chunk_off += e["size"]
+        layout.append(rec)
         kept_blobs += 1
         dropped += len(entries) - len(keep)
         dropped_bytes += total - len(new)
@@ -118,8 +137,45 @@ def fatbin_prune(src: str, dst: str, arch: int = 90) -> None:
         f.write(data)
     os.chmod(tmp, os.stat(src).st_mode & 0o777)
     os.replace(tmp, dst)
+    if patch:
+        head = json.dumps({"sha256": hashlib.sha256(orig).hexdigest(), "size": len(orig),
+                           "pruned_sha256": hashlib.sha256(data).hexdigest(), "blobs": layout}).encode()
+        with open(patch, "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head)
+            for c in chunks:
+                f.write(c)
+        unprune(dst, patch, dst + ".check")  # proves the patch rebuilds SRC exactly
+        os.remove(dst + ".check")
     print(f"pruned {src} -> {dst}: {kept_blobs} fatbins rewritten, {untouched} untouched, "
-          f"{dropped} entries ({dropped_bytes / 1e6:.1f} MB) zeroed; sm_{arch} images and PTX kept")
+          f"{dropped} entries ({dropped_bytes / 1e6:.1f} MB) zeroed; sm_{arch} images and PTX kept"
+          + (f"; patch {patch} ({os.path.getsize(patch) / 1e6:.1f} MB) rebuilds the original" if patch else ""))
+
+
+def unprune(pruned: str, patch: str, dst: str) -> None:
+    """Rebuild the original file from a pruned one and its patch; the sha256 must match."""
+    src = open(pruned, "rb").read()
+    with open(patch, "rb") as f:
+        n, = struct.unpack("<Q", f.read(8))
+        head = json.loads(f.read(n))
+        extra = f.read()
+    if hashlib.sha256(src).hexdigest() != head["pruned_sha256"]:
+        raise SystemExit(f"{pruned} is not the file this patch was made against")
+    data = bytearray(src)
+    for rec in head["blobs"]:
+        parts = [bytes.fromhex(rec["header"])]
+        for how, off, size in rec["entries"]:
+            parts.append(src[off:off + size] if how == "keep" else extra[off:off + size])
+        blob = b"".join(parts)
+        if len(blob) != rec["total"]:
+            raise SystemExit(f"patch: blob at {rec['p']:#x} rebuilt to {len(blob)} bytes, not {rec['total']}")
+        data[rec["p"]:rec["p"] + rec["total"]] = blob
+    if len(data) != head["size"] or hashlib.sha256(data).hexdigest() != head["sha256"]:
+        raise SystemExit("unprune: rebuilt file does not match the original's sha256")
+    tmp = dst + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, dst)
 
 
 def fatbin_check(path: str) -> int:
@@ -204,7 +260,12 @@ def main(argv: list[str]) -> int:
             fatbin_list(a)
         return 0
     if cmd == "fatbin-prune":
-        fatbin_prune(args[0], args[1], int(args[2]) if len(args) > 2 else 90)
+        fatbin_prune(args[0], args[1], int(args[2]) if len(args) > 2 else 90,
+                     args[3] if len(args) > 3 else None)
+        return 0
+    if cmd == "fatbin-unprune":
+        unprune(args[0], args[1], args[2])
+        print(f"rebuilt {args[2]} from {args[0]} + {args[1]} (sha256 matches the original)")
         return 0
     if cmd == "fatbin-check":
         return fatbin_check(args[0])

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repo root:  bash scripts/gpu/install.sh
+# Installs every bundle .carry/bN that this call carried (or an earlier call left there) and that is
+# not installed yet, then this project's wheel if it changed. Idempotent: /tmp/site/.bN-done records
+# what each installed bundle held, so a second call skips it. One line per step, with seconds.
+#   b1: Mooncake + Python deps + system libraries + project wheel (enough for component tests)
+#   b2: vLLM 0.24.0 (trimmed; _C_stable_libtorch pruned to sm_90)      b3: optional, see README
+# GPU_PREFIX (default /tmp) relocates site/, debroot/, xlib/ (used to test this script elsewhere);
+# GPU_PYTHON (default python3) is the interpreter; GPU_COMPILE=0 skips precompiling .pyc files.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+PREFIX=${GPU_PREFIX:-/tmp}
+SITE=$PREFIX/site DEBROOT=$PREFIX/debroot XLIB=$PREFIX/xlib
+PY=${GPU_PYTHON:-python3}
+TOOL=$ROOT/scripts/gpu/carry_tool.py
+CARRY=$ROOT/.carry
+mkdir -p "$SITE" "$DEBROOT" "$XLIB"
+T_ALL=${EPOCHREALTIME/./}
+fail=0
+
+step() {  # step NAME CMD...: run, print seconds and status
+  local name=$1; shift
+  local t0=${EPOCHREALTIME/./}
+  "$@"
+  local rc=$?
+  local us=$(( ${EPOCHREALTIME/./} - t0 ))
+  printf '[install] %-44s %4d.%01ds %s\n' "$name" $((us / 1000000)) $(((us / 100000) % 10)) \
+    "$([ $rc = 0 ] && echo ok || echo "FAILED rc=$rc")"
+  [ $rc = 0 ] || fail=1
+  return $rc
+}
+
+link_libs() {  # symlink into xlib only the sonames this machine's loader does not know already
+  local have n=0 f b
+  have=$(ldconfig -p 2>/dev/null | awk '{print $1}' | sort -u)
+  for f in "$DEBROOT"/lib/x86_64-linux-gnu/*.so.* "$DEBROOT"/usr/lib/x86_64-linux-gnu/*.so.*; do
+    [ -e "$f" ] || continue
+    b=$(basename "$f")
+    if ! grep -qxF "$b" <<<"$have"; then ln -sfn "$f" "$XLIB/$b"; n=$((n + 1)); fi
+  done
+  echo "  linked $n libraries into $XLIB: $(ls "$XLIB" | tr '\n' ' ')"
+}
+
+bundle_sig() { (cd "$1" && find . -maxdepth 1 -type f ! -name 'mooncake_vllm-*.whl' -printf '%f %s\n' | sort); }
+
+install_bundle() {  # install_bundle DIR
+  local dir=$1 b jobs=() f
+  b=$(basename "$dir")
+  for f in "$dir"/site-*.tar.xz; do [ -e "$f" ] && jobs+=("$f=$SITE"); done
+  for f in "$dir"/debroot*.tar.xz; do [ -e "$f" ] && jobs+=("$f=$DEBROOT"); done
+  if [ ${#jobs[@]} -gt 0 ]; then
+    step "$b: unpack ${#jobs[@]} archives in parallel" "$PY" "$TOOL" extract "${jobs[@]}" || return 1
+  fi
+  if ls "$dir"/debroot*.tar.xz >/dev/null 2>&1; then step "$b: link missing system libraries" link_libs || return 1; fi
+  if [ -f "$dir/C.fatpatch" ]; then
+    if [ ! -f "$SITE/vllm/_C_stable_libtorch.abi3.so" ]; then
+      echo "  $b holds C.fatpatch, which patches b2's _C_stable_libtorch: install b2 first"; return 1
+    fi
+    step "$b: rebuild the unpruned _C_stable_libtorch" "$PY" "$TOOL" fatbin-unprune \
+      "$SITE/vllm/_C_stable_libtorch.abi3.so" "$dir/C.fatpatch" "$SITE/vllm/_C_stable_libtorch.abi3.so" || return 1
+  fi
+  if [ "${GPU_COMPILE:-1}" = 1 ] && ls "$dir"/site-*.tar.xz >/dev/null 2>&1; then
+    # bytecode on all cores now, else each first import compiles it on one (up-to-date files are skipped)
+    step "$b: precompile /tmp/site (compileall -j0)" \
+      bash -c '"$0" -m compileall -q -j0 "$1" >/dev/null 2>&1; true' "$PY" "$SITE"
+  fi
+  bundle_sig "$dir" > "$SITE/.$b-done"
+}
+
+for dir in "$CARRY"/b[0-9]*; do
+  [ -d "$dir" ] || continue
+  b=$(basename "$dir")
+  if [ -f "$SITE/.$b-done" ] && [ "$(bundle_sig "$dir")" = "$(cat "$SITE/.$b-done")" ]; then
+    echo "[install] $b: installed already, skipped"; continue
+  fi
+  install_bundle "$dir" || { echo "[install] $b: FAILED"; fail=1; }
+done
+
+# this project: .carry/proj (carried alone, tiny) wins over .carry/b1; reinstalled when it changed
+whl=$(ls -t "$CARRY"/proj/mooncake_vllm-*.whl 2>/dev/null | head -1)
+[ -n "$whl" ] || whl=$(ls -t "$CARRY"/b1/mooncake_vllm-*.whl 2>/dev/null | head -1)
+if [ -n "$whl" ]; then
+  sum=$(sha256sum "$whl" | cut -c1-64)
+  if [ "$sum" != "$(cat "$SITE/.project-wheel" 2>/dev/null)" ]; then
+    step "project wheel $(basename "$whl")" "$PY" -m pip install -q --no-index --no-deps --no-compile \
+      --upgrade --disable-pip-version-check --root-user-action=ignore --target "$SITE" "$whl" \
+      && echo "$sum" > "$SITE/.project-wheel"
+  else
+    echo "[install] project wheel unchanged ($(basename "$whl"))"
+  fi
+fi
+
+# what is there now (cheap: no heavy import)
+GPU_PREFIX=$PREFIX source "$ROOT/scripts/gpu/env.sh"
+"$PY" - "$SITE" <<'PY'
+import importlib.metadata as md, sys
+site = sys.argv[1]
+names = ["vllm", "mooncake-transfer-engine-cuda13", "mooncake-vllm", "torch", "transformers", "pydantic",
+         "fastapi", "openai", "xgrammar"]
+got = []
+for n in names:
+    try:
+        d = md.distribution(n)
+        where = "carried" if str(d.locate_file("")).startswith(site) else "image"
+        got.append(f"{n} {d.version} ({where})")
+    except md.PackageNotFoundError:
+        got.append(f"{n} -")
+print("[install] versions:", "; ".join(got))
+PY
+if [ -x "$MCBIN/mooncake_master" ]; then
+  miss=$(for f in "$MCBIN/mooncake_master" "$MCBIN/mooncake_client" "$MCBIN"/_store.*.so; do ldd "$f" 2>/dev/null; done | grep 'not found' | sort -u | tr -s ' \t\n' ' ')
+  [ -z "$miss" ] && echo "[install] mooncake binaries: every library resolves" || { echo "[install] mooncake: MISSING $miss"; fail=1; }
+fi
+us=$(( ${EPOCHREALTIME/./} - T_ALL ))
+echo "[install] done in $((us / 1000000)).$(((us / 100000) % 10))s$([ $fail = 0 ] || echo ' WITH FAILURES')"
+exit $fail
