@@ -98,7 +98,8 @@ def main() -> None:
 
     # ---- ours: put_blocks (snapshot through pinned slots) and get_blocks
     ns = KeyNamespace("bench-gpu", "bfloat16", layout.fingerprint, BS)
-    blocks = [int(b) for b in torch.randperm(total)[:nb]]
+    perm = [int(b) for b in torch.randperm(total)]
+    blocks, targets = perm[:nb], perm[nb:2 * nb]  # disjoint: a load never overwrites a source
     keysets = [chunk_keys(ns, list(range(r * 10**6, r * 10**6 + nb * BS))) for r in range(args.reps)]
     put_times, cap_times = [], []
     for r in range(args.reps):
@@ -111,7 +112,6 @@ def main() -> None:
         assert stored == nb, (stored, client.stats.snapshot())
     res["ours_put_GBps"] = gbps(nbytes, min(put_times))
     res["ours_capture_ms"] = round(min(cap_times) * 1e3, 2)
-    targets = [int(b) for b in torch.randperm(total)[:nb]]
     get_times = []
     for r in range(args.reps):
         torch.cuda.synchronize()

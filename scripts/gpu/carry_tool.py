@@ -8,6 +8,7 @@
                                              sm_ARCH GPU can never load (default 90: H100/H200);
                                              PATCH: also write the dropped bytes, for fatbin-unprune
   carry_tool.py fatbin-unprune DST PATCH OUT rebuild SRC byte for byte (sha256-checked)
+  carry_tool.py sonames DIR ...              'SONAME PATH' for each shared library in DIRs
   carry_tool.py fatbin-check SO              on the GPU machine: load every fatbin of SO that holds
                                              an image for this GPU with cuModuleLoadFatBinary
 
@@ -214,6 +215,62 @@ def fatbin_check(path: str) -> int:
     return 0
 
 
+def soname(path: str) -> str | None:
+    """DT_SONAME of a 64-bit little-endian ELF shared library, or None."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        return None
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    loads, dyn = [], None
+    for i in range(phnum):
+        p_type, _fl, p_off, p_vaddr, _pa, p_filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
+        if p_type == 1:
+            loads.append((p_vaddr, p_off, p_filesz))
+        elif p_type == 2:
+            dyn = (p_off, p_filesz)
+    if dyn is None:
+        return None
+    strtab = name = None
+    for i in range(dyn[0], dyn[0] + dyn[1], 16):
+        tag, val = struct.unpack_from("<qQ", data, i)
+        if tag == 0:
+            break
+        if tag == 5:
+            strtab = val
+        elif tag == 14:
+            name = val
+    if strtab is None or name is None:
+        return None
+    for vaddr, off, size in loads:  # DT_STRTAB is an address: map it to a file offset
+        if vaddr <= strtab < vaddr + size:
+            start = off + (strtab - vaddr) + name
+            return data[start:data.index(b"\0", start)].decode()
+    return None
+
+
+def sonames(dirs: list[str]) -> int:
+    """Print 'SONAME PATH' for each shared library file in dirs (symlinks resolved, each once)."""
+    seen = set()
+    for d in dirs:
+        if not os.path.isdir(d):
+            continue
+        for name in sorted(os.listdir(d)):
+            path = os.path.join(d, name)
+            real = os.path.realpath(path)
+            if ".so" not in name or real in seen or not os.path.isfile(real):
+                continue
+            seen.add(real)
+            try:
+                so = soname(real)
+            except (OSError, struct.error, ValueError):
+                so = None
+            if so:
+                print(so, real)
+    return 0
+
+
 # ---------------------------------------------------------------- archives
 def _extract_one(job: tuple[str, str]) -> tuple[str, float, int]:
     archive, dest = job
@@ -269,6 +326,8 @@ def main(argv: list[str]) -> int:
         return 0
     if cmd == "fatbin-check":
         return fatbin_check(args[0])
+    if cmd == "sonames":
+        return sonames(args)
     if cmd == "sha256":
         for a in args:
             print(sha256(a), a)

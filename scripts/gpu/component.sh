@@ -9,6 +9,10 @@ source scripts/gpu/env.sh
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 export PATH=/tmp/site/bin:/tmp/site/mooncake:$PATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# the wheel's console script, which a --target install does not write
+mkdir -p /tmp/site/bin
+printf '#!/bin/sh\nexec python3 -c "import sys; from mooncake.http_metadata_server import main; sys.exit(main())" "$@"\n' \
+  > /tmp/site/bin/mooncake_http_metadata_server && chmod +x /tmp/site/bin/mooncake_http_metadata_server
 python3 -c 'import torch, mooncake_vllm; print("torch", torch.__version__, torch.cuda.get_device_name())'
 echo "=== pytest (gpu + store) $(date +%T)"
 timeout 300 python3 -m pytest -p no:cacheprovider -q -x -o addopts="" -m "gpu or not vllm" \

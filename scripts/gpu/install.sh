@@ -30,14 +30,12 @@ step() {  # step NAME CMD...: run, print seconds and status
   return $rc
 }
 
-link_libs() {  # symlink into xlib only the sonames this machine's loader does not know already
-  local have n=0 f b
-  have=$(ldconfig -p 2>/dev/null | awk '{print $1}' | sort -u)
-  for f in "$DEBROOT"/lib/x86_64-linux-gnu/*.so.* "$DEBROOT"/usr/lib/x86_64-linux-gnu/*.so.*; do
-    [ -e "$f" ] || continue
-    b=$(basename "$f")
-    if ! grep -qxF "$b" <<<"$have"; then ln -sfn "$f" "$XLIB/$b"; n=$((n + 1)); fi
-  done
+link_libs() {  # symlink into xlib, by soname, only the libraries this machine's loader lacks
+  local have n=0 so path
+  have=$(ldconfig -p 2>/dev/null | awk 'NR > 1 {print $1}' | sort -u)
+  while read -r so path; do
+    if ! grep -qxF "$so" <<<"$have"; then ln -sfn "$path" "$XLIB/$so"; n=$((n + 1)); fi
+  done < <("$PY" "$TOOL" sonames "$DEBROOT/lib/x86_64-linux-gnu" "$DEBROOT/usr/lib/x86_64-linux-gnu")
   echo "  linked $n libraries into $XLIB: $(ls "$XLIB" | tr '\n' ' ')"
 }
 
@@ -65,6 +63,9 @@ install_bundle() {  # install_bundle DIR
       bash -c '"$0" -m compileall -q -j0 "$1" >/dev/null 2>&1; true' "$PY" "$SITE"
   fi
   bundle_sig "$dir" > "$SITE/.$b-done"
+  local n=${b#b} m  # a later bundle may patch this one's files (b3 patches b2): redo those when present
+  for m in "$SITE"/.b*-done; do [ -e "$m" ] && [ "$(basename "$m" -done | tr -dc 0-9)" -gt "$n" ] && rm -f "$m"; done
+  return 0
 }
 
 for dir in "$CARRY"/b[0-9]*; do
@@ -111,6 +112,9 @@ if [ -x "$MCBIN/mooncake_master" ]; then
   miss=$(for f in "$MCBIN/mooncake_master" "$MCBIN/mooncake_client" "$MCBIN"/_store.*.so; do ldd "$f" 2>/dev/null; done | grep 'not found' | sort -u | tr -s ' \t\n' ' ')
   [ -z "$miss" ] && echo "[install] mooncake binaries: every library resolves" || { echo "[install] mooncake: MISSING $miss"; fail=1; }
 fi
+for n in 1 2; do
+  [ -f "$SITE/.b$n-done" ] || echo "[install] NOTE: b$n is not installed on this machine (a fresh one, or b$n never carried): carry .carry/b$n"
+done
 us=$(( ${EPOCHREALTIME/./} - T_ALL ))
 echo "[install] done in $((us / 1000000)).$(((us / 100000) % 10))s$([ $fail = 0 ] || echo ' WITH FAILURES')"
 exit $fail

@@ -38,7 +38,7 @@ MC_WHL=$stage/dl/mooncake_transfer_engine_cuda13-0.3.14-cp312-cp312-manylinux_2_
 [ -f "$VLLM_WHL" ] || pipq download -q --no-deps "${PLAT[@]}" -d "$stage/dl" vllm==0.24.0
 [ -f "$MC_WHL" ] || pipq download -q --no-deps "${PLAT[@]}" -d "$stage/dl" mooncake-transfer-engine-cuda13==0.3.14
 pipq download -q --no-deps "${PLAT[@]}" -d "$stage/deps-whl" -r "$here/deps-vllm-0.24.0.txt"
-n=$(ls "$stage/deps-whl"/*.whl | wc -l); want=$(grep -c '==' "$here/deps-vllm-0.24.0.txt")
+n=$(ls "$stage/deps-whl"/*.whl | wc -l); want=$(grep -c '^[A-Za-z].*==' "$here/deps-vllm-0.24.0.txt")
 [ "$n" = "$want" ] || { echo "expected $want dep wheels in $stage/deps-whl, found $n (stale extra ones?)"; exit 1; }
 
 # ---- b1: mooncake (no bench binary, no torch process-group / expert-parallel libs or JIT sources)

@@ -52,19 +52,23 @@ else
   alive holder && { echo "[mc_up] holder pid $(cat "$MC/holder.pid") runs but the master has no segment: restarting it"
                     kill "$(cat "$MC/holder.pid")"; sleep 0.5; }
   rm -f "$MC/holder.pid"
+  mark=$(wc -l < "$MC/master.log" 2>/dev/null || echo 0)
   start holder "$MCBIN/mooncake_client" --host=127.0.0.1 --port="$HPORT" --global_segment_size="$SEG" \
     --local_buffer_size=268435456 --master_server_address="127.0.0.1:$PORT" \
     --metadata_server=P2PHANDSHAKE --protocol=tcp
+  # ready once the master logs the mount (its capacity gauge follows a few seconds later)
   cap=0
-  for ((i = 0; i < WAIT * 10; i++)); do
-    cap=$(capacity); [ "${cap:-0}" -gt 0 ] && break
+  for ((i = 0; i < WAIT * 20; i++)); do
+    if tail -n +"$((mark + 1))" "$MC/master.log" 2>/dev/null | grep -q 'action=mount_segment'; then cap=mounted; break; fi
     alive holder || break
-    sleep 0.1
+    sleep 0.05
   done
-  if [ "${cap:-0}" -le 0 ]; then
+  [ "$cap" = mounted ] && { c=$(capacity); [ "${c:-0}" -gt 0 ] && cap=$c; }
+  [ "$cap" = mounted ] && cap=$SEG
+  if [ "$cap" = 0 ]; then
     echo "[mc_up] HOLDER NOT REGISTERED after $(secs) (alive: $(alive holder && echo yes || echo no))"
     tail -20 "$MC/holder.log"; exit 1
   fi
-  echo "[mc_up] holder pid $(cat "$MC/holder.pid") registered $cap bytes with the master after $(secs)"
+  echo "[mc_up] holder pid $(cat "$MC/holder.pid") mounted its segment ($cap bytes) on the master after $(secs)"
 fi
 echo "[mc_up] config $MC/config.json: $(cat "$MC/config.json")"

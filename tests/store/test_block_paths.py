@@ -200,3 +200,30 @@ def test_v0_data_path_full_blocks_and_tail(client: StoreClient, device: str) -> 
         assert torch.equal(d[:, 1].cpu(), s[:, 3].cpu()) and torch.equal(d[:, 2].cpu(), s[:, 8].cpu())
         assert torch.equal(d[:, 10, :8].cpu(), s[:, 5, :8].cpu())
     assert torch.equal(tail.hidden.cpu(), hidden.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_blocks_through_few_slots_in_pipelined_fetches(stack: Any, device: str) -> None:
+    """60 blocks through 8 load slots: several fetches, two in flight, slots reused."""
+    _need(device)
+    from mooncake_vllm.store import StagingSizes
+
+    src = [_tensor((2, 64, BS, H, D), None, torch.bfloat16, device, 40 + i) for i in range(L)]
+    dst = [_tensor((2, 64, BS, H, D), None, torch.bfloat16, device, 80 + i) for i in range(L)]
+    probe = BlockLayout.from_kv_caches(src)
+    slot = codec.HEADER_SIZE + probe.block_nbytes
+    client = StoreClient.connect(load_store_config(stack.config_path),
+                                 staging=StagingSizes(load=8 * slot))
+    try:
+        a, b = layout_of(src, client), layout_of(dst, client)
+        keys = _keys(a, 60)
+        assert client.put_blocks(keys, a, list(range(60))) == 60
+        targets = list(range(63, 3, -1))  # 60 other blocks, reversed
+        assert client.get_blocks(keys, b, targets) == [True] * 60
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for s, d in zip(src, dst):
+            for i, t in enumerate(targets):
+                assert torch.equal(_block(d, "nhd", t), _block(s, "nhd", i))
+    finally:
+        client.close()

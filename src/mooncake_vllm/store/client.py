@@ -21,7 +21,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -35,7 +37,7 @@ from mooncake_vllm.store.connect import open_store
 from mooncake_vllm.store.health import FailureLog, PoolHealth
 from mooncake_vllm.store.paths import LayoutPaths, SaveTicket, StagingSizes
 from mooncake_vllm.store.slots import Run, SlotPool, slots_of
-from mooncake_vllm.store.timebox import CallRejected, CallTimedOut, TimeBox
+from mooncake_vllm.store.timebox import CallRejected, CallTimedOut, LateRelease, TimeBox
 
 __all__ = ["StoreClient"]
 
@@ -47,29 +49,22 @@ _MAX_BATCH = 256
 _MIN_RATE = 200e6
 #: after "pool full", skip saves this long (backpressure, not an error storm)
 _FULL_BACKOFF = 5.0
+#: a load is cut into about this many fetches, two in flight: verifying one overlaps
+#: the transfer of the next (the checksum holds the GIL, Mooncake's call does not)
+_LOAD_PIECES = 4
+_MIN_FETCH = 16
 
 
-class _LateRelease:
-    """Hands slots back when a call returns, also one abandoned at its deadline."""
+@dataclass
+class _Fetch:
+    """One ``batch_get_into`` in flight: ``keys`` from position ``pos`` into ``runs``."""
 
-    def __init__(self, release: Callable[[], None]) -> None:
-        self._release = release
-        self._lock = threading.Lock()
-        self._timed_out = self._returned = False
-
-    def returned(self, _result: Any) -> None:
-        with self._lock:
-            self._returned = True
-            late = self._timed_out
-        if late:
-            self._release()
-
-    def timed_out(self) -> None:
-        with self._lock:
-            self._timed_out = True
-            now = self._returned
-        if now:
-            self._release()
+    pos: int
+    keys: list[str]
+    runs: list[Run]
+    future: Any
+    late: LateRelease
+    started: float
 
 
 class StoreClient:
@@ -111,7 +106,7 @@ class StoreClient:
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, box: TimeBox, timeout: float, fn: Callable[..., Any], *args: Any,
-             late: _LateRelease | None = None) -> Any:
+             late: LateRelease | None = None) -> Any:
         """A time-boxed call; failures of the pool itself open the breaker."""
         try:
             result = box.run(timeout, fn, *args,
@@ -295,7 +290,7 @@ class StoreClient:
         start = time.perf_counter()
         if ticket.snapshot:
             ptrs, sizes = paths.frame_snapshot(ticket, keep)
-            late = _LateRelease(lambda: paths.release(ticket))
+            late = LateRelease(lambda: paths.release(ticket))
             codes = self._run(self._transfers, self._transfer_timeout(nbytes),
                               self._store.batch_put_from, keys, ptrs, sizes, late=late)
         else:
@@ -305,7 +300,7 @@ class StoreClient:
                 self.stats.add("saves_dropped_no_slot", len(keep))
                 return 0
             ptrs, msizes = paths.frame_zero_copy(ticket, keep, header_runs)
-            late = _LateRelease(lambda: paths.header_pool.release(header_runs))
+            late = LateRelease(lambda: paths.header_pool.release(header_runs))
             codes = self._run(self._transfers, self._transfer_timeout(nbytes),
                               self._store.batch_put_from_multi_buffers, keys, ptrs, msizes,
                               late=late)
@@ -359,50 +354,79 @@ class StoreClient:
         """
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
-        out: list[bool] = []
         paths = self._paths_for(layout)
-        pos = 0
-        while pos < len(keys):
-            if self._closed or not self.health.admit():
-                break
-            pool = paths.load_pool
-            runs = pool.take(min(_MAX_BATCH, len(keys) - pos))
-            if not runs:
-                pool.settle()
-                runs = pool.take(min(_MAX_BATCH, len(keys) - pos))
-                if not runs:
+        pool, n = paths.load_pool, len(keys)
+        step = max(1, min(_MAX_BATCH, pool.count // 2, max(_MIN_FETCH, -(-n // _LOAD_PIECES))))
+        out = [False] * n
+        inflight: deque[_Fetch] = deque()
+        pos, broken = 0, False
+        while pos < n or inflight:
+            while not broken and pos < n and len(inflight) < 2:
+                fetch = self._start_fetch(paths, pos, list(keys[pos:pos + step]))
+                if fetch is None and not inflight:
+                    pool.settle()  # slots waiting on finished device copies
+                    fetch = self._start_fetch(paths, pos, list(keys[pos:pos + step]))
+                if fetch is None:
+                    broken = not inflight
                     break
-            n = len(slots_of(runs))
-            got = self._get_batch(paths, pool, runs, list(keys[pos:pos + n]),
-                                  list(block_ids[pos:pos + n]), after, background)
-            if got is None:
+                inflight.append(fetch)
+                pos += len(fetch.keys)
+            if not inflight:
                 break
-            out += got
-            pos += n
-        out += [False] * (len(keys) - len(out))
+            fetch = inflight.popleft()
+            got = self._finish_fetch(paths, fetch, block_ids, after, background)
+            if got is None:  # timed out or failed: the rest is a miss, slots come back late
+                for rest in inflight:
+                    rest.late.timed_out()
+                inflight.clear()
+                broken = True
+                break
+            out[fetch.pos:fetch.pos + len(got)] = got
         loaded = sum(out)
         self.stats.add("blocks_got", loaded)
         self.stats.add("bytes_got", loaded * layout.block_nbytes)
-        self.stats.add("load_failed", len(keys) - loaded)
+        self.stats.add("load_failed", n - loaded)
         return out
 
-    def _get_batch(self, paths: LayoutPaths, pool: SlotPool, runs: list[Run], keys: list[str],
-                   block_ids: list[int], after: Any, background: bool) -> list[bool] | None:
-        slots = slots_of(runs)
-        size = paths.slot_nbytes
-        start = time.perf_counter()
-        late = _LateRelease(lambda: pool.release(runs))
-        codes = self._run(self._transfers, self._transfer_timeout(len(keys) * size),
-                          self._store.batch_get_into, keys, [pool.address(s) for s in slots],
-                          [size] * len(keys), late=late)
-        if isinstance(codes, CallTimedOut):
-            return None  # the slots come back when Mooncake returns
-        if isinstance(codes, BaseException):
-            pool.release(runs)
+    def _start_fetch(self, paths: LayoutPaths, pos: int, keys: list[str]) -> _Fetch | None:
+        if self._closed or not self.health.admit():
             return None
-        self.stats.observe("get", time.perf_counter() - start)
+        pool = paths.load_pool
+        runs = pool.take(len(keys))
+        if not runs:
+            return None
+        slots = slots_of(runs)
+        keys = keys[:len(slots)]
+        late = LateRelease(lambda: pool.release(runs))
+        try:
+            future = self._transfers.submit(
+                self._store.batch_get_into, keys, [pool.address(s) for s in slots],
+                [paths.slot_nbytes] * len(keys), on_done=late.returned)
+        except CallRejected as exc:
+            pool.release(runs)
+            self.stats.add("rejected")
+            self.health.failed(str(exc))
+            return None
+        return _Fetch(pos, keys, runs, future, late, time.perf_counter())
+
+    def _finish_fetch(self, paths: LayoutPaths, fetch: _Fetch, block_ids: Sequence[int],
+                      after: Any, background: bool) -> list[bool] | None:
+        pool, size = paths.load_pool, paths.slot_nbytes
+        try:
+            codes = self._transfers.result(fetch.future,
+                                           self._transfer_timeout(len(fetch.keys) * size))
+        except CallTimedOut as exc:
+            self.stats.add("timeouts")
+            fetch.late.timed_out()  # the slots come back when Mooncake returns
+            self.health.failed(str(exc))
+            return None
+        if isinstance(codes, BaseException):
+            pool.release(fetch.runs)
+            self.health.failed(f"batch_get_into raised {type(codes).__name__}")
+            return None
+        self.stats.observe("get", time.perf_counter() - fetch.started)
         ok: list[bool] = []
-        for key, slot, code in zip(keys, slots, codes):
+        for key, slot, code in zip(fetch.keys, slots_of(fetch.runs), codes):
             if code != size:
                 ok.append(False)
                 if code in (Code.OBJECT_NOT_FOUND, Code.LEASE_EXPIRED, 0):
@@ -418,9 +442,10 @@ class StoreClient:
                 self.stats.add("corrupt")
             ok.append(reason is None)
         self._note_failures("get", codes)
-        done = (paths.mover.scatter(pool, runs, ok, block_ids, after=after, wait=background)
+        blocks = list(block_ids[fetch.pos:fetch.pos + len(ok)])
+        done = (paths.mover.scatter(pool, fetch.runs, ok, blocks, after=after, wait=background)
                 if any(ok) else None)
-        pool.release(runs, after=done)
+        pool.release(fetch.runs, after=done)
         return ok
 
     # ------------------------------------------------------------------ values

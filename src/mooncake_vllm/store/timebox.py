@@ -18,7 +18,7 @@ from typing import Any
 
 from mooncake_vllm.store.codes import call
 
-__all__ = ["CallRejected", "CallTimedOut", "TimeBox"]
+__all__ = ["CallRejected", "CallTimedOut", "LateRelease", "TimeBox"]
 
 
 class CallTimedOut(TimeoutError):
@@ -47,6 +47,11 @@ class TimeBox:
         ``on_done(result)`` runs once the call has really returned, also after a
         timeout: that is where memory the call used may be handed back.
         """
+        return self.result(self.submit(fn, *args, on_done=on_done), timeout)
+
+    def submit(self, fn: Callable[..., Any], *args: Any,
+               on_done: Callable[[Any], None] | None = None) -> Future[Any]:
+        """Start ``fn(*args)`` now; collect it with :meth:`result` (pipelined calls)."""
         if self._closed or not self._slots.acquire(blocking=False):
             raise CallRejected(f"{self.name}: all workers busy with unanswered calls")
         try:
@@ -61,6 +66,10 @@ class TimeBox:
                 on_done(f.result())
 
         fut.add_done_callback(finished)
+        return fut
+
+    def result(self, fut: Future[Any], timeout: float) -> Any:
+        """The call's value, or :class:`CallTimedOut` after ``timeout`` seconds."""
         try:
             return fut.result(timeout=timeout)
         except FutureTimeout:
@@ -69,3 +78,28 @@ class TimeBox:
     def close(self) -> None:
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class LateRelease:
+    """Hands memory back when a call returns, also one abandoned at its deadline."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release = release
+        self._lock = threading.Lock()
+        self._timed_out = self._returned = False
+
+    def returned(self, _result: Any) -> None:
+        """``on_done`` of the call: release now if the caller gave up on it."""
+        with self._lock:
+            self._returned = True
+            late = self._timed_out
+        if late:
+            self._release()
+
+    def timed_out(self) -> None:
+        """The caller gives up: release when (or since) the call has returned."""
+        with self._lock:
+            self._timed_out = True
+            now = self._returned
+        if now:
+            self._release()
