@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Build this project's wheel (pure Python) from the current working tree into .carry/b1/,
-# replacing any older one. Run here, just before the GPU calls: the code changes between calls.
+# Build this project's wheel (pure Python) from the current working tree into .carry/b1/ and
+# .carry/proj/ (the same file), replacing any older one. Run here, just before the GPU calls: the code
+# changes between calls. b1 takes it along on the first call; after that, carry .carry/proj (0.2 MiB)
+# to bring a newer wheel without b1's 47 MiB: install.sh prefers .carry/proj and reinstalls on change.
 #   bash scripts/gpu/build_project_wheel.sh
 set -euo pipefail
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
@@ -19,4 +21,7 @@ if ! "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$out" "$tmp" 2>"$t
   "$py" -m pip wheel -q --no-deps -w "$out" "$tmp"
 fi
 rm -f "$tmp.err"
-ls -l "$out"/mooncake_vllm-*.whl
+mkdir -p "$root/.carry/proj"
+rm -f "$root/.carry/proj"/mooncake_vllm-*.whl
+cp -p "$out"/mooncake_vllm-*.whl "$root/.carry/proj/"
+ls -l "$out"/mooncake_vllm-*.whl "$root/.carry/proj"/mooncake_vllm-*.whl

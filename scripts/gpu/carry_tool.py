@@ -200,18 +200,23 @@ def fatbin_check(path: str) -> int:
     data = open(path, "rb").read()
     buf = ctypes.create_string_buffer(data, len(data))
     base = ctypes.addressof(buf)
-    ok = skipped = 0
+    ok = skipped = ptx_only = 0
     t = time.time()
     for p, _h, _s, entries in fatbins(data):
-        if not any(_usable(e, arch) for e in entries):
+        usable = [e for e in entries if _usable(e, arch)]
+        if not usable:
             skipped += 1
+            continue
+        if not any(KIND.get(e["kind"]) == "elf" for e in usable):
+            ptx_only += 1  # the driver would JIT-compile the PTX (slow); vLLM does that only on use
             continue
         mod = ctypes.c_void_p()
         ck(cuda.cuModuleLoadFatBinary(ctypes.byref(mod), ctypes.c_void_p(base + p)), f"fatbin at {p:#x}")
         ck(cuda.cuModuleUnload(mod), "cuModuleUnload")
         ok += 1
-    print(f"fatbin-check {os.path.basename(path)} on sm_{arch}: {ok} fatbins loaded, "
-          f"{skipped} without an image for this GPU, {time.time() - t:.1f}s")
+    print(f"fatbin-check {os.path.basename(path)} on sm_{arch}: {ok} fatbins with sm_{arch} cubins loaded OK, "
+          f"{ptx_only} PTX-only (not JIT-compiled here), {skipped} without an image for this GPU; "
+          f"{time.time() - t:.1f}s")
     return 0
 
 

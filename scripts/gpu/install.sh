@@ -6,12 +6,14 @@
 #   b1: Mooncake + Python deps + system libraries + project wheel (enough for component tests)
 #   b2: vLLM 0.24.0 (trimmed; _C_stable_libtorch pruned to sm_90)      b3: optional, see README
 # GPU_PREFIX (default /tmp) relocates site/, debroot/, xlib/ (used to test this script elsewhere);
-# GPU_PYTHON (default python3) is the interpreter; GPU_COMPILE=0 skips precompiling .pyc files.
+# GPU_PYTHON (default python3) is the interpreter; GPU_COMPILE=0 skips precompiling .pyc files;
+# GPU_CHECK=0 skips the driver check of the pruned _C_stable_libtorch (fatbin-check).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PREFIX=${GPU_PREFIX:-/tmp}
 SITE=$PREFIX/site DEBROOT=$PREFIX/debroot XLIB=$PREFIX/xlib
 PY=${GPU_PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore
 TOOL=$ROOT/scripts/gpu/carry_tool.py
 CARRY=$ROOT/.carry
 mkdir -p "$SITE" "$DEBROOT" "$XLIB"
@@ -50,6 +52,12 @@ install_bundle() {  # install_bundle DIR
     step "$b: unpack ${#jobs[@]} archives in parallel" "$PY" "$TOOL" extract "${jobs[@]}" || return 1
   fi
   if ls "$dir"/debroot*.tar.xz >/dev/null 2>&1; then step "$b: link missing system libraries" link_libs || return 1; fi
+  if [ -f "$dir/site-vllm-C.tar.xz" ] && [ "${GPU_CHECK:-1}" = 1 ] && command -v nvidia-smi >/dev/null 2>&1; then
+    # the driver loads every fatbin of the sm_90-pruned library that holds sm_90 cubins (~1-2 s)
+    step "$b: fatbin-check of the pruned _C_stable_libtorch" "$PY" "$TOOL" fatbin-check \
+      "$SITE/vllm/_C_stable_libtorch.abi3.so" \
+      || echo "  => the pruned library did not load: carry .carry/b3 next (rebuilds the original, sha256-checked)"
+  fi
   if [ -f "$dir/C.fatpatch" ]; then
     if [ ! -f "$SITE/vllm/_C_stable_libtorch.abi3.so" ]; then
       echo "  $b holds C.fatpatch, which patches b2's _C_stable_libtorch: install b2 first"; return 1
@@ -84,7 +92,7 @@ if [ -n "$whl" ]; then
   sum=$(sha256sum "$whl" | cut -c1-64)
   if [ "$sum" != "$(cat "$SITE/.project-wheel" 2>/dev/null)" ]; then
     step "project wheel $(basename "$whl")" "$PY" -m pip install -q --no-index --no-deps --no-compile \
-      --upgrade --disable-pip-version-check --root-user-action=ignore --target "$SITE" "$whl" \
+      --upgrade --disable-pip-version-check --target "$SITE" "$whl" \
       && echo "$sum" > "$SITE/.project-wheel"
   else
     echo "[install] project wheel unchanged ($(basename "$whl"))"
@@ -110,7 +118,9 @@ print("[install] versions:", "; ".join(got))
 PY
 if [ -x "$MCBIN/mooncake_master" ]; then
   miss=$(for f in "$MCBIN/mooncake_master" "$MCBIN/mooncake_client" "$MCBIN"/_store.*.so; do ldd "$f" 2>/dev/null; done | grep 'not found' | sort -u | tr -s ' \t\n' ' ')
-  [ -z "$miss" ] && echo "[install] mooncake binaries: every library resolves" || { echo "[install] mooncake: MISSING $miss"; fail=1; }
+  if [ -z "$miss" ]; then echo "[install] mooncake binaries: every library resolves"
+  elif [ "$miss" = " libcuda.so.1 => not found " ]; then echo "[install] mooncake: libcuda.so.1 not found (no GPU driver here?)"
+  else echo "[install] mooncake: MISSING $miss"; fail=1; fi
 fi
 for n in 1 2; do
   [ -f "$SITE/.b$n-done" ] || echo "[install] NOTE: b$n is not installed on this machine (a fresh one, or b$n never carried): carry .carry/b$n"

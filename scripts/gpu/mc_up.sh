@@ -46,11 +46,9 @@ else
   echo "[mc_up] master pid $(cat "$MC/master.pid") accepts on 127.0.0.1:$PORT after $(secs)"
 fi
 
-if alive holder && [ "$(capacity)" -gt 0 ]; then
-  echo "[mc_up] holder already running (pid $(cat "$MC/holder.pid")), pool $(capacity) bytes"
+if alive holder; then
+  echo "[mc_up] holder already running (pid $(cat "$MC/holder.pid")), master capacity gauge $(capacity) bytes"
 else
-  alive holder && { echo "[mc_up] holder pid $(cat "$MC/holder.pid") runs but the master has no segment: restarting it"
-                    kill "$(cat "$MC/holder.pid")"; sleep 0.5; }
   rm -f "$MC/holder.pid"
   mark=$(wc -l < "$MC/master.log" 2>/dev/null || echo 0)
   start holder "$MCBIN/mooncake_client" --host=127.0.0.1 --port="$HPORT" --global_segment_size="$SEG" \

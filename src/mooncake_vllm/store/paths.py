@@ -40,7 +40,9 @@ class StagingSizes:
     """Registered host staging per layout, in bytes (each rounded to whole blocks)."""
 
     save_host: int = 64 << 20  #: snapshots of host KV (only without multi-buffer puts)
-    save_cuda: int = 2 << 30  #: pinned snapshots of CUDA KV awaiting their put
+    #: pinned snapshots of CUDA KV awaiting their put: a 16k-token prompt of an 8B-class
+    #: model is 2 GiB, saved in two chunks faster than TCP puts drain (measured on an H200)
+    save_cuda: int = 4 << 30
     load: int = 256 << 20  #: pinned/host slots loads go through
     device_stage: int = 256 << 20  #: device staging per direction (CUDA only)
 
