@@ -68,8 +68,16 @@ def _torch_and_device() -> tuple[str | None, str, int]:
     return str(torch.__version__), "cpu", 0
 
 
+#: a copy of the tree without its history (the GPU machine gets files, not the repository):
+#: the commit the copy was made from, and "clean" if it had no uncommitted change
+TREE_COMMIT_ENV, TREE_STATE_ENV = "MOONCAKE_VLLM_TREE_COMMIT", "MOONCAKE_VLLM_TREE_STATE"
+
+
 def checkout(config: pytest.Config) -> dict[str, str]:
     """Commit and clean/dirty state of the checkout, read as the session starts."""
+    if os.environ.get(TREE_COMMIT_ENV):
+        return {"commit": os.environ[TREE_COMMIT_ENV],
+                "tree": os.environ.get(TREE_STATE_ENV, "unknown")}
     root = Path(str(config.rootpath))
     commit = _git(root, "rev-parse", "HEAD")
     status = _git(root, "status", "--porcelain")

@@ -4,6 +4,8 @@
 #      every layout, bf16/fp16/fp8; JUnit with provenance to $OUT/gpu-component.xml
 #   2. bench/bench_gpu_store.py: save/load GB/s of 4k tokens of an 8B-class KV vs the raw
 #      store and the copy ceilings, one run; $OUT/gpu_store.json
+# MOONCAKE_VLLM_TREE_COMMIT / _STATE: the commit this copy of the tree was made from (the GPU
+# machine receives files, not the repository), recorded in the JUnit file's provenance.
 set -uo pipefail
 source scripts/gpu/env.sh
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
