@@ -1,0 +1,35 @@
+"""One vLLM instance on a GPU (run as a script by test_engine.py): generate, report JSON.
+
+argv: MODEL PROMPTS_JSON OUT_JSON MODE (none | ours) REPEAT (0 | 1)
+"""
+
+import json
+import os
+import sys
+import threading
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+model, prompts_path, out_path, mode, repeat = sys.argv[1:6]
+kw = dict(model=model, enforce_eager=True, gpu_memory_utilization=0.25, max_model_len=8192,
+          skip_tokenizer_init=True, dtype="bfloat16", disable_log_stats=False, seed=0)
+if mode == "ours":
+    kw["kv_transfer_config"] = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+llm = LLM(**kw)
+sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
+runs = []
+for ids in json.load(open(prompts_path)):
+    for _ in range(2 if repeat == "1" else 1):
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        runs.append({"n": len(ids), "cached": out.num_cached_tokens,
+                     "tokens": list(out.outputs[0].token_ids)})
+if mode == "ours":
+    import time
+    time.sleep(5)  # saves are asynchronous: let them land before the engine goes away
+json.dump({"runs": runs}, open(out_path, "w"))
+th = threading.Thread(target=lambda: llm.llm_engine.engine_core.shutdown(), daemon=True)
+th.start()
+th.join(30)
+sys.stdout.flush()
+os._exit(0)
