@@ -109,3 +109,27 @@ def test_full_pool_is_backpressure_with_one_line_and_counters(
         client.close()
     finally:
         stack.stop()
+
+
+def test_a_dead_holder_is_named_once_and_its_blocks_are_misses(
+        workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    stack = LocalStack(workdir, segment_size=64 << 20, local_buffer_size=16 << 20,
+                       client_ttl=30).start()  # long ttl: the master still lists the values
+    try:
+        client = StoreClient.connect(load_store_config(stack.config_path))
+        kv, layout = _layout()
+        client.register_layout(layout)
+        keys = _keys(layout, 50_000, 3)
+        assert client.put_blocks(keys, layout, [1, 2, 3]) == 3
+        segment = (client._store.get_replica_desc(keys[0])[0]
+                   .get_memory_descriptor().buffer_descriptor.transport_endpoint)
+        caplog.set_level(logging.WARNING, logger="mooncake_vllm")
+        stack.holder.kill()
+        for _ in range(3):
+            assert client.get_blocks(keys, layout, [4, 5, 6]) == [False] * 3
+        named = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+        assert len(named) == 1 and segment in named[0], named
+        assert client.stats.snapshot()["lost_segment_reads"] >= 3
+        client.close()
+    finally:
+        stack.stop()

@@ -442,11 +442,30 @@ class StoreClient:
                 self.stats.add("corrupt")
             ok.append(reason is None)
         self._note_failures("get", codes)
+        self._name_lost_segment(fetch.keys, codes)
         blocks = list(block_ids[fetch.pos:fetch.pos + len(ok)])
         done = (paths.mover.scatter(pool, fetch.runs, ok, blocks, after=after, wait=background)
                 if any(ok) else None)
         pool.release(fetch.runs, after=done)
         return ok
+
+    def _name_lost_segment(self, keys: Sequence[str], codes: Sequence[Any]) -> None:
+        """Values the master still lists but cannot deliver: say once which segment is gone."""
+        lost = [k for k, c in zip(keys, codes)
+                if c in (Code.TRANSFER_FAIL, Code.SEGMENT_NOT_FOUND)]
+        if not lost or not hasattr(self._store, "get_replica_desc"):
+            return
+        try:
+            replicas = self._control.run(1.0, self._store.get_replica_desc, lost[0])
+            where = replicas[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+        except Exception:  # noqa: BLE001 - naming the segment is best effort
+            return
+        self.stats.add("lost_segment_reads", len(lost))
+        self.failures.warn(f"segment {where}", f"mooncake-vllm: pool segment {where} does not "
+                           f"answer ({len(lost)} block(s) of one load): the holder owning it died "
+                           "or stalled; its values are lost and read as misses until the master "
+                           "expires it (--client_ttl). Restart that holder; keep the pool in "
+                           "several holders so one loss costs only its share")
 
     # ------------------------------------------------------------------ values
     def put_value(self, key: str, data: bytes | memoryview) -> bool:
