@@ -146,7 +146,7 @@ def test_dead_master_fails_fast_with_clear_error(
     with pytest.raises(StoreUnavailableError, match=f"no Mooncake master at 127.0.0.1:{port}"):
         StoreClient.connect(load_store_config(_config(tmp_path, f"127.0.0.1:{port}",
                                                       module_local_stack.metadata_url)))
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 2  # a refused port is known at once
 
 
 def test_hung_master_fails_within_timeout(module_local_stack: LocalStack, tmp_path: Path) -> None:
@@ -172,7 +172,7 @@ def test_hung_master_fails_within_timeout(module_local_stack: LocalStack, tmp_pa
             StoreClient.connect(load_store_config(_config(
                 tmp_path, f"127.0.0.1:{server.getsockname()[1]}", module_local_stack.metadata_url)),
                 timeout=4.0)
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 4.5  # the 4 s time-box, not Mooncake's own retries
     finally:
         stop.set()
         thread.join()
@@ -198,7 +198,7 @@ def test_master_killed_mid_run_serves_misses_without_stalls(local_stack: LocalSt
     assert client.stats.snapshot()["circuit_open"] >= 1
     t0 = time.monotonic()
     client.close()
-    assert time.monotonic() - t0 < 6  # close is time-boxed even with the master gone
+    assert time.monotonic() - t0 < 5.5  # close is time-boxed (5 s) even with the master gone
 
 
 def test_redis_metadata_goes_through_the_bridge(
