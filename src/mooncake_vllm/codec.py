@@ -34,7 +34,9 @@ __all__ = [
     "checksum_bytes",
     "checksum_segments",
     "digest16",
+    "frame_value",
     "pack_header",
+    "unframe_value",
     "unpack_header",
     "verify",
 ]
@@ -113,3 +115,23 @@ def verify(
     if checksum_segments(segments) != header.checksum:
         return "checksum mismatch (corrupt value)"
     return None
+
+
+_VALUE_LAYOUT = digest16("mooncake-vllm/value")
+
+
+def frame_value(key: str, data: bytes | memoryview) -> bytes:
+    """A small value (not a KV block, e.g. a V0 prompt tail) with its header in front."""
+    payload = bytes(data)
+    return pack_header(len(payload), checksum_bytes(payload), _VALUE_LAYOUT, digest16(key)) + payload
+
+
+def unframe_value(key: str, raw: bytes | memoryview) -> bytes | None:
+    """The payload of :func:`frame_value` output stored under ``key``, or ``None`` if damaged."""
+    header = unpack_header(raw)
+    payload = bytes(raw[HEADER_SIZE:])
+    if (header is None or header.layout_digest != _VALUE_LAYOUT
+            or header.key_digest != digest16(key) or header.payload_len != len(payload)
+            or header.checksum != checksum_bytes(payload)):
+        return None
+    return payload

@@ -26,8 +26,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
 from mooncake_vllm import codec
 from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.layout import BlockLayout
@@ -43,7 +41,6 @@ __all__ = ["StoreClient"]
 
 log = logging.getLogger(__name__)
 
-_VALUE_LAYOUT = codec.digest16("mooncake-vllm/value")
 _MAX_BATCH = 256
 #: slowest transfer rate a put/get is allowed before it counts as hung (bytes/s)
 _MIN_RATE = 200e6
@@ -472,10 +469,8 @@ class StoreClient:
         """Store a small framed value (e.g. a V0 prompt tail); ``False`` on failure."""
         if self._closed or not self.health.admit():
             return False
-        payload = bytes(data)
-        header = codec.pack_header(len(payload), xxhash.xxh3_64_intdigest(payload),
-                                   _VALUE_LAYOUT, codec.digest16(key))
-        rc = self._run(self._control, self._op_timeout, self._store.put, key, header + payload)
+        rc = self._run(self._control, self._op_timeout, self._store.put, key,
+                       codec.frame_value(key, data))
         if rc not in (Code.OK, Code.OBJECT_ALREADY_EXISTS):
             self.stats.add("errors")
             if isinstance(rc, int):
@@ -490,13 +485,9 @@ class StoreClient:
         raw = self._run(self._control, self._op_timeout, self._store.get, key)
         if isinstance(raw, BaseException) or not raw:
             return None
-        header = codec.unpack_header(raw)
-        payload = bytes(raw[codec.HEADER_SIZE:])
-        if (header is None or header.layout_digest != _VALUE_LAYOUT
-                or header.key_digest != codec.digest16(key) or header.payload_len != len(payload)
-                or header.checksum != xxhash.xxh3_64_intdigest(payload)):
+        payload = codec.unframe_value(key, raw)
+        if payload is None:
             self.stats.add("corrupt")
-            return None
         return payload
 
     # ------------------------------------------------------------------ close
