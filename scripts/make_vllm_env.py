@@ -199,6 +199,7 @@ def build_env(version: str, *, dist: str = "vllm", mooncake: str = DEFAULT_MOONC
     stamp = env / "mooncake-vllm-env.json"
     if not force and stamp.exists() and json.loads(stamp.read_text()).get("digest") == digest:
         log(f"reusing {env}")
+        _link_repo(tools, env, stamp)
         return env
     t0 = time.monotonic()
     if env.exists():
@@ -229,10 +230,22 @@ def build_env(version: str, *, dist: str = "vllm", mooncake: str = DEFAULT_MOONC
     size = _du(env)
     stamp.write_text(json.dumps({
         "digest": digest, "vllm": version, "dist": dist, "wheel": wheel.name, "exclude_newer": cutoff,
-        "mooncake": mooncake, "build_seconds": round(took, 1), "size_bytes": size,
+        "mooncake": mooncake, "build_seconds": round(took, 1), "size_bytes": size, "repo": str(REPO),
     }, indent=1))
     log(f"built {env} in {took:.0f} s, {size / 2**30:.2f} GiB apparent size")
     return env
+
+
+def _link_repo(tools: Path, env: Path, stamp: Path) -> None:
+    """A reused env runs THIS checkout: re-link our editable package when another built it."""
+    record = json.loads(stamp.read_text())
+    if record.get("repo") == str(REPO):
+        return
+    uenv = dict(os.environ, UV_CACHE_DIR=str(cache_root() / "uv-cache"))
+    run([str(tools / "bin" / "uv"), "pip", "install", "-q", "--python", str(env / "bin" / "python"),
+         "--no-deps", "-e", str(REPO)], env=uenv)
+    stamp.write_text(json.dumps({**record, "repo": str(REPO)}, indent=1))
+    log(f"re-linked {env} to {REPO}")
 
 
 def _freeze(uv: str, py: str, env: Path, uenv: dict, only: tuple[str, ...] = ()) -> Path:
