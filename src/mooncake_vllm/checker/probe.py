@@ -211,6 +211,12 @@ def _gflag(argv: list[str], *names: str) -> str | None:
     return None
 
 
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a master address (bare ``host:port``), or ``None``."""
+    hp = HostPort.try_parse(address, default_host="127.0.0.1")
+    return (hp.host, hp.port) if hp is not None else None
+
+
 def local_master(address: str, proc_root: str = "/proc") -> tuple[int, list[str]] | None:
     """``(pid, argv)`` of the mooncake_master on this host serving ``address`` (its RPC host:port), if any."""
     hp = _host_port(address)
