@@ -193,11 +193,10 @@ class BlockLayout:
         count = 1
         for n in shape[seg_dims:]:
             count *= n
-        self._seg_nbytes = count * first.itemsize
-        self._segs_per_layer = 2 if kind == "nhd" else 1
-        self.block_nbytes = self._seg_nbytes * self._segs_per_layer * self.num_layers
-        self.segs_per_layer = self._segs_per_layer
-        self.seg_nbytes = self._seg_nbytes
+        #: bytes of one segment, and segments per layer of one block (K and V apart for ``nhd``)
+        self.seg_nbytes = count * first.itemsize
+        self.segs_per_layer = 2 if kind == "nhd" else 1
+        self.block_nbytes = self.seg_nbytes * self.segs_per_layer * self.num_layers
         self.fingerprint = layout_fingerprint(bytes_kind(kind, self.heads_first), self.dtype,
                                               self.num_layers,
                                               self.block_shape, variant)
@@ -242,9 +241,9 @@ class BlockLayout:
             if self.kind == "nhd":
                 for half in (0, 1):
                     off = (half * v.strides[0] + block_id * v.strides[1]) * v.itemsize
-                    out.append((v.ptr + off, self._seg_nbytes))
+                    out.append((v.ptr + off, self.seg_nbytes))
             else:
-                out.append((v.ptr + block_id * v.strides[0] * v.itemsize, self._seg_nbytes))
+                out.append((v.ptr + block_id * v.strides[0] * v.itemsize, self.seg_nbytes))
         return out
 
     def byte_views(self) -> list[Any]:

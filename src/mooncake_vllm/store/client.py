@@ -450,14 +450,17 @@ class StoreClient:
         """Values the master still lists but cannot deliver: say once which segment is gone."""
         lost = [k for k, c in zip(keys, codes)
                 if c in (Code.TRANSFER_FAIL, Code.SEGMENT_NOT_FOUND)]
-        if not lost or not hasattr(self._store, "get_replica_desc"):
+        if not lost:
+            return
+        self.stats.add("lost_segment_reads", len(lost))
+        # the name costs a master round trip: ask once per log interval, not on every load
+        if not hasattr(self._store, "get_replica_desc") or not self.failures.ready("segment query"):
             return
         try:
             replicas = self._control.run(1.0, self._store.get_replica_desc, lost[0])
             where = replicas[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
         except Exception:  # noqa: BLE001 - naming the segment is best effort
             return
-        self.stats.add("lost_segment_reads", len(lost))
         self.failures.warn(f"segment {where}", f"mooncake-vllm: pool segment {where} does not "
                            f"answer ({len(lost)} block(s) of one load): the holder owning it died "
                            "or stalled; its values are lost and read as misses until the master "

@@ -94,6 +94,16 @@ class FailureLog:
         self._lock = threading.Lock()
         self.lines = 0
 
+    def ready(self, what: str) -> bool:
+        """True at most once per interval for ``what``: gates extra work done only to log."""
+        now = self._clock()
+        with self._lock:
+            last = self._last.get(what)
+            if last is not None and now - last < self.interval:
+                return False
+            self._last[what] = now
+            return True
+
     def warn(self, cause: str, message: str, count: int = 1) -> bool:
         """Log ``message`` unless ``cause`` was logged within the interval."""
         now = self._clock()

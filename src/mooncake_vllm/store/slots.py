@@ -66,11 +66,6 @@ class SlotPool:
         """Host bytes of one slot (never device memory)."""
         return self._bytes[slot * self.slot_nbytes:(slot + 1) * self.slot_nbytes]
 
-    def free_slots(self) -> int:
-        with self._lock:
-            self._reclaim()
-            return sum(self._free)
-
     def take(self, n: int) -> list[Run]:
         """Up to ``n`` free slots, as few runs as possible (may be fewer than ``n``)."""
         runs: list[Run] = []
