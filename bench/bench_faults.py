@@ -43,6 +43,15 @@ class _Count(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _cache_on(client: StoreClient, name: str, shape: tuple[int, ...]
+              ) -> tuple[list[np.ndarray], BlockLayout, KeyNamespace]:
+    """Two layers of random host KV of ``shape``, registered, and a namespace for them."""
+    kv = [np.random.default_rng(i).standard_normal(shape, dtype=np.float32) for i in range(2)]
+    layout = BlockLayout.from_kv_caches(kv)
+    client.register_layout(layout)
+    return kv, layout, KeyNamespace(name, "float32", layout.fingerprint, shape[2])
+
+
 def _request(client: StoreClient, layout: BlockLayout, keys: list[str]) -> float:
     t0 = time.perf_counter()
     client.longest_prefix(keys)
@@ -57,11 +66,7 @@ def hung_master(work: str) -> dict:
     try:
         os.environ.update(stack.env())
         client = StoreClient.connect(load_store_config(stack.config_path))
-        kv = [np.random.default_rng(i).standard_normal((16, 2, 64, 1024), dtype=np.float32)
-              for i in range(2)]
-        layout = BlockLayout.from_kv_caches(kv)
-        client.register_layout(layout)
-        ns = KeyNamespace("faults", "float32", layout.fingerprint, 64)
+        kv, layout, ns = _cache_on(client, "faults", (16, 2, 64, 1024))
         base = [_request(client, layout, chunk_keys(ns, list(range(i * 640, i * 640 + 640))))
                 for i in range(20)]
         # a worker connected while the pool was healthy (its own client, as in vLLM)
@@ -105,11 +110,7 @@ def full_pool(work: str, seconds: float) -> dict:
     logging.getLogger("mooncake_vllm").addHandler(counter)
     try:
         client = StoreClient.connect(load_store_config(stack.config_path))
-        kv = [np.random.default_rng(i).standard_normal((64, 2, 32, 256), dtype=np.float32)
-              for i in range(2)]
-        layout = BlockLayout.from_kv_caches(kv)
-        client.register_layout(layout)
-        ns = KeyNamespace("full", "float32", layout.fingerprint, 32)
+        _kv, layout, ns = _cache_on(client, "full", (64, 2, 32, 256))
         t0, i = time.monotonic(), 0
         while time.monotonic() - t0 < seconds:
             client.put_blocks(chunk_keys(ns, list(range(i * 2048, i * 2048 + 2048))), layout,

@@ -54,8 +54,9 @@ def _output(new=(), cached=None, scheduled=None, preempted=None):  # noqa: ANN00
 
 
 def _logic(pool: FakePool, *, load: bool = True, save: bool = True,
-           ranks: tuple[KeyNamespace, ...] = (_ns(),)) -> SchedulerLogic:
-    return SchedulerLogic(RankNamespaces(ranks), BS, pool, can_load=load, can_save=save)
+           ranks: tuple[KeyNamespace, ...] = (_ns(),), load_async: bool = False) -> SchedulerLogic:
+    return SchedulerLogic(RankNamespaces(ranks), BS, pool, can_load=load, can_save=save,
+                          load_async=load_async)
 
 
 TOKENS = list(range(100, 118))  # 18 tokens: 4 full chunks + 2
@@ -180,9 +181,7 @@ def test_prefix_hits_is_the_minimum_over_ranks(present: list[bool], expected: in
 
 # ---------------------------------------------------------------- background loads
 def test_background_loads_are_announced_and_planned_as_such() -> None:
-    pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
-    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
-                           load_async=True)
+    logic = _logic(FakePool(set(chunk_keys(_ns(), TOKENS))), load_async=True)
     req = _request("a", TOKENS)
     assert logic.get_num_new_matched_tokens(req, 0) == (16, True)
     logic.update_state_after_alloc(req, Blocks([7, 8, 9, 10, 11]), 16)
@@ -196,9 +195,7 @@ def test_background_loads_are_announced_and_planned_as_such() -> None:
 
 
 def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_is_over() -> None:
-    pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
-    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
-                           load_async=True)
+    logic = _logic(FakePool(set(chunk_keys(_ns(), TOKENS))), load_async=True)
     req = _request("a", TOKENS)
     req.status = SimpleNamespace(name="WAITING_FOR_REMOTE_KVS")
     logic.get_num_new_matched_tokens(req, 0)
@@ -217,9 +214,7 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_is_over
 
 
 def test_a_failed_load_is_never_offered_again_but_a_delivered_one_is() -> None:
-    pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
-    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=False,
-                           load_async=True)
+    logic = _logic(FakePool(set(chunk_keys(_ns(), TOKENS))), save=False, load_async=True)
     req = _request("f", TOKENS)
     assert logic.get_num_new_matched_tokens(req, 0) == (16, True)
     logic.update_state_after_alloc(req, Blocks([7, 8, 9, 10, 11]), 16)

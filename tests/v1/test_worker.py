@@ -200,16 +200,23 @@ def pool(module_local_stack: Any) -> Any:
     shared.close()
 
 
+def _saved(pool: SharedClient, workers: Any, ns: KeyNamespace, src: dict[str, np.ndarray],
+           digests: list[str], blocks: list[int]) -> WorkerLogic:
+    """A saving worker that has put ``blocks`` of ``src`` under ``digests`` (request "s")."""
+    saver = WorkerLogic(ns, EXPECTED, pool, can_load=False, can_save=True)
+    workers(saver)
+    saver.register_kv_caches(src)
+    saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("s", digests, blocks)]))
+    _wait_idle(saver, 10)
+    return saver
+
+
 def test_round_trip_through_a_real_pool(pool: SharedClient, workers: Any) -> None:
     src, dst = _cache(1), _cache(2)
     before = {name: t.copy() for name, t in dst.items()}
     ns = _ns("rt")
-    saver = WorkerLogic(ns, EXPECTED, pool, can_load=False, can_save=True)
-    workers(saver)
-    saver.register_kv_caches(src)
     digests = [f"{i:032x}" for i in range(3)]
-    saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("s", digests, [5, 6, 7])]))
-    _wait_idle(saver, 10)
+    saver = _saved(pool, workers, ns, src, digests, [5, 6, 7])
     assert saver.counters["saved_blocks"] == 3
     assert saver.get_finished({"s"})[0] == {"s"}
 
@@ -285,12 +292,8 @@ def test_background_load_is_reported_received_with_failed_blocks(pool: SharedCli
                                                                  workers: Any) -> None:
     src, dst = _cache(11), _cache(12)
     ns = _ns("bg")
-    saver = WorkerLogic(ns, EXPECTED, pool, can_load=False, can_save=True)
-    workers(saver)
-    saver.register_kv_caches(src)
     digests = [f"{0xb6000 + i:032x}" for i in range(3)]
-    saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("s", digests, [2, 3, 4])]))
-    _wait_idle(saver, 10)
+    _saved(pool, workers, ns, src, digests, [2, 3, 4])
     loader = WorkerLogic(ns, EXPECTED, pool, can_load=True, can_save=False)
     workers(loader)
     loader.register_kv_caches(dst)
