@@ -78,3 +78,25 @@ def test_identical_across_interpreters_and_hash_seeds() -> None:
     assert outputs[0][1] != outputs[1][1]  # the seeds really differ for builtin hash()
     assert outputs[0][0] == outputs[1][0] == outputs[2][0]
     assert len(outputs[0][0]) == 6
+
+
+def test_tp_shared_namespace_names_no_tp_rank_and_only_rank0_stores() -> None:
+    ranks = [KeyNamespace("m", "float32", "hnc:float32:L2:1x16x576", 16, tp_rank=r, tp_size=2,
+                          tp_shared=True) for r in (0, 1)]
+    assert ranks[0].describe() == ranks[1].describe() == (
+        "mcv1|model=m|dtype=float32|layout=hnc:float32:L2:1x16x576|bs=16|tp=shared|pp=0")
+    assert ranks[0].prefix() == ranks[1].prefix()
+    assert [n.stores for n in ranks] == [True, False]
+    per_rank = [KeyNamespace("m", "float32", "hnc:float32:L2:1x16x576", 16, tp_rank=r, tp_size=2)
+                for r in (0, 1)]
+    assert per_rank[0].prefix() != per_rank[1].prefix() and all(n.stores for n in per_rank)
+    assert ranks[0].prefix() not in {n.prefix() for n in per_rank}
+
+
+def test_parse_reads_back_what_describe_wrote() -> None:
+    for ns in (NS, KeyNamespace("m", "bf16", "hnc:bf16:L2:1x16x576", 16, 1, 2, 0, "t", True),
+               KeyNamespace("m", "f", "l", 16, tp_rank=1, tp_size=2, pp_rank=1, tenant="a")):
+        back = KeyNamespace.parse(ns.describe())
+        assert back.prefix() == ns.prefix()
+    with pytest.raises(ValueError, match="not a mooncake-vllm namespace"):
+        KeyNamespace.parse("mcv1|model=m")

@@ -7,7 +7,10 @@ A key names one FULL chunk of ``block_size`` tokens::
 
 * The namespace digest covers what makes two blocks' bytes comparable: model id,
   dtype, KV layout fingerprint, block size, TP rank and size, PP rank. DP ranks
-  share keys (they serve the same model with the same layout). A ``tenant_id``
+  share keys (they serve the same model with the same layout). Where every TP
+  rank holds the same bytes (MLA's latent KV: ``tp_shared``) the namespace names
+  no TP rank or size: the block is stored once, by TP rank 0, and every rank
+  reads the same key. A ``tenant_id``
   (Mooncake config) joins the namespace, so two tenants never read each other's
   blocks; it composes with the per-request cache salt, which seeds the chain.
 * The chunk digest chains ``blake2b(parent || extras || tokens as int64 LE)`` so a
@@ -61,6 +64,8 @@ class KeyNamespace:
     pp_rank: int = 0
     #: ``tenant_id`` of the Mooncake config; "" = no tenant (keys as before tenants existed)
     tenant: str = ""
+    #: every TP rank holds identical KV (MLA): one key for all ranks, stored by rank 0
+    tp_shared: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -72,9 +77,27 @@ class KeyNamespace:
 
     def describe(self) -> str:
         """The human-readable namespace string the digest is taken of."""
+        tp = "shared" if self.tp_shared else f"{self.tp_rank}/{self.tp_size}"
         text = (f"mcv1|model={self.model_id}|dtype={self.dtype}|layout={self.layout}"
-                f"|bs={self.block_size}|tp={self.tp_rank}/{self.tp_size}|pp={self.pp_rank}")
+                f"|bs={self.block_size}|tp={tp}|pp={self.pp_rank}")
         return f"{text}|tenant={self.tenant}" if self.tenant else text
+
+    @classmethod
+    def parse(cls, text: str) -> KeyNamespace:
+        """The namespace a :meth:`describe` string names (as logged at start)."""
+        head, *parts = text.split("|")
+        fields = dict(part.split("=", 1) for part in parts if "=" in part)
+        if head != "mcv1" or not {"model", "dtype", "layout", "bs", "tp", "pp"} <= set(fields):
+            raise ValueError(f"not a mooncake-vllm namespace description: {text!r}")
+        shared = fields["tp"] == "shared"
+        rank, size = (0, 1) if shared else (int(n) for n in fields["tp"].split("/"))
+        return cls(fields["model"], fields["dtype"], fields["layout"], int(fields["bs"]), rank,
+                   size, int(fields["pp"]), fields.get("tenant", ""), shared)
+
+    @property
+    def stores(self) -> bool:
+        """Whether this rank puts blocks: every rank, or only TP rank 0 of a shared namespace."""
+        return not self.tp_shared or self.tp_rank == 0
 
     def prefix(self) -> str:
         """``mcv/<16 hex digits>``: the key prefix of this namespace."""
