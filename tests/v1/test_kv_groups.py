@@ -78,12 +78,16 @@ def test_uniform_type_group_is_judged_by_its_layers() -> None:
 def test_without_a_kv_cache_config_the_layers_are_judged() -> None:
     cache = np.zeros((4, 2, 16, 64), dtype=np.float32)
     full, local = SimpleNamespace(sliding_window=None), SimpleNamespace(sliding_window=16)
+
+    def cfg(**modules: object) -> SimpleNamespace:  # vLLM's static forward context
+        return SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=modules))
+
     # full + sliding layers: vLLM allocated full pages for all (its hybrid manager is off)
-    check_kv_caches({"l0": cache, "l1": cache}, {"l0": full, "l1": local}, model="m")
+    check_kv_caches({"l0": cache, "l1": cache}, cfg(l0=full, l1=local), model="m")
     with pytest.raises(UnsupportedModelError, match="all of its attention layers are sliding"):
-        check_kv_caches({"l0": cache, "l1": cache}, {"l0": local, "l1": local}, model="m")
+        check_kv_caches({"l0": cache, "l1": cache}, cfg(l0=local, l1=local), model="m")
     with pytest.raises(UnsupportedModelError, match=r"state \(Mamba"):
-        check_kv_caches({"l0": cache, "m1": [cache, cache]}, {"l0": full}, model="m")
+        check_kv_caches({"l0": cache, "m1": [cache, cache]}, cfg(l0=full), model="m")
 
 
 def test_vllm_turns_its_hybrid_manager_off_for_our_connector() -> None:

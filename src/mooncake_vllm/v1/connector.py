@@ -84,12 +84,6 @@ def _background_loads_supported() -> bool:
     return dist is not None and vllm_facts(dist.version, strict=False).load_error_reporting
 
 
-def _forward_context(vllm_config: Any) -> dict[str, Any]:
-    """Layer name -> attention module (vLLM's static forward context)."""
-    compilation = getattr(vllm_config, "compilation_config", None)
-    return dict(getattr(compilation, "static_forward_context", None) or {})
-
-
 def _worker_ranks() -> tuple[int, int]:
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -177,8 +171,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         if not self._groups_checked:  # releases that give connectors no KVCacheConfig
-            check_kv_caches(kv_caches, _forward_context(self._vllm_config),
-                            model=self.settings.model_id)
+            check_kv_caches(kv_caches, self._vllm_config, model=self.settings.model_id)
         self.worker.register_kv_caches(kv_caches)
 
     def _meta(self) -> MooncakeConnectorMetadata | None:

@@ -118,16 +118,17 @@ def _is_tensor(value: Any) -> bool:
     return hasattr(value, "data_ptr") or hasattr(value, "__array_interface__")
 
 
-def check_kv_caches(kv_caches: Mapping[str, Any], forward_context: Mapping[str, Any], *,
-                    model: str) -> None:
+def check_kv_caches(kv_caches: Mapping[str, Any], vllm_config: Any, *, model: str) -> None:
     """Releases without a ``KVCacheConfig`` for connectors: judge the layers vLLM allocated.
 
-    ``forward_context`` maps layer names to their modules (vLLM's
-    ``compilation_config.static_forward_context``). A layer whose cache is no
-    single tensor holds a state (Mamba); one whose module has a sliding window
-    is a sliding-window layer, fine only next to full-attention layers (vLLM
-    then allocates full-attention pages for it, fact ``connector_hma``).
+    Each layer's module comes from vLLM's ``compilation_config.static_forward_context``.
+    A layer whose cache is no single tensor holds a state (Mamba); one whose
+    module has a sliding window is a sliding-window layer, fine only next to
+    full-attention layers (vLLM then allocates full-attention pages for it, fact
+    ``connector_hma``).
     """
+    compilation = getattr(vllm_config, "compilation_config", None)
+    forward_context = getattr(compilation, "static_forward_context", None) or {}
     full, windowed, state = [], [], []
     for name, value in kv_caches.items():
         module = forward_context.get(name)
