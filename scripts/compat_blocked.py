@@ -42,9 +42,10 @@ def derive_blocked(path: Path, env: str, repo: Path, facts: Any, release_of: Any
     }
 
 
-def record_blocked(source: Path, env: str, repo: Path, facts: Any, release_of: Any) -> dict[str, Any]:
-    """Copy ``source`` to ``docs/compatibility/blocked/<env>.json`` and derive its entry."""
-    target = repo / BLOCKED_DIR / f"{env}.json"
+def record_blocked(source: Path, env: str, target_dir: Path, repo: Path, facts: Any,
+                   release_of: Any) -> dict[str, Any]:
+    """Copy ``source`` to ``target_dir/<env>.json`` (docs/compatibility/blocked) and derive its entry."""
+    target = target_dir / f"{env}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(source.read_text())
     target.write_text(json.dumps({k: data.get(k) for k in _FIELDS}, indent=1, sort_keys=True) + "\n")

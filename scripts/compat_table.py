@@ -323,7 +323,7 @@ def merge(record: dict[str, Any], results: Path, junit_dir: Path) -> dict[str, A
         ts = str(json.loads(path.read_text()).get("timestamp") or "")
         if ts < str((runs.get(env) or {}).get("timestamp") or ""):
             continue  # a newer run (built and tested) replaces the blocked one, not the reverse
-        runs[env] = record_blocked(path, env, REPO, facts_summary, release_of)
+        runs[env] = record_blocked(path, env, junit_dir.parent / "blocked", REPO, facts_summary, release_of)
     return {"generated_by": COMMAND, "runs": dict(sorted(runs.items()))}
 
 
