@@ -8,7 +8,10 @@ What it adds over ``mooncake.store.MooncakeDistributedStore``:
   worker pools with deadlines (:mod:`~mooncake_vllm.store.timebox`); an open
   circuit breaker sends nothing at all (:mod:`~mooncake_vllm.store.health`);
 * **host and CUDA memory** — blocks move through registered slots with torch ops
-  (:mod:`~mooncake_vllm.store.mover`), or zero-copy from host KV on save;
+  (:mod:`~mooncake_vllm.store.mover`), or zero-copy from host KV on save, or
+  straight between GPU memory and the pool with checksums computed on the GPU
+  (``gpu_path``, :func:`~mooncake_vllm.store.paths.choose_gpu_path`,
+  :mod:`~mooncake_vllm.store.direct`);
 * **never wrong KV** — every value carries a :mod:`~mooncake_vllm.codec` header
   whose checksum is taken while the bytes are known good (:class:`SaveTicket`);
   a truncated, foreign, corrupt or raced value is a miss;
@@ -27,13 +30,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_vllm import codec
+from mooncake_vllm.compat.detect import mooncake_is_cuda_build
 from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.stats import StoreStats
 from mooncake_vllm.store.codes import Code, call, describe, is_fatal
 from mooncake_vllm.store.connect import open_store
+from mooncake_vllm.store.direct import get_direct
 from mooncake_vllm.store.health import FailureLog, PoolHealth
-from mooncake_vllm.store.paths import LayoutPaths, SaveTicket, StagingSizes
+from mooncake_vllm.store.paths import LayoutPaths, SaveTicket, StagingSizes, choose_gpu_path
 from mooncake_vllm.store.slots import Run, SlotPool, slots_of
 from mooncake_vllm.store.timebox import CallRejected, CallTimedOut, LateRelease, TimeBox
 
@@ -192,8 +197,12 @@ class StoreClient:
         return count
 
     # ------------------------------------------------------------------ layouts
-    def register_layout(self, layout: BlockLayout) -> None:
-        """Set up the staging slots (and, for zero-copy saves, register the KV memory)."""
+    def register_layout(self, layout: BlockLayout, gpu_path: str = "auto") -> None:
+        """Set up the staging slots (and, for zero-copy, register the KV memory).
+
+        ``gpu_path`` (``auto`` | ``staged`` | ``zero_copy``): how a KV cache in
+        CUDA memory moves (:func:`~mooncake_vllm.store.paths.choose_gpu_path`).
+        """
         if id(layout) in self._paths:
             return
 
@@ -202,7 +211,21 @@ class StoreClient:
             return rc if isinstance(rc, int) else -1
 
         multi = self._multi and not layout.on_cuda and self._register_kv(layout, register)
-        paths = LayoutPaths(layout, register, multi_buffer=multi, sizes=self._staging)
+        direct = False
+        if layout.on_cuda:
+            path, why = choose_gpu_path(
+                gpu_path, protocol=self.config.protocol, cuda_build=self._cuda_build(),
+                multi_buffer=self._multi and hasattr(self._store, "batch_get_into_multi_buffers"),
+                whole_words=layout.seg_nbytes % 8 == 0)
+            if path == "zero_copy" and not self._register_kv(layout, register):
+                path, why = "staged", "Mooncake refused to register the KV cache's CUDA memory"
+            direct = path == "zero_copy"
+            (log.warning if gpu_path == "zero_copy" and not direct else log.info)(
+                "mooncake-vllm: CUDA KV cache moves %s (%s)",
+                "straight between GPU memory and the pool" if direct
+                else "through pinned staging slots", why)
+        paths = LayoutPaths(layout, register, multi_buffer=multi, sizes=self._staging,
+                            gpu_zero_copy=direct)
         if not paths.registered:
             log.warning("mooncake-vllm: Mooncake refused to register staging memory; "
                         "transfers through it may fail")
@@ -210,6 +233,18 @@ class StoreClient:
         log.info("mooncake-vllm: KV cache on %s, %s saves, loads through %d staging slots",
                  layout.device, "zero-copy" if paths.zero_copy_save else "snapshot",
                  paths.load_pool.count)
+
+    def gpu_path(self, layout: BlockLayout) -> str:
+        """``zero_copy`` or ``staged`` for a registered CUDA layout, ``host`` otherwise."""
+        paths = self._paths_for(layout)
+        if not layout.on_cuda:
+            return "host"
+        return "zero_copy" if paths.gpu_zero_copy else "staged"
+
+    def _cuda_build(self) -> bool:
+        """Whether this Mooncake reads GPU addresses (a CUDA build; tests may say so)."""
+        flag = getattr(self._store, "reads_gpu_memory", None)
+        return bool(flag) if flag is not None else mooncake_is_cuda_build()
 
     def _register_kv(self, layout: BlockLayout, register: Callable[[int, int], int]) -> bool:
         ok = True
@@ -320,7 +355,7 @@ class StoreClient:
 
     def _recheck(self, paths: LayoutPaths, ticket: SaveTicket, good: list[int]) -> list[int]:
         """Zero-copy: remove values whose block changed while it was being put."""
-        raced = [i for i in good if not paths.still_intact(ticket, i)]
+        raced = [i for i, ok in zip(good, paths.intact(ticket, good)) if not ok] if good else []
         for i in raced:
             self._run(self._control, self._op_timeout, self._remove, ticket.keys[i])
         if raced:
@@ -352,6 +387,10 @@ class StoreClient:
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
         paths = self._paths_for(layout)
+        if background and paths.gpu_zero_copy_loads:
+            out = get_direct(self, paths, keys, block_ids, after) if keys else []
+            self._count_loaded(layout, out)
+            return out
         pool, n = paths.load_pool, len(keys)
         step = max(1, min(_MAX_BATCH, pool.count // 2, max(_MIN_FETCH, -(-n // _LOAD_PIECES))))
         out = [False] * n
@@ -379,11 +418,14 @@ class StoreClient:
                 broken = True
                 break
             out[fetch.pos:fetch.pos + len(got)] = got
+        self._count_loaded(layout, out)
+        return out
+
+    def _count_loaded(self, layout: BlockLayout, out: list[bool]) -> None:
         loaded = sum(out)
         self.stats.add("blocks_got", loaded)
         self.stats.add("bytes_got", loaded * layout.block_nbytes)
-        self.stats.add("load_failed", n - loaded)
-        return out
+        self.stats.add("load_failed", len(out) - loaded)
 
     def _start_fetch(self, paths: LayoutPaths, pos: int, keys: list[str]) -> _Fetch | None:
         if self._closed or not self.health.admit():
