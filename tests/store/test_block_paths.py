@@ -19,7 +19,7 @@ from mooncake_vllm import codec
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.keys import KeyNamespace, chunk_keys
 from mooncake_vllm.layout import BlockLayout
-from mooncake_vllm.store import StoreClient
+from mooncake_vllm.store import StagingSizes, StoreClient
 
 NB, BS, H, D, L = 12, 16, 4, 32, 3
 _counter = itertools.count()
@@ -206,8 +206,6 @@ def test_v0_data_path_full_blocks_and_tail(client: StoreClient, device: str) -> 
 def test_many_blocks_through_few_slots_in_pipelined_fetches(stack: Any, device: str) -> None:
     """60 blocks through 8 load slots: several fetches, two in flight, slots reused."""
     _need(device)
-    from mooncake_vllm.store import StagingSizes
-
     src = [_tensor((2, 64, BS, H, D), None, torch.bfloat16, device, 40 + i) for i in range(L)]
     dst = [_tensor((2, 64, BS, H, D), None, torch.bfloat16, device, 80 + i) for i in range(L)]
     probe = BlockLayout.from_kv_caches(src)
@@ -236,7 +234,8 @@ def fresh(stack: Any) -> Any:
     made: list[StoreClient] = []
 
     def make() -> StoreClient:
-        made.append(StoreClient.connect(load_store_config(stack.config_path)))
+        made.append(StoreClient.connect(load_store_config(stack.config_path),
+                                        staging=StagingSizes(save_cuda=64 << 20, load=64 << 20)))
         return made[-1]
 
     yield make
