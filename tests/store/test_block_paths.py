@@ -327,7 +327,9 @@ def test_zero_copy_loads_refuse_corrupt_foreign_and_unverifiable_values(fresh: A
     before = c.stats.snapshot().get("corrupt", 0)
     assert _load(c, keys[1:], dl, [1, 2, 5, 8], "zero_copy") == [False] * 4
     stats = c.stats.snapshot()
-    assert stats["corrupt"] - before >= 4 and stats["unverifiable_on_gpu"] == 1
+    # the truncated value may come back as an error code of the multi-buffer get (``errors``)
+    assert stats["corrupt"] + stats.get("errors", 0) - before >= 4
+    assert stats["corrupt"] - before >= 3 and stats["unverifiable_on_gpu"] == 1
     # a staged reader verifies the xxh3 value on the host and takes it
     s = fresh()
     sl = _registered(s, _caches("flash-nhd", torch.float16, "cuda", 82), "staged")
