@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm import codec
-from mooncake_vllm.store.codes import Code
+from mooncake_vllm.store.fetch import MAX_BATCH, count_failed_get
 from mooncake_vllm.store.slots import slots_of
 from mooncake_vllm.store.timebox import CallRejected, CallTimedOut, LateRelease
 
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 #: after a deadline, how long a zero-copy load waits for Mooncake to stop writing
 LATE_WAIT = 60.0
-_BATCH = 256
 
 
 def get_direct(client: StoreClient, paths: LayoutPaths, keys: Sequence[str],
@@ -44,9 +43,9 @@ def get_direct(client: StoreClient, paths: LayoutPaths, keys: Sequence[str],
     out = [False] * len(keys)
     if after is not None:
         after.synchronize()  # vLLM's earlier kernels are done with these blocks
-    for off in range(0, len(keys), _BATCH):
-        got = _get_batch(client, paths, list(keys[off:off + _BATCH]),
-                         list(block_ids[off:off + _BATCH]))
+    for off in range(0, len(keys), MAX_BATCH):
+        got = _get_batch(client, paths, list(keys[off:off + MAX_BATCH]),
+                         list(block_ids[off:off + MAX_BATCH]))
         if got is None:
             break
         out[off:off + len(got)] = got
@@ -99,12 +98,7 @@ def _get_batch(client: StoreClient, paths: LayoutPaths, keys: list[str],
     ok = [False] * len(keys)
     for i, (key, code) in enumerate(zip(keys, codes)):
         if code != paths.slot_nbytes:
-            if code in (Code.OBJECT_NOT_FOUND, Code.LEASE_EXPIRED, 0):
-                client.stats.add("misses")
-            elif code > 0 or code == Code.INVALID_PARAMS:
-                client.stats.add("corrupt")
-            else:
-                client.stats.add("errors")
+            count_failed_get(client, code)
             continue
         header, reason = codec.check_header(headers.view(slots[i])[:codec.HEADER_SIZE],
                                             layout.block_nbytes,
