@@ -225,3 +225,26 @@ def test_extra_config_typos_v1_rejects_are_rejected_on_v0(extra, field, monkeypa
     with pytest.raises(ConfigError) as info:
         _connector(extra=extra)
     assert field in info.value.fields
+
+
+def test_v0_keys_by_cache_prefix_and_registers_its_namespace(stack_env) -> None:
+    import time
+
+    from mooncake_vllm.keys import KeyNamespace, chunk_keys
+
+    prompt = _prompt(61, 32)
+    producer = _connector(model="/models/prefixed-llama", extra={"cache_prefix": "w2"})
+    try:
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=19)
+        producer.send_kv_caches_and_hidden_states(
+            None, prefill_input([prompt], [[3, 4]], BS), src, torch.randn(32, HIDDEN))
+        ns = producer.namespace
+        assert ns is not None and ns.cache_prefix == "w2" and ns.describe().endswith("|prefix=w2")
+        plain = KeyNamespace(**(ns.__dict__ | {"cache_prefix": ""}))
+        wanted = [*chunk_keys(ns, prompt), ns.registry_key(), *chunk_keys(plain, prompt)]
+        deadline = time.monotonic() + 20  # registered off the engine's path; a loaded box may time a lookup out
+        while (found := producer.store.exists(wanted)) != [True, True, True, False, False]:
+            assert time.monotonic() < deadline, (found, producer.store.stats.snapshot())
+            time.sleep(0.1)
+    finally:
+        producer.close()

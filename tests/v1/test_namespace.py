@@ -64,6 +64,13 @@ def test_tenant_joins_every_rank_namespace() -> None:
     assert not (prefixes[0] & prefixes[1] or prefixes[0] & prefixes[2] or prefixes[1] & prefixes[2])
 
 
+def test_cache_prefix_joins_every_rank_namespace_next_to_the_tenant() -> None:
+    plain = rank_namespaces(_config(tp=2), tenant="a").namespaces
+    prefixed = rank_namespaces(_config(tp=2, cache_prefix="w2"), tenant="a").namespaces
+    assert all(n.cache_prefix == "w2" and n.tenant == "a" for n in prefixed)
+    assert not {n.prefix() for n in plain} & {n.prefix() for n in prefixed}
+
+
 def test_one_namespace_per_tp_and_pp_rank_without_dp() -> None:
     ranks = rank_namespaces(_config(tp=2, pp=2)).namespaces
     assert [(n.tp_rank, n.tp_size, n.pp_rank) for n in ranks] == [

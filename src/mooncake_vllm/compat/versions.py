@@ -149,6 +149,10 @@ class VllmFacts:
     #: the V1 API reports blocks that failed to load (``get_block_ids_with_load_errors``), so
     #: loads may run in the background (``load_kv_async``) and a failed block is recomputed
     load_error_reporting: bool = False
+    #: ``KVConnectorBase_V1.reset_cache()``: ``POST /reset_prefix_cache?reset_external=true``
+    #: (and ``LLM.reset_prefix_cache(reset_connector=True)``) reach the connector, which then
+    #: removes its namespaces from the pool; elsewhere ``mooncake-vllm pool clear`` does it
+    connector_reset_hook: bool = False
     module_path: bool = False  #: kv_connector_module_path honoured (V1 only)
     module_path_beats_registry: bool = False
     multi_connector: bool = False
@@ -278,10 +282,13 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        kv_config_fields=_KV_FIELDS_0111, load_error_reporting=True),
     _c("0.12.0", "vllm §7: prefer_cross_layer_blocks/register_cross_layers_kv_cache (opt-in cross-layer KV)",
        cross_layer_kv="opt-in"),
-    _c("0.13.0", "vllm §5/§6/§11: V1 P2P MooncakeConnector; +kv_load_failure_policy; hashing.py algorithms",
+    _c("0.13.0", "vllm §5/§6/§7/§11: V1 P2P MooncakeConnector; +kv_load_failure_policy; hashing.py algorithms; "
+       "+reset_cache",
        in_tree_mooncake_connector="v1-p2p", p2p_transfer_params="handoff",
        kv_config_fields=_KV_FIELDS_0130,
-       hash_algorithms=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
+       hash_algorithms=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
+       # vllm §7 (+reset_cache, PR #27170); wheels: absent in 0.10.0, present in 0.32.0 and 0.33.0
+       connector_reset_hook=True),
     _c("0.16.0", "vllm §5/§9: ConfigDict(extra='forbid') -> unknown KVTransferConfig keys rejected; "
        "P2P MooncakeConnector needs a proxy-chosen transfer_id and a bootstrap server",
        kv_config_kind="pydantic-forbid", rejects_unknown_kv_keys=True,

@@ -32,6 +32,7 @@ from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.logs import follow_vllm_logging
 from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.store import StoreClient
+from mooncake_vllm.store.namespaces import register_namespaces
 from mooncake_vllm.v0.batch import SeqSpan, Tail, prefill_spans, tail_key
 
 __all__ = ["MooncakeStoreConnector"]
@@ -67,6 +68,7 @@ class MooncakeStoreConnector(KVConnectorBase):
         self.store = store if store is not None else StoreClient.connect(
             load_store_config(settings.mooncake_config_path), timeout=settings.connect_timeout)
         self.tenant = self.store.config.tenant_id
+        self.cache_prefix = settings.cache_prefix
         self._layout: BlockLayout | None = None
         self._layout_key: tuple[int, ...] = ()
         self.namespace: KeyNamespace | None = None
@@ -92,7 +94,9 @@ class MooncakeStoreConnector(KVConnectorBase):
         self.namespace = KeyNamespace(model_id=self.model_id, dtype=layout.dtype,
                                       layout=layout.fingerprint, block_size=layout.block_size,
                                       tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                      pp_rank=self.pp_rank, tenant=self.tenant)
+                                      pp_rank=self.pp_rank, tenant=self.tenant,
+                                      cache_prefix=self.cache_prefix)
+        register_namespaces(self.store, [self.namespace], background=True)
         return layout
 
     def _skip(self, why: str) -> None:

@@ -36,6 +36,7 @@ from mooncake_vllm.config import load_store_config
 from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.logs import follow_vllm_logging
 from mooncake_vllm.settings import ConnectorSettings
+from mooncake_vllm.store.namespaces import clear_namespaces, register_namespaces
 from mooncake_vllm.v1.client import SharedClient, shared_client
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
@@ -127,6 +128,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                             load_async=settings.load_async
                                             and _background_loads_supported())
             self._announce(self.scheduler.namespaces.namespaces[0])
+            namespaces = self.scheduler.namespaces.namespaces
+            self.shared.on_connect(lambda client: register_namespaces(client, namespaces,
+                                                                      background=True))
         else:
             tp_rank, pp_rank = _worker_ranks()
             (namespace,) = rank_namespaces(vllm_config, settings, tenant=tenant,
@@ -148,8 +152,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         except Exception:  # noqa: BLE001
             vllm_version = "unknown"
         log.info("mooncake-vllm %s: MooncakeStoreConnector on the vLLM V1 engine (vllm %s), "
-                 "role %s, pool %s, namespace %s", __version__, vllm_version, self.kv_role,
-                 self.store_config.master_server_address, ns.describe())
+                 "role %s, pool %s, namespace %s (digest %s)", __version__, vllm_version,
+                 self.kv_role, self.store_config.master_server_address, ns.describe(), ns.digest())
 
     def _lookup(self, keys: Any) -> list[bool]:
         client = self.shared.get()
@@ -227,6 +231,14 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's connector reset (``POST /reset_prefix_cache?reset_external=true``, a pause
+        with ``clear_cache``; fact ``connector_reset_hook``): remove THIS engine's namespaces
+        from the pool, every rank's, and nothing else."""
+        if self.scheduler is None:
+            return None
+        return clear_namespaces(self.shared.get(), self.scheduler.namespaces.namespaces) is not None
 
     # ------------------------------------------------------------------ introspection
     def counters(self) -> dict[str, int]:

@@ -177,7 +177,7 @@ class RankNamespaces:
 def rank_namespaces(vllm_config: Any, settings: ConnectorSettings, *, tenant: str = "",
                     only: tuple[int, int] | None = None) -> RankNamespaces:
     """Namespaces of all TP×PP ranks (or of the one ``(tp_rank, pp_rank)``);
-    ``tenant`` is the Mooncake config's ``tenant_id``."""
+    ``tenant`` is the Mooncake config's ``tenant_id``; the settings' ``cache_prefix`` joins too."""
     parallel = vllm_config.parallel_config
     tp_size = int(parallel.tensor_parallel_size)
     pp_size = int(parallel.pipeline_parallel_size)
@@ -190,7 +190,8 @@ def rank_namespaces(vllm_config: Any, settings: ConnectorSettings, *, tenant: st
                 continue
             out.append(KeyNamespace(model_id=settings.model_id, dtype=layout.dtype,
                                     layout=layout.fingerprint, block_size=block_size,
-                                    tp_rank=tp, tp_size=tp_size, pp_rank=pp, tenant=tenant))
+                                    tp_rank=tp, tp_size=tp_size, pp_rank=pp, tenant=tenant,
+                                    cache_prefix=settings.cache_prefix))
     return RankNamespaces(tuple(out))
 
 
