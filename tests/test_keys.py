@@ -125,3 +125,25 @@ def test_block_key_digest() -> None:
     assert block_key_digest(f"{NS.prefix()}/tail/{'a' * 32}") == NS.digest()  # V0 tails belong too
     for other in (NS.registry_key(), "mcv/short/x", "mcv/03d933aae2443d63", "x/03d933aae2443d63/a"):
         assert block_key_digest(other) is None
+
+
+def test_tp_shared_namespace_names_no_tp_rank_and_only_rank0_stores() -> None:
+    ranks = [KeyNamespace("m", "float32", "hnc:float32:L2:1x16x576", 16, tp_rank=r, tp_size=2,
+                          tp_shared=True) for r in (0, 1)]
+    assert ranks[0].describe() == ranks[1].describe() == (
+        "mcv1|model=m|dtype=float32|layout=hnc:float32:L2:1x16x576|bs=16|tp=shared|pp=0")
+    assert ranks[0].prefix() == ranks[1].prefix()
+    assert [n.stores for n in ranks] == [True, False]
+    per_rank = [KeyNamespace("m", "float32", "hnc:float32:L2:1x16x576", 16, tp_rank=r, tp_size=2)
+                for r in (0, 1)]
+    assert per_rank[0].prefix() != per_rank[1].prefix() and all(n.stores for n in per_rank)
+    assert ranks[0].prefix() not in {n.prefix() for n in per_rank}
+
+
+def test_parse_reads_back_what_describe_wrote() -> None:
+    for ns in (NS, KeyNamespace("m", "bf16", "hnc:bf16:L2:1x16x576", 16, 1, 2, 0, "t", "w1", True),
+               KeyNamespace("m", "f", "l", 16, tp_rank=1, tp_size=2, pp_rank=1, tenant="a")):
+        back = KeyNamespace.parse(ns.describe())
+        assert back.prefix() == ns.prefix()
+    with pytest.raises(ValueError, match="not a mooncake-vllm namespace"):
+        KeyNamespace.parse("mcv1|model=m")

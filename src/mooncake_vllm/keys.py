@@ -7,7 +7,10 @@ A key names one FULL chunk of ``block_size`` tokens::
 
 * The namespace digest covers what makes two blocks' bytes comparable: model id,
   dtype, KV layout fingerprint, block size, TP rank and size, PP rank. DP ranks
-  share keys (they serve the same model with the same layout). A ``tenant_id``
+  share keys (they serve the same model with the same layout). Where every TP
+  rank holds the same bytes (MLA's latent KV: ``tp_shared``) the namespace names
+  no TP rank or size: the block is stored once, by TP rank 0, and every rank
+  reads the same key. A ``tenant_id``
   (Mooncake config) joins the namespace, so two tenants never read each other's
   blocks; it composes with the per-request cache salt, which seeds the chain. A
   ``cache_prefix`` (``kv_connector_extra_config``, as in vLLM's in-tree store
@@ -80,6 +83,8 @@ class KeyNamespace:
     tenant: str = ""
     #: ``cache_prefix`` of ``kv_connector_extra_config``; "" = none
     cache_prefix: str = ""
+    #: every TP rank holds identical KV (MLA): one key for all ranks, stored by rank 0
+    tp_shared: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model_id", "tenant", "cache_prefix"):
@@ -97,8 +102,9 @@ class KeyNamespace:
 
     def describe(self) -> str:
         """The human-readable namespace string the digest is taken of."""
+        tp = "shared" if self.tp_shared else f"{self.tp_rank}/{self.tp_size}"
         text = (f"mcv1|model={self.model_id}|dtype={self.dtype}|layout={self.layout}"
-                f"|bs={self.block_size}|tp={self.tp_rank}/{self.tp_size}|pp={self.pp_rank}")
+                f"|bs={self.block_size}|tp={tp}|pp={self.pp_rank}")
         if self.tenant:
             text += f"|tenant={self.tenant}"
         return f"{text}|prefix={self.cache_prefix}" if self.cache_prefix else text
@@ -106,6 +112,24 @@ class KeyNamespace:
     def digest(self) -> str:
         """16 hex digits naming this namespace (blake2b of :meth:`describe`)."""
         return hashlib.blake2b(self.describe().encode(), digest_size=8).hexdigest()
+
+    @classmethod
+    def parse(cls, text: str) -> KeyNamespace:
+        """The namespace a :meth:`describe` string names (as logged at start)."""
+        head, *parts = text.split("|")
+        fields = dict(part.split("=", 1) for part in parts if "=" in part)
+        if head != "mcv1" or not {"model", "dtype", "layout", "bs", "tp", "pp"} <= set(fields):
+            raise ValueError(f"not a mooncake-vllm namespace description: {text!r}")
+        shared = fields["tp"] == "shared"
+        rank, size = (0, 1) if shared else (int(n) for n in fields["tp"].split("/"))
+        return cls(fields["model"], fields["dtype"], fields["layout"], int(fields["bs"]), rank,
+                   size, int(fields["pp"]), tenant=fields.get("tenant", ""),
+                   cache_prefix=fields.get("prefix", ""), tp_shared=shared)
+
+    @property
+    def stores(self) -> bool:
+        """Whether this rank puts blocks: every rank, or only TP rank 0 of a shared namespace."""
+        return not self.tp_shared or self.tp_rank == 0
 
     def prefix(self) -> str:
         """``mcv/<16 hex digits>``: the key prefix of this namespace."""

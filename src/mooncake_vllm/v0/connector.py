@@ -15,7 +15,8 @@ V0 producer warms a V1 consumer of the same model and layout.
   state; otherwise nothing is loaded and vLLM recomputes.
 
 vLLM V0 caches are FlashAttention-layout tensors ``[2, num_blocks, block_size,
-kv_heads, head_size]`` per layer (or MLA ``[num_blocks, block_size, dim]``).
+kv_heads, head_size]`` per layer (or MLA ``[num_blocks, block_size, dim]``: the
+same latent on every TP rank, so keys name no TP rank and only TP rank 0 puts).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class MooncakeStoreConnector(KVConnectorBase):
                                       layout=layout.fingerprint, block_size=layout.block_size,
                                       tp_rank=self.tp_rank, tp_size=self.tp_size,
                                       pp_rank=self.pp_rank, tenant=self.tenant,
-                                      cache_prefix=self.cache_prefix)
+                                      cache_prefix=self.cache_prefix,
+                                      tp_shared=layout.kind == "mla")
         register_namespaces(self.store, [self.namespace], background=True)
         return layout
 
@@ -137,7 +139,7 @@ class MooncakeStoreConnector(KVConnectorBase):
             if not span.keyable or span.num_tokens == 0:
                 continue
             keys = chunk_keys(self.namespace, span.tokens)
-            if keys:
+            if keys and self.namespace.stores:  # MLA: TP rank 0 stores for every rank
                 self.store.put_blocks(keys, layout, list(span.block_ids))
             if hidden is not None and layout.kind == "nhd":
                 tail = Tail.gather(kv_caches, span.tail_slots, hidden[span.end - 1])

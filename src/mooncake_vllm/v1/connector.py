@@ -38,6 +38,7 @@ from mooncake_vllm.logs import follow_vllm_logging
 from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.store.namespaces import clear_namespaces, register_namespaces
 from mooncake_vllm.v1.client import SharedClient, shared_client
+from mooncake_vllm.v1.kv_groups import check_kv_cache_config, check_kv_caches
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
 from mooncake_vllm.v1.scheduler import SchedulerLogic
@@ -106,6 +107,10 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             super().__init__(vllm_config, role)
         ktc = vllm_config.kv_transfer_config
         self.settings = settings = ConnectorSettings.from_vllm_config(vllm_config)
+        # hybrid models: refuse at start unless the KV is one full-attention group
+        self._groups_checked = kv_cache_config is not None
+        if self._groups_checked:
+            check_kv_cache_config(kv_cache_config, model=settings.model_id)
         self.kv_role = settings.kv_role
         self.can_save = settings.can_save
         self.can_load = settings.can_load
@@ -170,6 +175,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
+        if not self._groups_checked:  # releases that give connectors no KVCacheConfig
+            check_kv_caches(kv_caches, self._vllm_config, model=self.settings.model_id)
         self.worker.register_kv_caches(kv_caches)
 
     def _meta(self) -> MooncakeConnectorMetadata | None:
