@@ -1,7 +1,8 @@
 """TTFT of one vLLM instance per call, for the GPU A/B comparison (needs CUDA + vLLM).
 
 ``--phase A`` serves each prompt once (a miss that saves to the pool); a fresh
-``--phase B`` process then serves the same prompts (a pool hit). ``--mode none``
+``--phase B`` process then serves the same prompts (a pool hit); ``ours-zc`` is ours
+with ``gpu_path=zero_copy``. ``--mode none``
 serves each prompt twice in one process instead (recompute, then an in-HBM
 prefix hit). ``--summarize DIR`` prints the TTFT table of every run in DIR:
 recompute, in-HBM hit, and A/B of each connector, with B's tokens from the
@@ -48,6 +49,8 @@ def serve(args: argparse.Namespace) -> None:
         if args.mode != "none":
             kw["kv_transfer_config"] = {"kv_connector": "MooncakeStoreConnector",
                                         "kv_role": "kv_both"}
+        if args.mode == "ours-zc":  # ours, straight between GPU memory and the pool
+            kw["kv_transfer_config"]["kv_connector_extra_config"] = {"gpu_path": "zero_copy"}
         t0 = time.time()
         llm = LLM(**kw)
         res["init_s"] = round(time.time() - t0, 1)
@@ -67,7 +70,7 @@ def serve(args: argparse.Namespace) -> None:
             print("RUN", json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
 
         run("warmup", prompt(1024, {"A": 11, "B": 12}.get(args.phase, 13)
-                             + {"none": 0, "intree": 100, "ours": 200}[args.mode]))
+                             + {"none": 0, "intree": 100, "ours": 200, "ours-zc": 300}[args.mode]))
         for n in [int(x) for x in args.lengths.split(",")]:
             ids = prompt(n, n)
             run(f"L{n}", ids)
@@ -92,6 +95,9 @@ def serve(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+_MODES = ("intree", "ours", "ours-zc")
+
+
 def summarize(folder: str) -> None:
     runs: dict[tuple[str, str], dict] = {}
     for path in glob.glob(os.path.join(folder, "*.json")):
@@ -109,12 +115,13 @@ def summarize(folder: str) -> None:
 
     none = by_label("none", "A")
     lengths = sorted({r["n"] for r in none.values() if r["label"].startswith("L")}
-                     | {r["n"] for m in ("intree", "ours") for r in by_label(m, "B").values()
+                     | {r["n"] for m in _MODES for r in by_label(m, "B").values()
                         if r["label"].startswith("L")})
     rows = []
     print("| tokens | recompute | in-HBM hit | in-tree A | in-tree B (pool) | ours A | ours B (pool) "
-          "| B tokens from pool (in-tree / ours) | B = in-HBM hit (in-tree / ours) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| ours zero-copy A | ours zero-copy B (pool) "
+          "| B tokens from pool (in-tree / ours / zero-copy) | B = in-HBM hit (in-tree / ours / zero-copy) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def ms(r: dict | None) -> str:
         return f"{r['ttft_s'] * 1e3:.0f}" if r and r.get("ttft_s") is not None else "-"
@@ -124,7 +131,7 @@ def summarize(folder: str) -> None:
         rec, hbm = none.get(key), none.get(f"{key}-again")
         cells = [str(n), ms(rec), ms(hbm)]
         hits, same = [], []
-        for mode in ("intree", "ours"):
+        for mode in _MODES:
             a, b = by_label(mode, "A").get(key), by_label(mode, "B").get(key)
             cells += [ms(a), ms(b)]
             hits.append(str(b["cached"]) if b else "-")
@@ -139,7 +146,7 @@ def summarize(folder: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["none", "intree", "ours"])
+    ap.add_argument("--mode", choices=["none", "intree", "ours", "ours-zc"])
     ap.add_argument("--phase", default="A")
     ap.add_argument("--model", default="/tmp/model")
     ap.add_argument("--lengths", default="2048,8000,16000")

@@ -30,14 +30,14 @@ def test_every_documented_key_is_read() -> None:
     s = ConnectorSettings.from_vllm_config(_vllm_config(
         "kv_consumer", model_id="shared", mooncake_config_path="/etc/mc.json",
         load_failure_policy="fail", save_queue_size=8, connect_timeout=2, layout_variant="amx",
-        load_async=False, cache_prefix="weights-v2"))
+        load_async=False, gpu_path="zero_copy", cache_prefix="weights-v2"))
     assert s == ConnectorSettings(kv_role="kv_consumer", model_id="shared",
                                   mooncake_config_path="/etc/mc.json", load_failure_policy="fail",
                                   save_queue_size=8, connect_timeout=2.0, layout_variant="amx",
-                                  load_async=False, cache_prefix="weights-v2")
+                                  load_async=False, gpu_path="zero_copy", cache_prefix="weights-v2")
     assert sorted(EXTRA_KEYS) == sorted(
         ["model_id", "mooncake_config_path", "load_failure_policy", "save_queue_size",
-         "connect_timeout", "layout_variant", "load_async", "cache_prefix"])
+         "connect_timeout", "layout_variant", "load_async", "gpu_path", "cache_prefix"])
     with pytest.raises(AttributeError):
         s.kv_role = "kv_both"  # type: ignore[misc]  # frozen
 
@@ -45,13 +45,16 @@ def test_every_documented_key_is_read() -> None:
 def test_every_problem_in_one_error_naming_field_and_fix() -> None:
     with pytest.raises(ConfigError) as info:
         ConnectorSettings.from_vllm_config(_vllm_config(
-            model_idd="x", load_failure_policy="ignore", save_queue_size=True, connect_timeout=-1))
+            model_idd="x", load_failure_policy="ignore", save_queue_size=True, connect_timeout=-1,
+            gpu_path="gpudirect"))
     err = info.value
     assert err.fields == ["kv_connector_extra_config",
                           "kv_connector_extra_config.load_failure_policy",
+                          "kv_connector_extra_config.gpu_path",
                           "kv_connector_extra_config.save_queue_size",
                           "kv_connector_extra_config.connect_timeout"]
     assert "model_idd" in str(err) and "use only" in str(err) and '"recompute" or "fail"' in str(err)
+    assert "'gpudirect'" in str(err) and '"auto", "staged" or "zero_copy"' in str(err)
 
 
 def test_unknown_role_is_refused() -> None:

@@ -16,6 +16,10 @@ key or value one engine rejects, the other rejects too, with one
 ``save_queue_size``        save jobs buffered per worker (default 64; full → dropped; V1 only)
 ``connect_timeout``        seconds to reach the pool at start (default 5)
 ``layout_variant``         override the predicted KV layout variant tag
+``gpu_path``               how a KV cache in CUDA memory moves: ``"auto"`` (default:
+                           zero-copy over RDMA, staged otherwise), ``"staged"`` (through
+                           pinned slots) or ``"zero_copy"`` (straight from GPU memory,
+                           checksums on the GPU; needs a CUDA build of Mooncake)
 ``cache_prefix``           a label joining the key namespace (e.g. a weights version or a
                            deployment); composes with the Mooncake config's ``tenant_id``
                            (both must match to share blocks). Same key as vLLM's in-tree
@@ -34,14 +38,17 @@ from typing import Any
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.keys import model_id as _model_id
 
-__all__ = ["EXTRA_KEYS", "ROLES", "ConnectorSettings"]
+__all__ = ["EXTRA_KEYS", "GPU_PATHS", "ROLES", "ConnectorSettings"]
 
 #: every key ``kv_connector_extra_config`` may hold
-EXTRA_KEYS = ("cache_prefix", "connect_timeout", "layout_variant", "load_async", "load_failure_policy",
+EXTRA_KEYS = ("cache_prefix", "connect_timeout", "gpu_path", "layout_variant", "load_async",
+              "load_failure_policy",
               "model_id", "mooncake_config_path", "save_queue_size")
 #: vLLM's ``kv_role`` values and what each lets the connector do: (save, load)
 ROLES = {"kv_both": (True, True), "kv_producer": (True, False), "kv_consumer": (False, True)}
 _POLICIES = ("recompute", "fail")
+#: ``gpu_path`` values (store.paths.choose_gpu_path picks the path)
+GPU_PATHS = ("auto", "staged", "zero_copy")
 _FIELD = "kv_connector_extra_config"
 
 
@@ -57,6 +64,7 @@ class ConnectorSettings:
     connect_timeout: float = 5.0
     layout_variant: str | None = None
     load_async: bool = True
+    gpu_path: str = "auto"
     cache_prefix: str = ""
 
     @property
@@ -99,6 +107,10 @@ class ConnectorSettings:
                                           f"must be true or false, found {load_async!r}",
                                           "omit it (background loads where the release "
                                           "supports them) or set false"))
+        gpu_path = extra.get("gpu_path", "auto")
+        if gpu_path not in GPU_PATHS:
+            problems.append(ConfigProblem(f"{_FIELD}.gpu_path", f"found {gpu_path!r}",
+                                          'use "auto", "staged" or "zero_copy"'))
         numbers: dict[str, Any] = {}
         for name, default in (("save_queue_size", 64), ("connect_timeout", 5.0)):
             value = extra.get(name, default)
@@ -126,4 +138,4 @@ class ConnectorSettings:
                    save_queue_size=int(numbers["save_queue_size"]),
                    connect_timeout=float(numbers["connect_timeout"]),
                    layout_variant=texts["layout_variant"], load_async=bool(load_async),
-                   cache_prefix=str(cache_prefix))
+                   gpu_path=str(gpu_path), cache_prefix=str(cache_prefix))

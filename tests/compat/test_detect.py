@@ -85,6 +85,19 @@ def test_metadata_version_beats_the_directory_name(tmp_path: Path) -> None:
     assert got is not None and got.version == "0.32.0+cpu"
 
 
+@pytest.mark.parametrize("dirname, cuda", [
+    ("mooncake_transfer_engine_cuda13-0.3.14.dist-info", True),
+    ("mooncake_transfer_engine_cuda-0.3.7.dist-info", True),
+    ("mooncake_transfer_engine_non_cuda-0.3.13.post1.dist-info", False),
+    ("mooncake_transfer_engine-0.3.14.dist-info", False),
+    ("mooncake_transfer_engine_npu-0.3.14.dist-info", False),
+])
+def test_only_a_cuda_flavour_of_mooncake_reads_gpu_memory(tmp_path: Path, dirname: str,
+                                                          cuda: bool) -> None:
+    _dist(tmp_path, dirname, dirname.split("-")[1].removesuffix(".dist-info"))
+    assert detect.mooncake_is_cuda_build([str(tmp_path)]) is cuda
+
+
 def test_nothing_installed(tmp_path: Path) -> None:
     assert installed_vllm([str(tmp_path)]) is None
     assert installed_mooncake([str(tmp_path)]) == []

@@ -19,7 +19,7 @@ from mooncake_vllm import codec
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.keys import KeyNamespace, chunk_keys
 from mooncake_vllm.layout import BlockLayout
-from mooncake_vllm.store import StoreClient
+from mooncake_vllm.store import StagingSizes, StoreClient
 
 NB, BS, H, D, L = 12, 16, 4, 32, 3
 _counter = itertools.count()
@@ -206,8 +206,6 @@ def test_v0_data_path_full_blocks_and_tail(client: StoreClient, device: str) -> 
 def test_many_blocks_through_few_slots_in_pipelined_fetches(stack: Any, device: str) -> None:
     """60 blocks through 8 load slots: several fetches, two in flight, slots reused."""
     _need(device)
-    from mooncake_vllm.store import StagingSizes
-
     src = [_tensor((2, 64, BS, H, D), None, torch.bfloat16, device, 40 + i) for i in range(L)]
     dst = [_tensor((2, 64, BS, H, D), None, torch.bfloat16, device, 80 + i) for i in range(L)]
     probe = BlockLayout.from_kv_caches(src)
@@ -227,3 +225,124 @@ def test_many_blocks_through_few_slots_in_pipelined_fetches(stack: Any, device: 
                 assert torch.equal(_block(d, "nhd", t), _block(s, "nhd", i))
     finally:
         client.close()
+
+
+# ---------------------------------------------------------------- GPU zero-copy (gpu_path)
+@pytest.fixture
+def fresh(stack: Any) -> Any:
+    """``fresh()`` → a new connected client; all are closed after the test."""
+    made: list[StoreClient] = []
+
+    def make() -> StoreClient:
+        made.append(StoreClient.connect(load_store_config(stack.config_path),
+                                        staging=StagingSizes(save_cuda=64 << 20, load=64 << 20)))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def _registered(client: StoreClient, caches: list[torch.Tensor], path: str) -> BlockLayout:
+    layout = BlockLayout.from_kv_caches(caches)
+    client.register_layout(layout, gpu_path=path)
+    assert client.gpu_path(layout) == path  # the CUDA build registers the KV cache
+    return layout
+
+
+def _load(client: StoreClient, keys: list[str], layout: BlockLayout, blocks: list[int],
+          path: str) -> list[bool]:
+    if path == "zero_copy":  # background loads go straight into the blocks
+        ok = client.get_blocks(keys, layout, blocks, after=client.stream_position(layout),
+                               background=True)
+    else:
+        ok = client.get_blocks(keys, layout, blocks)
+    torch.cuda.synchronize()
+    return ok
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reader", ["staged", "zero_copy"])
+@pytest.mark.parametrize("writer", ["staged", "zero_copy"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("name", sorted(set(LAYOUTS) - {"cpu"}))
+def test_zero_copy_and_staged_read_each_others_values(fresh: Any, name: str, dtype: torch.dtype,
+                                                      writer: str, reader: str) -> None:
+    _need("cuda")
+    w, r = fresh(), fresh()
+    src = _caches(name, dtype, "cuda", 61)
+    dst = _caches(name, dtype, "cuda", 62)
+    before = [t.clone() for t in dst]
+    a, b = _registered(w, src, writer), _registered(r, dst, reader)
+    keys = _keys(a, 4)
+    assert w.put_blocks(keys, a, [7, 2, 9, 0]) == 4
+    assert _load(r, keys + _keys(a, 1), b, [1, 3, 5, 11, 4], reader) == [True] * 4 + [False]
+    for s, d, old in zip(src, dst, before):
+        for sb, db in ((7, 1), (2, 3), (9, 5), (0, 11)):
+            assert torch.equal(_block(d, a.kind, db), _block(s, a.kind, sb))
+        for untouched in (0, 2, 6, 7, 8, 9, 10):
+            assert torch.equal(_block(d, a.kind, untouched), _block(old, a.kind, untouched))
+    raw = w._store.get(keys[0])
+    assert codec.unpack_header(raw).checksum_kind == codec.WSUM64  # CUDA KV: wsum64
+
+
+@pytest.mark.gpu
+def test_gpu_checksums_equal_the_host_checksum_of_the_same_bytes(fresh: Any) -> None:
+    _need("cuda")
+    c = fresh()
+    for name in sorted(set(LAYOUTS) - {"cpu"}):
+        caches = _caches(name, torch.bfloat16, "cuda", 70)
+        paths = c._paths_for(_registered(c, caches, "zero_copy"))
+        host = BlockLayout.from_kv_caches([t.cpu() for t in caches])
+        blocks = [0, 5, 11, 3]
+        assert paths.device_sums(blocks) == [
+            codec.checksum_segments(host.segments(b), codec.WSUM64) for b in blocks]
+
+
+def _zero_copy_source(fresh: Any, dtype: torch.dtype, seed: int,
+                      n: int) -> tuple[StoreClient, list[torch.Tensor], BlockLayout, list[str]]:
+    """A zero-copy client, flash-layout CUDA caches registered with it, ``n`` keys."""
+    _need("cuda")
+    c = fresh()
+    src = _caches("flash-nhd", dtype, "cuda", seed)
+    layout = _registered(c, src, "zero_copy")
+    return c, src, layout, _keys(layout, n)
+
+
+@pytest.mark.gpu
+def test_zero_copy_loads_refuse_corrupt_foreign_and_unverifiable_values(fresh: Any) -> None:
+    c, src, layout, keys = _zero_copy_source(fresh, torch.float16, 80, 5)
+    assert c.put_blocks(keys[:1], layout, [3]) == 1
+    store = c._store
+    raw = store.get(keys[0])
+    assert store.upsert(keys[1], raw[:300] + bytes([raw[300] ^ 4]) + raw[301:]) == 0
+    assert store.upsert(keys[2], raw[: len(raw) - 7]) == 0  # truncated
+    assert store.upsert(keys[3], raw) == 0  # another key's value
+    # the same bytes framed from host memory carry xxh3: not verifiable on the GPU
+    host = BlockLayout.from_kv_caches([t.cpu() for t in src])
+    xxh = codec.pack_header(host.block_nbytes, codec.checksum_segments(host.segments(3)),
+                            codec.digest16(layout.fingerprint), codec.digest16(keys[4]))
+    assert store.upsert(keys[4], xxh + raw[codec.HEADER_SIZE:]) == 0
+    dl = _registered(c, _caches("flash-nhd", torch.float16, "cuda", 81), "zero_copy")
+    before = c.stats.snapshot().get("corrupt", 0)
+    assert _load(c, keys[1:], dl, [1, 2, 5, 8], "zero_copy") == [False] * 4
+    stats = c.stats.snapshot()
+    # the truncated value may come back as an error code of the multi-buffer get (``errors``)
+    assert stats["corrupt"] + stats.get("errors", 0) - before >= 4
+    assert stats["corrupt"] - before >= 3 and stats["unverifiable_on_gpu"] == 1
+    # a staged reader verifies the xxh3 value on the host and takes it
+    s = fresh()
+    sl = _registered(s, _caches("flash-nhd", torch.float16, "cuda", 82), "staged")
+    assert _load(s, keys[4:], sl, [6], "staged") == [True]
+
+
+@pytest.mark.gpu
+def test_zero_copy_save_of_a_block_reused_before_the_put_is_removed(fresh: Any) -> None:
+    c, src, layout, keys = _zero_copy_source(fresh, torch.bfloat16, 90, 2)
+    ticket = c.prepare_save(keys, layout, [4, 6])
+    assert not ticket.snapshot
+    for t in src:  # vLLM reuses block 4 before the put runs
+        t[:, 4] = 0.5
+    assert c.commit_save(ticket) == 1
+    assert c.stats.snapshot()["save_raced"] == 1
+    assert c.exists(keys) == [False, True]

@@ -28,6 +28,12 @@ def _v0_reason() -> str | None:
     return None
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def dev(request: pytest.FixtureRequest) -> str:
+    """Where the KV caches and batch tensors live (``cuda``: skipped without a GPU)."""
+    return request.param
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = os.path.dirname(__file__)
     mine = [item for item in items if str(item.fspath).startswith(here)]

@@ -1,7 +1,8 @@
 """The V0 connector driven by REAL vLLM V0 batch objects against a REAL Mooncake pool.
 
 Runs inside an old-vLLM env (see conftest.py): real ``ModelInputForGPUWithSamplingMetadata``
-and ``FlashAttentionMetadata`` on CPU tensors, GPU-layout KV tensors on CPU, a real
+and ``FlashAttentionMetadata`` and GPU-layout KV tensors, on the CPU and (``dev``
+fixture, marked ``gpu``) on CUDA, a real
 mooncake_master + holder, and the V1 worker logic for the cross-engine cases.
 """
 
@@ -48,20 +49,20 @@ def _tokens_kv(caches, table, n):
     return torch.stack(out)
 
 
-def test_v0_producer_then_v0_consumer_bypasses_with_exact_kv(stack_env) -> None:
+def test_v0_producer_then_v0_consumer_bypasses_with_exact_kv(stack_env, dev) -> None:
     prompts = [_prompt(1, 40), _prompt(2, 35)]  # 2 full blocks + 8 tail, 2 full + 3 tail
     prod_tables = [[3, 7, 11], [20, 4, 9]]
     cons_tables = [[30, 1, 2], [5, 6, 8]]  # different physical blocks on the consumer
     producer, consumer = _connector(), _connector()
     try:
-        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=7)
-        batch = prefill_input(prompts, prod_tables, BS)
-        hidden = torch.randn(75, HIDDEN)
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=7, device=dev)
+        batch = prefill_input(prompts, prod_tables, BS, device=dev)
+        hidden = torch.randn(75, HIDDEN, device=dev)
         producer.send_kv_caches_and_hidden_states(None, batch, src, hidden)
 
-        dst = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD)
+        dst = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, device=dev)
         out, bypass, _ = consumer.recv_kv_caches_and_hidden_states(
-            None, prefill_input(prompts, cons_tables, BS), dst)
+            None, prefill_input(prompts, cons_tables, BS, device=dev), dst)
         assert bypass is True
         for i, p in enumerate(prompts):
             assert torch.equal(_tokens_kv(dst, cons_tables[i], len(p)),
@@ -75,35 +76,35 @@ def test_v0_producer_then_v0_consumer_bypasses_with_exact_kv(stack_env) -> None:
         consumer.close()
 
 
-def test_partial_hit_loads_nothing_and_recomputes(stack_env) -> None:
+def test_partial_hit_loads_nothing_and_recomputes(stack_env, dev) -> None:
     known, unknown = _prompt(11, 33), _prompt(12, 33)
     producer, consumer = _connector(), _connector()
     try:
-        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=3)
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=3, device=dev)
         producer.send_kv_caches_and_hidden_states(
-            None, prefill_input([known], [[1, 2, 3]], BS), src, torch.randn(33, HIDDEN))
-        dst = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD)
+            None, prefill_input([known], [[1, 2, 3]], BS, device=dev), src, torch.randn(33, HIDDEN, device=dev))
+        dst = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, device=dev)
         out, bypass, model_input = consumer.recv_kv_caches_and_hidden_states(
-            None, prefill_input([known, unknown], [[4, 5, 6], [7, 8, 9]], BS), dst)
+            None, prefill_input([known, unknown], [[4, 5, 6], [7, 8, 9]], BS, device=dev), dst)
         assert (out, bypass) == (None, False)
         assert all(float(kv.abs().sum()) == 0.0 for kv in dst)  # nothing written
         # the known prompt alone is a full hit
         _out, bypass, _ = consumer.recv_kv_caches_and_hidden_states(
-            None, prefill_input([known], [[4, 5, 6]], BS), dst)
+            None, prefill_input([known], [[4, 5, 6]], BS, device=dev), dst)
         assert bypass is True
     finally:
         producer.close()
         consumer.close()
 
 
-def test_prefix_cached_sequences_are_never_keyed(stack_env) -> None:
+def test_prefix_cached_sequences_are_never_keyed(stack_env, dev) -> None:
     """A sequence whose batch slice does not start at token 0 is neither saved nor served."""
     prompt = _prompt(21, 48)
     producer = _connector()
     try:
-        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=5)
-        batch = prefill_input([prompt], [[1, 2, 3]], BS, context_lens=[16])
-        producer.send_kv_caches_and_hidden_states(None, batch, src, torch.randn(32, HIDDEN))
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=5, device=dev)
+        batch = prefill_input([prompt], [[1, 2, 3]], BS, context_lens=[16], device=dev)
+        producer.send_kv_caches_and_hidden_states(None, batch, src, torch.randn(32, HIDDEN, device=dev))
         from mooncake_vllm.keys import chunk_keys
 
         assert producer.namespace is not None
@@ -114,16 +115,16 @@ def test_prefix_cached_sequences_are_never_keyed(stack_env) -> None:
         producer.close()
 
 
-def test_different_model_is_a_miss(stack_env) -> None:
+def test_different_model_is_a_miss(stack_env, dev) -> None:
     prompt = _prompt(31, 32)
     producer, other = _connector(model="/m/model-a"), _connector(model="/m/model-b")
     try:
-        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=9)
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=9, device=dev)
         producer.send_kv_caches_and_hidden_states(
-            None, prefill_input([prompt], [[1, 2]], BS), src, torch.randn(32, HIDDEN))
-        dst = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD)
+            None, prefill_input([prompt], [[1, 2]], BS, device=dev), src, torch.randn(32, HIDDEN, device=dev))
+        dst = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, device=dev)
         _out, bypass, _ = other.recv_kv_caches_and_hidden_states(
-            None, prefill_input([prompt], [[3, 4]], BS), dst)
+            None, prefill_input([prompt], [[3, 4]], BS, device=dev), dst)
         assert bypass is False
     finally:
         producer.close()
@@ -157,14 +158,14 @@ def _v1_load(worker, prompt, block_ids):
     return worker.take_load_errors()
 
 
-def test_v0_saved_blocks_load_bit_exact_through_v1_worker(stack_env) -> None:
+def test_v0_saved_blocks_load_bit_exact_through_v1_worker(stack_env, dev) -> None:
     prompt = _prompt(41, 50)  # 3 full blocks
     producer = _connector(model="/models/shared-llama")
     try:
-        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=13)
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=13, device=dev)
         producer.send_kv_caches_and_hidden_states(
-            None, prefill_input([prompt], [[9, 2, 17, 5]], BS), src, torch.randn(50, HIDDEN))
-        v1_caches = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD)  # V1 GPU flash layout, on CPU
+            None, prefill_input([prompt], [[9, 2, 17, 5]], BS, device=dev), src, torch.randn(50, HIDDEN, device=dev))
+        v1_caches = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, device=dev)  # V1 GPU flash layout
         worker, source = _v1_worker(stack_env, "nhd", v1_caches, "shared-llama")
         try:
             errors = _v1_load(worker, prompt, [20, 21, 22])
@@ -179,14 +180,14 @@ def test_v0_saved_blocks_load_bit_exact_through_v1_worker(stack_env) -> None:
         producer.close()
 
 
-def test_v0_blocks_are_a_miss_for_v1_with_cpu_layout(stack_env) -> None:
+def test_v0_blocks_are_a_miss_for_v1_with_cpu_layout(stack_env, dev) -> None:
     prompt = _prompt(51, 32)
     producer = _connector(model="/models/shared-llama")
     try:
-        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=17)
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=17, device=dev)
         producer.send_kv_caches_and_hidden_states(
-            None, prefill_input([prompt], [[3, 4]], BS), src, torch.randn(32, HIDDEN))
-        cpu_caches = [torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * HEAD) for _ in range(LAYERS)]
+            None, prefill_input([prompt], [[3, 4]], BS, device=dev), src, torch.randn(32, HIDDEN, device=dev))
+        cpu_caches = [torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * HEAD, device=dev) for _ in range(LAYERS)]
         worker, source = _v1_worker(stack_env, "cpu", cpu_caches, "shared-llama")
         try:
             assert _v1_load(worker, prompt, [1, 2]) == {1, 2}

@@ -58,7 +58,7 @@ class _GatedClient:
         self.puts: list[list[str]] = []
         self.discarded: list[list[str]] = []
 
-    def register_layout(self, layout: Any) -> None:
+    def register_layout(self, layout: Any, gpu_path: str = "auto") -> None:
         pass
 
     def prepare_save(self, keys: list[str], layout: Any, block_ids: list[int]) -> SaveTicket:

@@ -27,6 +27,7 @@ __all__ = [
     "find_distributions",
     "installed_mooncake",
     "installed_vllm",
+    "mooncake_is_cuda_build",
     "no_v0_error",
     "parse_use_v1",
 ]
@@ -102,6 +103,15 @@ def installed_vllm(path: Iterable[str] | None = None) -> InstalledDistribution |
 def installed_mooncake(path: Iterable[str] | None = None) -> list[InstalledDistribution]:
     """Every installed Mooncake distribution (more than one is a conflict: they share ``mooncake/``)."""
     return sorted(find_distributions(MOONCAKE_DIST_RE, path), key=lambda d: d.name)
+
+
+def mooncake_is_cuda_build(path: Iterable[str] | None = None) -> bool:
+    """Whether the installed Mooncake is a CUDA build (``-cuda12``, ``-cuda13``, ...).
+
+    Only such a build moves GPU memory itself; any other reads a GPU address as
+    a host address (a crash), so zero-copy from CUDA memory needs this.
+    """
+    return any(re.search(r"(?<!non)-cuda\d*$", d.name) for d in installed_mooncake(path))
 
 
 def parse_use_v1(raw: str | None) -> bool | None:

@@ -8,7 +8,10 @@ What it adds over ``mooncake.store.MooncakeDistributedStore``:
   worker pools with deadlines (:mod:`~mooncake_vllm.store.timebox`); an open
   circuit breaker sends nothing at all (:mod:`~mooncake_vllm.store.health`);
 * **host and CUDA memory** — blocks move through registered slots with torch ops
-  (:mod:`~mooncake_vllm.store.mover`), or zero-copy from host KV on save;
+  (:mod:`~mooncake_vllm.store.mover`), or zero-copy from host KV on save, or
+  straight between GPU memory and the pool with checksums computed on the GPU
+  (``gpu_path``, :func:`~mooncake_vllm.store.paths.choose_gpu_path`,
+  :mod:`~mooncake_vllm.store.direct`);
 * **never wrong KV** — every value carries a :mod:`~mooncake_vllm.codec` header
   whose checksum is taken while the bytes are known good (:class:`SaveTicket`);
   a truncated, foreign, corrupt or raced value is a miss;
@@ -21,47 +24,31 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from mooncake_vllm import codec
+from mooncake_vllm.compat.detect import mooncake_is_cuda_build
 from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.stats import StoreStats
 from mooncake_vllm.store.codes import Code, call, describe, is_fatal
 from mooncake_vllm.store.connect import open_store
+from mooncake_vllm.store.direct import get_direct
+from mooncake_vllm.store.fetch import MAX_BATCH, get_staged
 from mooncake_vllm.store.health import FailureLog, PoolHealth
-from mooncake_vllm.store.paths import LayoutPaths, SaveTicket, StagingSizes
-from mooncake_vllm.store.slots import Run, SlotPool, slots_of
+from mooncake_vllm.store.paths import LayoutPaths, SaveTicket, StagingSizes, choose_gpu_path
+from mooncake_vllm.store.slots import Run, slots_of
 from mooncake_vllm.store.timebox import CallRejected, CallTimedOut, LateRelease, TimeBox
 
 __all__ = ["StoreClient"]
 
 log = logging.getLogger(__name__)
 
-_MAX_BATCH = 256
 #: slowest transfer rate a put/get is allowed before it counts as hung (bytes/s)
 _MIN_RATE = 200e6
 #: after "pool full", skip saves this long (backpressure, not an error storm)
 _FULL_BACKOFF = 5.0
-#: a load is cut into about this many fetches, two in flight: verifying one overlaps
-#: the transfer of the next (the checksum holds the GIL, Mooncake's call does not)
-_LOAD_PIECES = 4
-_MIN_FETCH = 16
-
-
-@dataclass
-class _Fetch:
-    """One ``batch_get_into`` in flight: ``keys`` from position ``pos`` into ``runs``."""
-
-    pos: int
-    keys: list[str]
-    runs: list[Run]
-    future: Any
-    late: LateRelease
-    started: float
 
 
 class StoreClient:
@@ -192,8 +179,12 @@ class StoreClient:
         return count
 
     # ------------------------------------------------------------------ layouts
-    def register_layout(self, layout: BlockLayout) -> None:
-        """Set up the staging slots (and, for zero-copy saves, register the KV memory)."""
+    def register_layout(self, layout: BlockLayout, gpu_path: str = "auto") -> None:
+        """Set up the staging slots (and, for zero-copy, register the KV memory).
+
+        ``gpu_path`` (``auto`` | ``staged`` | ``zero_copy``): how a KV cache in
+        CUDA memory moves (:func:`~mooncake_vllm.store.paths.choose_gpu_path`).
+        """
         if id(layout) in self._paths:
             return
 
@@ -202,7 +193,21 @@ class StoreClient:
             return rc if isinstance(rc, int) else -1
 
         multi = self._multi and not layout.on_cuda and self._register_kv(layout, register)
-        paths = LayoutPaths(layout, register, multi_buffer=multi, sizes=self._staging)
+        direct = False
+        if layout.on_cuda:
+            path, why = choose_gpu_path(
+                gpu_path, protocol=self.config.protocol, cuda_build=self._cuda_build(),
+                multi_buffer=self._multi and hasattr(self._store, "batch_get_into_multi_buffers"),
+                whole_words=layout.seg_nbytes % 8 == 0)
+            if path == "zero_copy" and not self._register_kv(layout, register):
+                path, why = "staged", "Mooncake refused to register the KV cache's CUDA memory"
+            direct = path == "zero_copy"
+            (log.warning if gpu_path == "zero_copy" and not direct else log.info)(
+                "mooncake-vllm: CUDA KV cache moves %s (%s)",
+                "straight between GPU memory and the pool" if direct
+                else "through pinned staging slots", why)
+        paths = LayoutPaths(layout, register, multi_buffer=multi, sizes=self._staging,
+                            gpu_zero_copy=direct)
         if not paths.registered:
             log.warning("mooncake-vllm: Mooncake refused to register staging memory; "
                         "transfers through it may fail")
@@ -210,6 +215,18 @@ class StoreClient:
         log.info("mooncake-vllm: KV cache on %s, %s saves, loads through %d staging slots",
                  layout.device, "zero-copy" if paths.zero_copy_save else "snapshot",
                  paths.load_pool.count)
+
+    def gpu_path(self, layout: BlockLayout) -> str:
+        """``zero_copy`` or ``staged`` for a registered CUDA layout, ``host`` otherwise."""
+        paths = self._paths_for(layout)
+        if not layout.on_cuda:
+            return "host"
+        return "zero_copy" if paths.gpu_zero_copy else "staged"
+
+    def _cuda_build(self) -> bool:
+        """Whether this Mooncake reads GPU addresses (a CUDA build; tests may say so)."""
+        flag = getattr(self._store, "reads_gpu_memory", None)
+        return bool(flag) if flag is not None else mooncake_is_cuda_build()
 
     def _register_kv(self, layout: BlockLayout, register: Callable[[int, int], int]) -> bool:
         ok = True
@@ -258,11 +275,11 @@ class StoreClient:
             todo = [i for i, p in enumerate(present) if not p]
             self.stats.add("skipped_existing", len(ticket.keys) - len(todo))
             stored = 0
-            for i in range(0, len(todo), _MAX_BATCH):
+            for i in range(0, len(todo), MAX_BATCH):
                 if not self.health.admit():  # the lookup (or a batch) just found it away
                     self.stats.add("saves_skipped", len(todo) - i)
                     return stored
-                ok = self._put_batch(paths, ticket, todo[i:i + _MAX_BATCH])
+                ok = self._put_batch(paths, ticket, todo[i:i + MAX_BATCH])
                 if ok is None:
                     return stored  # abandoned: the late call hands the slots back
                 stored += ok
@@ -320,7 +337,7 @@ class StoreClient:
 
     def _recheck(self, paths: LayoutPaths, ticket: SaveTicket, good: list[int]) -> list[int]:
         """Zero-copy: remove values whose block changed while it was being put."""
-        raced = [i for i in good if not paths.still_intact(ticket, i)]
+        raced = [i for i, ok in zip(good, paths.intact(ticket, good)) if not ok] if good else []
         for i in raced:
             self._run(self._control, self._op_timeout, self._remove, ticket.keys[i])
         if raced:
@@ -362,120 +379,19 @@ class StoreClient:
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
         paths = self._paths_for(layout)
-        pool, n = paths.load_pool, len(keys)
-        step = max(1, min(_MAX_BATCH, pool.count // 2, max(_MIN_FETCH, -(-n // _LOAD_PIECES))))
-        out = [False] * n
-        inflight: deque[_Fetch] = deque()
-        pos, broken = 0, False
-        while pos < n or inflight:
-            while not broken and pos < n and len(inflight) < 2:
-                fetch = self._start_fetch(paths, pos, list(keys[pos:pos + step]))
-                if fetch is None and not inflight:
-                    pool.settle()  # slots waiting on finished device copies
-                    fetch = self._start_fetch(paths, pos, list(keys[pos:pos + step]))
-                if fetch is None:
-                    broken = not inflight
-                    break
-                inflight.append(fetch)
-                pos += len(fetch.keys)
-            if not inflight:
-                break
-            fetch = inflight.popleft()
-            got = self._finish_fetch(paths, fetch, block_ids, after, background)
-            if got is None:  # timed out or failed: the rest is a miss, slots come back late
-                for rest in inflight:
-                    rest.late.timed_out()
-                inflight.clear()
-                broken = True
-                break
-            out[fetch.pos:fetch.pos + len(got)] = got
+        if background and paths.gpu_zero_copy_loads:
+            out = get_direct(self, paths, keys, block_ids, after) if keys else []
+            self._count_loaded(layout, out)
+            return out
+        out = get_staged(self, paths, keys, block_ids, after, background)
+        self._count_loaded(layout, out)
+        return out
+
+    def _count_loaded(self, layout: BlockLayout, out: list[bool]) -> None:
         loaded = sum(out)
         self.stats.add("blocks_got", loaded)
         self.stats.add("bytes_got", loaded * layout.block_nbytes)
-        self.stats.add("load_failed", n - loaded)
-        return out
-
-    def _start_fetch(self, paths: LayoutPaths, pos: int, keys: list[str]) -> _Fetch | None:
-        if self._closed or not self.health.admit():
-            return None
-        pool = paths.load_pool
-        runs = pool.take(len(keys))
-        if not runs:
-            return None
-        slots = slots_of(runs)
-        keys = keys[:len(slots)]
-        late = LateRelease(lambda: pool.release(runs))
-        try:
-            future = self._transfers.submit(
-                self._store.batch_get_into, keys, [pool.address(s) for s in slots],
-                [paths.slot_nbytes] * len(keys), on_done=late.returned)
-        except CallRejected as exc:
-            pool.release(runs)
-            self.stats.add("rejected")
-            self.health.failed(str(exc))
-            return None
-        return _Fetch(pos, keys, runs, future, late, time.perf_counter())
-
-    def _finish_fetch(self, paths: LayoutPaths, fetch: _Fetch, block_ids: Sequence[int],
-                      after: Any, background: bool) -> list[bool] | None:
-        pool, size = paths.load_pool, paths.slot_nbytes
-        try:
-            codes = self._transfers.result(fetch.future,
-                                           self._transfer_timeout(len(fetch.keys) * size))
-        except CallTimedOut as exc:
-            self.stats.add("timeouts")
-            fetch.late.timed_out()  # the slots come back when Mooncake returns
-            self.health.failed(str(exc))
-            return None
-        if isinstance(codes, BaseException):
-            pool.release(fetch.runs)
-            self.health.failed(f"batch_get_into raised {type(codes).__name__}")
-            return None
-        self.stats.observe("get", time.perf_counter() - fetch.started)
-        ok: list[bool] = []
-        for key, slot, code in zip(fetch.keys, slots_of(fetch.runs), codes):
-            if code != size:
-                ok.append(False)
-                if code in (Code.OBJECT_NOT_FOUND, Code.LEASE_EXPIRED, 0):
-                    self.stats.add("misses")
-                elif code > 0 or code == Code.INVALID_PARAMS:
-                    self.stats.add("corrupt")  # a value of another size
-                else:
-                    self.stats.add("errors")
-                continue
-            reason = paths.verify_slot(slot, key)
-            if reason:
-                self.failures.warn("corrupt", f"mooncake-vllm: ignoring stored block {key}: {reason}")
-                self.stats.add("corrupt")
-            ok.append(reason is None)
-        self._note_failures("get", codes)
-        self._name_lost_segment(fetch.keys, codes)
-        blocks = list(block_ids[fetch.pos:fetch.pos + len(ok)])
-        done = (paths.mover.scatter(pool, fetch.runs, ok, blocks, after=after, wait=background)
-                if any(ok) else None)
-        pool.release(fetch.runs, after=done)
-        return ok
-
-    def _name_lost_segment(self, keys: Sequence[str], codes: Sequence[Any]) -> None:
-        """Values the master still lists but cannot deliver: say once which segment is gone."""
-        lost = [k for k, c in zip(keys, codes)
-                if c in (Code.TRANSFER_FAIL, Code.SEGMENT_NOT_FOUND)]
-        if not lost:
-            return
-        self.stats.add("lost_segment_reads", len(lost))
-        # the name costs a master round trip: ask once per log interval, not on every load
-        if not hasattr(self._store, "get_replica_desc") or not self.failures.ready("segment query"):
-            return
-        try:
-            replicas = self._control.run(1.0, self._store.get_replica_desc, lost[0])
-            where = replicas[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
-        except Exception:  # noqa: BLE001 - naming the segment is best effort
-            return
-        self.failures.warn(f"segment {where}", f"mooncake-vllm: pool segment {where} does not "
-                           f"answer ({len(lost)} block(s) of one load): the holder owning it died "
-                           "or stalled; its values are lost and read as misses until the master "
-                           "expires it (--client_ttl). Restart that holder; keep the pool in "
-                           "several holders so one loss costs only its share")
+        self.stats.add("load_failed", len(out) - loaded)
 
     # ------------------------------------------------------------------ values
     def put_value(self, key: str, data: bytes | memoryview) -> bool:

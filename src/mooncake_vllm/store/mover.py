@@ -15,6 +15,10 @@ runs on) without ever synchronising the device:
 * **load**: host→device and the scatter run on our load stream after an event on
   vLLM's stream (earlier kernels may still use those blocks); vLLM's stream then
   waits for the scatter, so no layer reads a block before it is loaded.
+* **checksums on the GPU** (the zero-copy path, where Mooncake moves blocks straight
+  between GPU memory and the pool): :meth:`BlockMover.checksums` computes the
+  :data:`~mooncake_vllm.codec.WSUM64` checksum of blocks in place with torch ops
+  and copies only the 8-byte results to pinned host memory.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mooncake_vllm import codec
 from mooncake_vllm.codec import HEADER_SIZE
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.store.slots import Run, SlotPool
@@ -30,6 +35,8 @@ __all__ = ["BlockMover", "DEVICE_STAGE_BYTES"]
 
 #: device staging per direction (each copy is cut into pieces of this size)
 DEVICE_STAGE_BYTES = 256 << 20
+#: blocks checksummed per kernel batch (bounds the temporaries to ~2 × this × a layer's block)
+_SUM_BATCH = 512
 
 
 class BlockMover:
@@ -55,6 +62,13 @@ class BlockMover:
             self.save_stage = torch.empty((rows, self.slot_nbytes), dtype=torch.uint8,
                                           device=self.device)
             self.load_stage = torch.empty_like(self.save_stage)
+        self._words: list[Any] | None = None
+        self._weights: Any = None
+
+    @property
+    def can_checksum_on_device(self) -> bool:
+        """Whether blocks can be checksummed in place (CUDA, whole 8-byte words)."""
+        return self.cuda and self.layout.seg_nbytes % 8 == 0
 
     # ------------------------------------------------------------------ helpers
     def _payload(self, rows: Any) -> Any:
@@ -171,6 +185,57 @@ class BlockMover:
         else:
             vllm_stream.wait_event(done)
         return done
+
+    # ------------------------------------------------------------------ checksums
+    def _block_sums(self, block_ids: Sequence[int]) -> Any:
+        """wsum64 of each block, in place, on the current stream: int64 ``[k]`` on its device.
+
+        (Host tensors work too: the same arithmetic on the CPU, which tests compare
+        with :func:`codec.checksum_segments`.)
+        """
+        torch = self._torch
+        device = torch.device(self.layout.device)
+        if self._words is None:
+            layers, segs, seg = self._shape
+            words = seg // 8
+            self._words = [v.view(torch.int64) for v in self.views]  # [segs, nb, words]
+            self._weights = codec.wsum_weights(layers * segs * words, device).view(
+                layers, segs, 1, words)
+        acc = torch.zeros(len(block_ids), dtype=torch.int64, device=device)
+        for off in range(0, len(block_ids), _SUM_BATCH):
+            idx = self._index(block_ids[off:off + _SUM_BATCH])
+            part = acc[off:off + _SUM_BATCH]
+            for words, weights in zip(self._words, self._weights):
+                part += codec.wsum_rows(words.index_select(1, idx), weights).sum(dim=0)
+        return acc
+
+    def checksums(self, block_ids: Sequence[int], *, after: Any = None,
+                  writers_done: bool = False) -> tuple[Any, Any]:
+        """Queue the GPU checksums of ``block_ids``: ``(pinned int64 tensor, event)``.
+
+        Runs on the save stream after ``after`` (default: an event on the calling
+        thread's current stream, i.e. after the forward pass that wrote the KV).
+        ``writers_done``: also after everything queued so far on the legacy default
+        stream (where copies made by the transfer engine go). Read the tensor
+        only once the event has completed (``codec`` reads it as unsigned).
+        """
+        torch = self._torch
+        before = after
+        if before is None:
+            before = torch.cuda.Event()
+            before.record(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        host = torch.empty(len(block_ids), dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(self.save_stream):
+            self.save_stream.wait_event(before)
+            if writers_done:
+                legacy = torch.cuda.Event()
+                legacy.record(torch.cuda.default_stream(self.device))
+                self.save_stream.wait_event(legacy)
+            if block_ids:
+                host.copy_(self._block_sums(block_ids), non_blocking=True)
+            done.record(self.save_stream)
+        return host, done
 
     def stream_position(self) -> Any:
         """An event on the calling thread's current stream (vLLM's, on its thread)."""

@@ -144,7 +144,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             self.worker = WorkerLogic(namespace, layout,
                                       self.shared, can_load=self.can_load,
                                       can_save=self.can_save,
-                                      queue_size=settings.save_queue_size)
+                                      queue_size=settings.save_queue_size,
+                                      gpu_path=settings.gpu_path)
         self.shared.start()
         INSTANCES.add(self)
 

@@ -11,9 +11,9 @@
 * **Saves** are captured in ``wait_for_save`` (after the forward pass wrote the
   KV), on the engine's thread, and put by one background thread through a
   bounded queue; a full queue drops the save (a future miss), never stalls the
-  engine. A capture is either a snapshot (CUDA KV: the blocks are copied to
-  staging and free again at once) or, for host KV, checksums of the blocks
-  taken while their bytes are known good; such a request's blocks are held
+  engine. A capture is either a snapshot (CUDA KV, staged: the blocks are copied
+  to staging and free again at once) or, for host KV and GPU zero-copy, checksums
+  of the blocks taken while their bytes are known good; such a request's blocks are held
   until its puts finish, for at most ``save_deadline`` seconds. Whatever the
   timing, a block that vLLM reused before its put read it no longer matches its
   checksum: the reader refuses it and the writer removes it.
@@ -50,13 +50,14 @@ class WorkerLogic:
     def __init__(self, namespace: KeyNamespace, expected: ExpectedLayout, client_source: Any, *,
                  can_load: bool, can_save: bool, queue_size: int = 64,
                  save_deadline: float = 30.0, preempt_wait: float = 1.0,
-                 clock: Any = time.monotonic) -> None:
+                 clock: Any = time.monotonic, gpu_path: str = "auto") -> None:
         self.namespace = namespace
         self.prefix = namespace.prefix()
         self.expected = expected
         self.source = client_source  # .get() -> StoreClient | None, .on_connect(cb)
         self.can_load = can_load
         self.can_save = can_save and namespace.stores  # MLA: only TP rank 0 puts
+        self.gpu_path = gpu_path
         self.layout: BlockLayout | None = None
         self._save_deadline = save_deadline
         self._preempt_wait = preempt_wait
@@ -84,7 +85,7 @@ class WorkerLogic:
                                             variant=self.expected.variant)
         check_layout(self.expected, layout)
         self.layout = layout
-        self.source.on_connect(lambda client: client.register_layout(layout))
+        self.source.on_connect(lambda client: client.register_layout(layout, self.gpu_path))
         if self.can_save and self._thread is None:
             self._thread = threading.Thread(target=self._save_loop, name="mcv-save", daemon=True)
             self._thread.start()
