@@ -25,15 +25,19 @@ from dataclasses import dataclass
 from pathlib import PurePath
 
 __all__ = [
+    "HANDOFF_PARAM",
     "KEY_PREFIX",
     "KeyNamespace",
     "RequestExtras",
     "chunk_digests",
     "chunk_keys",
+    "handoff_key",
     "model_id",
 ]
 
 KEY_PREFIX = "mcv"
+#: the entry of vLLM's ``kv_transfer_params`` that carries a prefill → decode hand-off
+HANDOFF_PARAM = "mooncake_vllm_handoff"
 _CHAIN_ROOT = b"mooncake-vllm/v1"
 _DIGEST_SIZE = 16
 
@@ -80,6 +84,15 @@ class KeyNamespace:
         """``mcv/<16 hex digits>``: the key prefix of this namespace."""
         digest = hashlib.blake2b(self.describe().encode(), digest_size=8).hexdigest()
         return f"{KEY_PREFIX}/{digest}"
+
+
+def handoff_key(prefix: str, handoff_id: str) -> str:
+    """The marker a prefill worker publishes once every block of hand-off ``handoff_id``
+    in namespace ``prefix`` (:meth:`KeyNamespace.prefix`) is committed: ``mcv/<ns>/handoff/<id>``.
+    Chunk keys are ``mcv/<ns>/<32 hex>``, so the two never collide."""
+    if not handoff_id or not all(c in "0123456789abcdef" for c in handoff_id):
+        raise ValueError(f"a hand-off id is lowercase hex, found {handoff_id!r}")
+    return f"{prefix}/handoff/{handoff_id}"
 
 
 def model_id(model: str, configured: str | None = None) -> str:

@@ -19,6 +19,10 @@ key or value one engine rejects, the other rejects too, with one
 ``load_async``             ``true`` (default): load in the background where vLLM can
                            recompute failed blocks (>= 0.11.1); ``false``: before the
                            forward pass (V1 only; V0 always loads before it)
+``handoff_timeout``        seconds a decode instance waits for the blocks a prefill
+                           instance named in ``kv_transfer_params`` (the proxy's store
+                           flow) before it recomputes (default 5, 0 = never wait, at most
+                           600; V1 >= 0.10.2 only)
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ from typing import Any
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.keys import model_id as _model_id
 
-__all__ = ["EXTRA_KEYS", "ROLES", "ConnectorSettings"]
+__all__ = ["EXTRA_KEYS", "MAX_HANDOFF_TIMEOUT", "ROLES", "ConnectorSettings"]
 
 #: every key ``kv_connector_extra_config`` may hold
-EXTRA_KEYS = ("connect_timeout", "layout_variant", "load_async", "load_failure_policy",
-              "model_id", "mooncake_config_path", "save_queue_size")
+EXTRA_KEYS = ("connect_timeout", "handoff_timeout", "layout_variant", "load_async",
+              "load_failure_policy", "model_id", "mooncake_config_path", "save_queue_size")
+#: the longest ``handoff_timeout`` accepted (seconds): longer is a typo, not a bound
+MAX_HANDOFF_TIMEOUT = 600.0
 #: vLLM's ``kv_role`` values and what each lets the connector do: (save, load)
 ROLES = {"kv_both": (True, True), "kv_producer": (True, False), "kv_consumer": (False, True)}
 _POLICIES = ("recompute", "fail")
@@ -53,6 +59,7 @@ class ConnectorSettings:
     connect_timeout: float = 5.0
     layout_variant: str | None = None
     load_async: bool = True
+    handoff_timeout: float = 5.0
 
     @property
     def can_save(self) -> bool:
@@ -102,6 +109,13 @@ class ConnectorSettings:
                                               f"must be a positive number, found {value!r}",
                                               f"omit it or set e.g. {default}"))
             numbers[name] = value
+        handoff = extra.get("handoff_timeout", 5.0)
+        if (isinstance(handoff, bool) or not isinstance(handoff, (int, float))
+                or not 0 <= handoff <= MAX_HANDOFF_TIMEOUT):
+            problems.append(ConfigProblem(f"{_FIELD}.handoff_timeout",
+                                          f"must be a number of seconds from 0 to "
+                                          f"{MAX_HANDOFF_TIMEOUT:.0f}, found {handoff!r}",
+                                          "omit it (5 s) or set e.g. 5; 0 never waits"))
         texts = {name: None if extra.get(name) is None else str(extra[name])
                  for name in ("model_id", "mooncake_config_path", "layout_variant")}
         if problems:
@@ -111,4 +125,5 @@ class ConnectorSettings:
                    load_failure_policy=str(policy),
                    save_queue_size=int(numbers["save_queue_size"]),
                    connect_timeout=float(numbers["connect_timeout"]),
-                   layout_variant=texts["layout_variant"], load_async=bool(load_async))
+                   layout_variant=texts["layout_variant"], load_async=bool(load_async),
+                   handoff_timeout=float(handoff))
