@@ -23,7 +23,15 @@ from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces
 from mooncake_vllm.v1.scheduler import SchedulerLogic
 from mooncake_vllm.v1.worker import WorkerLogic
-from tests.v1.test_worker import EXPECTED, _cache, _Source, _wait_idle, pool, workers  # noqa: F401
+from tests.v1.test_worker import (  # noqa: F401
+    EXPECTED,
+    _cache,
+    _GatedClient,
+    _Source,
+    _wait_idle,
+    pool,
+    workers,
+)
 
 #: ``pool`` and ``workers`` are test_worker's fixtures (a real shared client, worker cleanup)
 
@@ -294,6 +302,39 @@ def test_marker_follows_the_committed_saves_through_a_real_pool(pool: Any, worke
         assert pool.get().stats.snapshot().get("rejected", 0) == 0  # no box contention
     finally:
         waiter.close()
+
+
+def test_the_marker_waits_for_a_slow_save_of_its_request(workers: Any) -> None:
+    """FIFO: a marker is published only after every save queued before it is committed."""
+    from mooncake_vllm.v1.metadata import BlockJob
+
+    class Client(_GatedClient):
+        def __init__(self) -> None:
+            super().__init__(snapshot=True)
+            self.events: list[str] = []
+
+        def commit_save(self, ticket: Any) -> int:
+            n = super().commit_save(ticket)
+            self.events.append("saved")
+            return n
+
+        def publish_marker(self, key: str, keys: Any, value: Any) -> bool:
+            self.events.append(f"marker {len(keys)} {json.loads(value(len(keys)))['present']}")
+            return True
+
+    client = Client()
+    saver = WorkerLogic(NS, EXPECTED, _Source(client), can_load=False, can_save=True)
+    workers(saver)
+    saver.register_kv_caches(_cache(5))
+    digests = [f"{i:032x}" for i in range(2)]
+    saver.wait_for_save(MooncakeConnectorMetadata(
+        saves=[BlockJob("s", digests, [1, 2])], handoffs={"s": ("ab" * 16, digests)}))
+    assert client.started.wait(5)
+    time.sleep(0.1)
+    assert client.events == []  # the save hangs: no marker yet
+    client.gate.set()
+    _wait_idle(saver)
+    assert client.events == ["saved", "marker 2 2"]
 
 
 def test_a_worker_without_pool_fails_its_marker_and_the_wait_stays_bounded(workers: Any) -> None:
