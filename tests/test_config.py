@@ -135,6 +135,9 @@ def test_tenant_id_is_kept_for_the_key_namespace() -> None:
     with pytest.raises(ConfigError) as info:
         load_store_config({**_MIN, "tenant_id": ["a"]})
     assert info.value.fields == ["tenant_id"]
+    with pytest.raises(ConfigError, match="without '\\|'") as info:  # the namespace separator
+        load_store_config({**_MIN, "tenant_id": "a|prefix=b"})
+    assert info.value.fields == ["tenant_id"]
 
 
 def test_accepted_and_ignored_keys_are_documented_and_none_is_isolation() -> None:

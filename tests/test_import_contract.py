@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PKG
 RUNTIME = {"v0", "v1", "store", "keys", "config", "codec", "layout", "errors", "stats",
            "addresses", "compat", "settings", "logs", "files"}
 #: tooling: command lines, services, checker, proxy, demo, metadata tools
-TOOLING = {"checker", "proxy", "services", "demo", "cli", "metadata", "httpsafe"}
+TOOLING = {"checker", "proxy", "services", "demo", "cli", "metadata", "httpsafe", "inventory"}
 #: no exceptions: the redis bridge the store starts lives in the runtime (store/bridge.py)
 ALLOWED: set[tuple[str, str]] = set()
 

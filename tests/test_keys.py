@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from mooncake_vllm.keys import KeyNamespace, RequestExtras, chunk_digests, chunk_keys
+from mooncake_vllm.keys import (
+    REGISTRY_PREFIX,
+    KeyNamespace,
+    RequestExtras,
+    block_key_digest,
+    chunk_digests,
+    chunk_keys,
+    parse_registry_key,
+)
 
 NS = KeyNamespace("tiny-llama", "float32", "cpu:float32:L2:2x32x64", 32)
 TOKENS = list(range(1000, 1000 + 32 * 4 + 7))
@@ -78,3 +87,63 @@ def test_identical_across_interpreters_and_hash_seeds() -> None:
     assert outputs[0][1] != outputs[1][1]  # the seeds really differ for builtin hash()
     assert outputs[0][0] == outputs[1][0] == outputs[2][0]
     assert len(outputs[0][0]) == 6
+
+
+def test_tenant_and_cache_prefix_compose() -> None:
+    """Both join the namespace: sharing needs the same tenant AND the same prefix; the
+    digest of a namespace without either is unchanged (existing pools keep their keys)."""
+    combos = {(t, p): KeyNamespace(**(NS.__dict__ | {"tenant": t, "cache_prefix": p}))
+              for t in ("", "a", "b") for p in ("", "w1", "w2")}
+    assert len({ns.prefix() for ns in combos.values()}) == 9
+    assert combos[("", "")].prefix() == NS.prefix() == "mcv/03d933aae2443d63"
+    assert combos[("a", "w1")].describe().endswith("|bs=32|tp=0/1|pp=0|tenant=a|prefix=w1")
+    assert combos[("", "w1")].describe().endswith("|pp=0|prefix=w1")
+
+
+@pytest.mark.parametrize("field", ["tenant", "cache_prefix", "model_id"])
+def test_separator_in_a_text_field_is_refused(field: str) -> None:
+    # tenant "a|prefix=b" would otherwise describe (and hash) like tenant "a" + prefix "b"
+    with pytest.raises(ValueError, match=field):
+        KeyNamespace(**(NS.__dict__ | {field: "a|prefix=b"}))
+
+
+def test_registry_key_names_its_namespace_and_nothing_else() -> None:
+    ns = KeyNamespace(**(NS.__dict__ | {"tenant": "team-a", "cache_prefix": "w2", "tp_size": 2}))
+    key = ns.registry_key()
+    assert key.startswith(f"{REGISTRY_PREFIX}/{ns.digest()}/") and "|" not in key
+    assert parse_registry_key(key) == ns
+    forged = f"{REGISTRY_PREFIX}/{NS.digest()}/{key.rsplit('/', 1)[1]}"  # fields of another digest
+    for bad in (forged, key[:-4], key + "!", chunk_keys(NS, TOKENS)[0], "mcv-ns/x", "other/key",
+                f"{REGISTRY_PREFIX}/{ns.digest()}/bnVsbA"):  # base64 of "null"
+        assert parse_registry_key(bad) is None, bad
+    assert re.match(ns.pattern(), ns.prefix() + "/" + "0" * 32)
+    assert not re.match(ns.pattern(), key) and not re.match(ns.pattern(), NS.prefix() + "/" + "0" * 32)
+
+
+def test_block_key_digest() -> None:
+    assert block_key_digest(chunk_keys(NS, TOKENS)[0]) == NS.digest()
+    assert block_key_digest(f"{NS.prefix()}/tail/{'a' * 32}") == NS.digest()  # V0 tails belong too
+    for other in (NS.registry_key(), "mcv/short/x", "mcv/03d933aae2443d63", "x/03d933aae2443d63/a"):
+        assert block_key_digest(other) is None
+
+
+def test_tp_shared_namespace_names_no_tp_rank_and_only_rank0_stores() -> None:
+    ranks = [KeyNamespace("m", "float32", "hnc:float32:L2:1x16x576", 16, tp_rank=r, tp_size=2,
+                          tp_shared=True) for r in (0, 1)]
+    assert ranks[0].describe() == ranks[1].describe() == (
+        "mcv1|model=m|dtype=float32|layout=hnc:float32:L2:1x16x576|bs=16|tp=shared|pp=0")
+    assert ranks[0].prefix() == ranks[1].prefix()
+    assert [n.stores for n in ranks] == [True, False]
+    per_rank = [KeyNamespace("m", "float32", "hnc:float32:L2:1x16x576", 16, tp_rank=r, tp_size=2)
+                for r in (0, 1)]
+    assert per_rank[0].prefix() != per_rank[1].prefix() and all(n.stores for n in per_rank)
+    assert ranks[0].prefix() not in {n.prefix() for n in per_rank}
+
+
+def test_parse_reads_back_what_describe_wrote() -> None:
+    for ns in (NS, KeyNamespace("m", "bf16", "hnc:bf16:L2:1x16x576", 16, 1, 2, 0, "t", "w1", True),
+               KeyNamespace("m", "f", "l", 16, tp_rank=1, tp_size=2, pp_rank=1, tenant="a")):
+        back = KeyNamespace.parse(ns.describe())
+        assert back.prefix() == ns.prefix()
+    with pytest.raises(ValueError, match="not a mooncake-vllm namespace"):
+        KeyNamespace.parse("mcv1|model=m")

@@ -30,14 +30,14 @@ def test_every_documented_key_is_read() -> None:
     s = ConnectorSettings.from_vllm_config(_vllm_config(
         "kv_consumer", model_id="shared", mooncake_config_path="/etc/mc.json",
         load_failure_policy="fail", save_queue_size=8, connect_timeout=2, layout_variant="amx",
-        load_async=False, handoff_timeout=0))
+        load_async=False, handoff_timeout=0, cache_prefix="weights-v2"))
     assert s == ConnectorSettings(kv_role="kv_consumer", model_id="shared",
                                   mooncake_config_path="/etc/mc.json", load_failure_policy="fail",
                                   save_queue_size=8, connect_timeout=2.0, layout_variant="amx",
-                                  load_async=False, handoff_timeout=0.0)
+                                  load_async=False, handoff_timeout=0.0, cache_prefix="weights-v2")
     assert sorted(EXTRA_KEYS) == sorted(
         ["model_id", "mooncake_config_path", "load_failure_policy", "save_queue_size",
-         "connect_timeout", "layout_variant", "load_async", "handoff_timeout"])
+         "connect_timeout", "layout_variant", "load_async", "handoff_timeout", "cache_prefix"])
     assert ConnectorSettings.from_vllm_config(_vllm_config()).handoff_timeout == 5.0
     with pytest.raises(AttributeError):
         s.kv_role = "kv_both"  # type: ignore[misc]  # frozen
@@ -66,3 +66,11 @@ def test_handoff_timeout_is_a_bounded_number_of_seconds(value: object) -> None:
 def test_unknown_role_is_refused() -> None:
     with pytest.raises(ConfigError, match="kv_role"):
         ConnectorSettings.from_vllm_config(_vllm_config("kv_everything"))
+
+
+@pytest.mark.parametrize("bad", ["a|b", "x" * 129, 7, "line\nbreak"])
+def test_bad_cache_prefix_is_refused_naming_the_field(bad: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        ConnectorSettings.from_vllm_config(_vllm_config(cache_prefix=bad))
+    assert info.value.fields == ["kv_connector_extra_config.cache_prefix"]
+    assert "weights-v2" in str(info.value)  # the fix names a usable value

@@ -232,6 +232,9 @@ def load_store_config(
         tenant = str(raw_tenant)  # a numeric tenant id names the same tenant as its digits
     else:
         tenant = text("tenant_id", "")
+    if "|" in tenant or not tenant.isprintable():
+        problems.append(ConfigProblem("tenant_id", f"must be printable text without '|', found {tenant!r}",
+                                      "use a name such as \"team-a\" (it joins the key namespace)"))
 
     if metadata:
         scheme = metadata_scheme(metadata)

@@ -16,6 +16,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "UnsafeHashingError",
+    "UnsupportedModelError",
     "UnsupportedVersionError",
 ]
 
@@ -78,3 +79,8 @@ class UnsafeHashingError(RuntimeError):
 
 class UnsupportedVersionError(RuntimeError):
     """The installed vLLM or Mooncake cannot do what the configuration asks."""
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model's KV cache is of a kind the connector cannot store or load safely
+    (a hybrid model's sliding-window or Mamba groups); raised at start."""

@@ -7,9 +7,18 @@ A key names one FULL chunk of ``block_size`` tokens::
 
 * The namespace digest covers what makes two blocks' bytes comparable: model id,
   dtype, KV layout fingerprint, block size, TP rank and size, PP rank. DP ranks
-  share keys (they serve the same model with the same layout). A ``tenant_id``
+  share keys (they serve the same model with the same layout). Where every TP
+  rank holds the same bytes (MLA's latent KV: ``tp_shared``) the namespace names
+  no TP rank or size: the block is stored once, by TP rank 0, and every rank
+  reads the same key. A ``tenant_id``
   (Mooncake config) joins the namespace, so two tenants never read each other's
-  blocks; it composes with the per-request cache salt, which seeds the chain.
+  blocks; it composes with the per-request cache salt, which seeds the chain. A
+  ``cache_prefix`` (``kv_connector_extra_config``, as in vLLM's in-tree store
+  connector) joins it after the tenant: the same tenant with another prefix (e.g.
+  another weights version) never shares blocks either.
+* A namespace registers itself under ``mcv-ns/<digest>/<fields as base64url JSON>``
+  (:meth:`KeyNamespace.registry_key`): a pool listing alone names every namespace
+  present and its fields (``mooncake-vllm pool namespaces``) without reading a value.
 * The chunk digest chains ``blake2b(parent || extras || tokens as int64 LE)`` so a
   chunk's key depends on every token before it; request-level extras (LoRA,
   cache salt) seed the chain and multimodal hashes join the chunks they overlap.
@@ -17,27 +26,38 @@ A key names one FULL chunk of ``block_size`` tokens::
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import json
+import re
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import PurePath
 
 __all__ = [
     "HANDOFF_PARAM",
     "KEY_PREFIX",
+    "REGISTRY_PREFIX",
     "KeyNamespace",
     "RequestExtras",
+    "block_key_digest",
     "chunk_digests",
     "chunk_keys",
     "handoff_key",
     "model_id",
+    "parse_registry_key",
 ]
 
 KEY_PREFIX = "mcv"
 #: the entry of vLLM's ``kv_transfer_params`` that carries a prefill → decode hand-off
 HANDOFF_PARAM = "mooncake_vllm_handoff"
+#: where namespaces register themselves (never matched by a block-key pattern)
+REGISTRY_PREFIX = "mcv-ns"
+#: any value of a namespace: ``mcv/<digest>/<chunk>`` or V0's ``mcv/<digest>/tail/<prompt>``
+_NAMESPACE_KEY = re.compile(r"mcv/([0-9a-f]{16})/.+", re.DOTALL)
 _CHAIN_ROOT = b"mooncake-vllm/v1"
 _DIGEST_SIZE = 16
 
@@ -65,8 +85,18 @@ class KeyNamespace:
     pp_rank: int = 0
     #: ``tenant_id`` of the Mooncake config; "" = no tenant (keys as before tenants existed)
     tenant: str = ""
+    #: ``cache_prefix`` of ``kv_connector_extra_config``; "" = none
+    cache_prefix: str = ""
+    #: every TP rank holds identical KV (MLA): one key for all ranks, stored by rank 0
+    tp_shared: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("model_id", "tenant", "cache_prefix"):
+            if "|" in getattr(self, name) or not getattr(self, name).isprintable():
+                # "|" separates the described fields: a tenant "a|prefix=b" would share
+                # the digest of tenant "a" with prefix "b"
+                raise ValueError(f"{name} must be printable text without '|', "
+                                 f"found {getattr(self, name)!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, found {self.block_size}")
         if not 0 <= self.tp_rank < self.tp_size:
@@ -76,14 +106,69 @@ class KeyNamespace:
 
     def describe(self) -> str:
         """The human-readable namespace string the digest is taken of."""
+        tp = "shared" if self.tp_shared else f"{self.tp_rank}/{self.tp_size}"
         text = (f"mcv1|model={self.model_id}|dtype={self.dtype}|layout={self.layout}"
-                f"|bs={self.block_size}|tp={self.tp_rank}/{self.tp_size}|pp={self.pp_rank}")
-        return f"{text}|tenant={self.tenant}" if self.tenant else text
+                f"|bs={self.block_size}|tp={tp}|pp={self.pp_rank}")
+        if self.tenant:
+            text += f"|tenant={self.tenant}"
+        return f"{text}|prefix={self.cache_prefix}" if self.cache_prefix else text
+
+    def digest(self) -> str:
+        """16 hex digits naming this namespace (blake2b of :meth:`describe`)."""
+        return hashlib.blake2b(self.describe().encode(), digest_size=8).hexdigest()
+
+    @classmethod
+    def parse(cls, text: str) -> KeyNamespace:
+        """The namespace a :meth:`describe` string names (as logged at start)."""
+        head, *parts = text.split("|")
+        fields = dict(part.split("=", 1) for part in parts if "=" in part)
+        if head != "mcv1" or not {"model", "dtype", "layout", "bs", "tp", "pp"} <= set(fields):
+            raise ValueError(f"not a mooncake-vllm namespace description: {text!r}")
+        shared = fields["tp"] == "shared"
+        rank, size = (0, 1) if shared else (int(n) for n in fields["tp"].split("/"))
+        return cls(fields["model"], fields["dtype"], fields["layout"], int(fields["bs"]), rank,
+                   size, int(fields["pp"]), tenant=fields.get("tenant", ""),
+                   cache_prefix=fields.get("prefix", ""), tp_shared=shared)
+
+    @property
+    def stores(self) -> bool:
+        """Whether this rank puts blocks: every rank, or only TP rank 0 of a shared namespace."""
+        return not self.tp_shared or self.tp_rank == 0
 
     def prefix(self) -> str:
         """``mcv/<16 hex digits>``: the key prefix of this namespace."""
-        digest = hashlib.blake2b(self.describe().encode(), digest_size=8).hexdigest()
-        return f"{KEY_PREFIX}/{digest}"
+        return f"{KEY_PREFIX}/{self.digest()}"
+
+    def pattern(self) -> str:
+        """A regular expression matching exactly this namespace's block keys."""
+        return f"^{KEY_PREFIX}/{self.digest()}/"
+
+    def registry_key(self) -> str:
+        """``mcv-ns/<digest>/<fields>``: the key announcing this namespace in the pool."""
+        fields = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        encoded = base64.urlsafe_b64encode(fields).decode().rstrip("=")
+        return f"{REGISTRY_PREFIX}/{self.digest()}/{encoded}"
+
+
+def parse_registry_key(key: str) -> KeyNamespace | None:
+    """The namespace a :meth:`KeyNamespace.registry_key` names; ``None`` for any other
+    key, a damaged one, or one whose fields do not hash to its digest."""
+    head, sep, rest = key.partition("/")
+    digest, sep2, encoded = rest.partition("/")
+    if head != REGISTRY_PREFIX or not sep or not sep2:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+        ns = KeyNamespace(**json.loads(raw))
+    except (binascii.Error, ValueError, TypeError, AttributeError, RecursionError):
+        return None
+    return ns if ns.digest() == digest else None
+
+
+def block_key_digest(key: str) -> str | None:
+    """The namespace digest of a value key ``mcv/<16 hex>/...`` (blocks, V0 tails), else ``None``."""
+    m = _NAMESPACE_KEY.fullmatch(key)
+    return m.group(1) if m else None
 
 
 def handoff_key(prefix: str, handoff_id: str) -> str:

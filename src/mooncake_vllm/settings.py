@@ -16,6 +16,10 @@ key or value one engine rejects, the other rejects too, with one
 ``save_queue_size``        save jobs buffered per worker (default 64; full → dropped; V1 only)
 ``connect_timeout``        seconds to reach the pool at start (default 5)
 ``layout_variant``         override the predicted KV layout variant tag
+``cache_prefix``           a label joining the key namespace (e.g. a weights version or a
+                           deployment); composes with the Mooncake config's ``tenant_id``
+                           (both must match to share blocks). Same key as vLLM's in-tree
+                           store connector; printable, no ``|``, at most 128 characters
 ``load_async``             ``true`` (default): load in the background where vLLM can
                            recompute failed blocks (>= 0.11.1); ``false``: before the
                            forward pass (V1 only; V0 always loads before it)
@@ -37,7 +41,7 @@ from mooncake_vllm.keys import model_id as _model_id
 __all__ = ["EXTRA_KEYS", "MAX_HANDOFF_TIMEOUT", "ROLES", "ConnectorSettings"]
 
 #: every key ``kv_connector_extra_config`` may hold
-EXTRA_KEYS = ("connect_timeout", "handoff_timeout", "layout_variant", "load_async",
+EXTRA_KEYS = ("cache_prefix", "connect_timeout", "handoff_timeout", "layout_variant", "load_async",
               "load_failure_policy", "model_id", "mooncake_config_path", "save_queue_size")
 #: the longest ``handoff_timeout`` accepted (seconds): longer is a typo, not a bound
 MAX_HANDOFF_TIMEOUT = 600.0
@@ -60,6 +64,7 @@ class ConnectorSettings:
     layout_variant: str | None = None
     load_async: bool = True
     handoff_timeout: float = 5.0
+    cache_prefix: str = ""
 
     @property
     def can_save(self) -> bool:
@@ -118,6 +123,15 @@ class ConnectorSettings:
                                           "omit it (5 s) or set e.g. 5; 0 never waits"))
         texts = {name: None if extra.get(name) is None else str(extra[name])
                  for name in ("model_id", "mooncake_config_path", "layout_variant")}
+        cache_prefix = extra.get("cache_prefix", "")
+        if cache_prefix is None:
+            cache_prefix = ""
+        if not isinstance(cache_prefix, str) or "|" in cache_prefix or len(cache_prefix) > 128 \
+                or not cache_prefix.isprintable():
+            problems.append(ConfigProblem(f"{_FIELD}.cache_prefix",
+                                          f"must be printable text without '|' of at most 128 "
+                                          f"characters, found {cache_prefix!r}",
+                                          'use a label such as "prod" or "weights-v2", or omit it'))
         if problems:
             raise ConfigError(_FIELD, problems)
         return cls(kv_role=kv_role, model_id=_model_id(model, texts["model_id"]),
@@ -126,4 +140,4 @@ class ConnectorSettings:
                    save_queue_size=int(numbers["save_queue_size"]),
                    connect_timeout=float(numbers["connect_timeout"]),
                    layout_variant=texts["layout_variant"], load_async=bool(load_async),
-                   handoff_timeout=float(handoff))
+                   handoff_timeout=float(handoff), cache_prefix=str(cache_prefix))

@@ -148,3 +148,23 @@ def test_live_pool_in_one_holder(tmp_path: Path, workdir: Path, mooncake_master:
         assert "MCV-W104" not in _probe_ids(tmp_path, config)
     finally:
         second.stop()
+
+
+def test_live_namespaces_split(tmp_path: Path, local_stack: Any) -> None:
+    """MCV-W105 names a model whose namespaces differ in block size in the REAL pool; a split by
+    tenant only (on purpose) and a model with one namespace stay quiet."""
+    from mooncake_vllm.config import load_store_config
+    from mooncake_vllm.keys import KeyNamespace
+    from mooncake_vllm.store import StoreClient
+    from mooncake_vllm.store.namespaces import register_namespaces
+
+    config = json.loads(Path(local_stack.config_path).read_text())
+    quiet = [KeyNamespace("probe-llama", "float32", "cpu:float32:L2:2x32x64", 32),
+             KeyNamespace("probe-llama", "float32", "cpu:float32:L2:2x32x64", 32, tenant="b")]
+    with StoreClient.connect(load_store_config(local_stack.config_path)) as client:
+        register_namespaces(client, quiet)
+        assert "MCV-W105" not in _probe_ids(tmp_path, config)
+        register_namespaces(client, [KeyNamespace("probe-llama", "float32", "cpu:float32:L2:2x16x64", 16)])
+    found = _probe_ids(tmp_path, config)["MCV-W105"]
+    assert len(found) == 1 and "2 namespaces for model probe-llama: differ in block_size (16 vs 32)" \
+        in found[0] and "never share KV" in found[0]

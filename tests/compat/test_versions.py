@@ -118,6 +118,8 @@ VLLM_EXPECTED = [
     ("0.10.0", "v0_store_needs_chunked_prefill_off", True),
     ("0.13.0", "in_tree_mooncake_connector", "v1-p2p"),
     ("0.10.0", "in_tree_mooncake_connector", "v0-pipe"),
+    ("0.12.0", "connector_reset_hook", False),
+    ("0.13.0", "connector_reset_hook", True),
 ]
 
 

@@ -93,6 +93,21 @@ def test_v1_class_implements_this_releases_base() -> None:
     assert _arity_ok(MooncakeStoreConnector, high) and _arity_ok(MooncakeStoreConnector, low)
 
 
+@pytest.mark.skipif(not FACTS.v1_kv_connectors, reason=f"vLLM {_DIST.version} has no V1 KV connectors")
+def test_reset_hook_fact_matches_this_releases_base() -> None:
+    """Fact ``connector_reset_hook`` = this release's V1 base has ``reset_cache`` (so
+    ``POST /reset_prefix_cache?reset_external=true`` reaches our connector); ours overrides it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from mooncake_vllm.v1.connector import MooncakeStoreConnector
+
+    assert hasattr(KVConnectorBase_V1, "reset_cache") == FACTS.connector_reset_hook
+    if FACTS.connector_reset_hook:
+        assert MooncakeStoreConnector.reset_cache is not KVConnectorBase_V1.reset_cache
+        assert _compatible(inspect.signature(MooncakeStoreConnector.reset_cache),
+                           inspect.signature(KVConnectorBase_V1.reset_cache)) is None
+
+
 @pytest.mark.v0
 @pytest.mark.skipif(not FACTS.v0_kv_connectors, reason=f"vLLM {_DIST.version} has no V0 KV connectors")
 def test_v0_class_implements_this_releases_base() -> None:

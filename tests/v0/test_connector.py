@@ -251,3 +251,57 @@ def test_extra_config_typos_v1_rejects_are_rejected_on_v0(extra, field, monkeypa
     with pytest.raises(ConfigError) as info:
         _connector(extra=extra)
     assert field in info.value.fields
+
+
+def test_v0_keys_by_cache_prefix_and_registers_its_namespace(stack_env) -> None:
+    import time
+
+    from mooncake_vllm.keys import KeyNamespace, chunk_keys
+
+    prompt = _prompt(61, 32)
+    producer = _connector(model="/models/prefixed-llama", extra={"cache_prefix": "w2"})
+    try:
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=19)
+        producer.send_kv_caches_and_hidden_states(
+            None, prefill_input([prompt], [[3, 4]], BS), src, torch.randn(32, HIDDEN))
+        ns = producer.namespace
+        assert ns is not None and ns.cache_prefix == "w2" and ns.describe().endswith("|prefix=w2")
+        plain = KeyNamespace(**(ns.__dict__ | {"cache_prefix": ""}))
+        wanted = [*chunk_keys(ns, prompt), ns.registry_key(), *chunk_keys(plain, prompt)]
+        deadline = time.monotonic() + 20  # registered off the engine's path; a loaded box may time a lookup out
+        while (found := producer.store.exists(wanted)) != [True, True, True, False, False]:
+            assert time.monotonic() < deadline, (found, producer.store.stats.snapshot())
+            time.sleep(0.1)
+    finally:
+        producer.close()
+
+
+def test_mla_tp_ranks_store_once_under_one_namespace(stack_env) -> None:
+    """TP=2 MLA on V0: both ranks key by one namespace (tp=shared); only rank 0 puts."""
+    from vllm.attention.backends.flash_attn import FlashAttentionMetadata
+
+    from mooncake_vllm.keys import chunk_keys
+    from mooncake_vllm.v0.connector import MooncakeStoreConnector
+
+    mla_meta = type("MLACommonMetadata", (FlashAttentionMetadata,), {})  # the class name decides
+    prompt = _prompt(61, 40)  # 2 full blocks
+    gen = torch.Generator().manual_seed(23)
+    caches = [torch.randn(NUM_BLOCKS, BS, 72, generator=gen) for _ in range(LAYERS)]
+    ranks = [MooncakeStoreConnector(r, r, v0_config(BS, model="/m/mla-v0", tp_size=2))
+             for r in (0, 1)]
+    try:
+        for rank in reversed(ranks):  # rank 1 first: it must not store anything
+            batch = prefill_input([prompt], [[6, 3, 9]], BS)
+            batch.attn_metadata.__class__ = mla_meta
+            rank.send_kv_caches_and_hidden_states(None, batch, caches, torch.randn(40, HIDDEN))
+            if rank is ranks[1]:
+                assert rank.store.stats.snapshot()["blocks_put"] == 0
+        ns0, ns1 = ranks[0].namespace, ranks[1].namespace
+        assert ns0.prefix() == ns1.prefix() and "|tp=shared|" in ns0.describe()
+        assert (ns0.stores, ns1.stores) == (True, False)
+        keys = chunk_keys(ns0, prompt)
+        assert len(keys) == 2 and all(ranks[1].store.exists(keys))
+        assert ranks[0].store.stats.snapshot()["blocks_put"] == 2
+    finally:
+        for rank in ranks:
+            rank.close()

@@ -23,42 +23,20 @@ import pytest
 from mooncake_vllm import codec
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.demo.run import kv_transfer_config, run_instance
-from mooncake_vllm.keys import KeyNamespace, chunk_keys
+from mooncake_vllm.keys import chunk_keys
 from mooncake_vllm.services import LocalStack, start_vllm_server
 from mooncake_vllm.store import StoreClient
+
+from instances import announced_namespace as _namespace
+from instances import hits as _hits
+from instances import prompt as _prompt
+from instances import tokens as _tokens
 
 pytestmark = pytest.mark.vllm
 
 BS = 32
 #: bytes of one stored block of the tiny model: layers × kv heads × block × 2·head_dim × fp32
 BLOCK_NBYTES = 2 * 2 * BS * 64 * 4
-ANNOUNCE = re.compile(r"mooncake-vllm \S+: MooncakeStoreConnector on the vLLM V1 engine .* "
-                      r"role (\w+), .*namespace (\S+)")
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(10, 2000) for _ in range(n)]
-
-
-def _namespace(log: str) -> KeyNamespace:
-    """The namespace an instance announced in its one INFO line."""
-    m = ANNOUNCE.search(log)
-    assert m, "the connector's INFO line is missing:\n" + log[-3000:]
-    fields = dict(part.split("=", 1) for part in m.group(2).split("|")[1:])
-    tp, tp_size = fields["tp"].split("/")
-    return KeyNamespace(fields["model"], fields["dtype"], fields["layout"], int(fields["bs"]),
-                        int(tp), int(tp_size), int(fields["pp"]))
-
-
-def _hits(result: dict[str, Any]) -> float:
-    return result["metrics"]["vllm:external_prefix_cache_hits"]  # missing = broken metrics, never "0 hits"
-
-
-def _tokens(result: dict[str, Any]) -> list[list[int]]:
-    return [r["tokens"] for r in result["results"]]
-
-
 def _claimable(prompt: list[int]) -> int:
     return (len(prompt) - 1) // BS * BS
 

@@ -64,6 +64,13 @@ def test_tenant_joins_every_rank_namespace() -> None:
     assert not (prefixes[0] & prefixes[1] or prefixes[0] & prefixes[2] or prefixes[1] & prefixes[2])
 
 
+def test_cache_prefix_joins_every_rank_namespace_next_to_the_tenant() -> None:
+    plain = rank_namespaces(_config(tp=2), tenant="a").namespaces
+    prefixed = rank_namespaces(_config(tp=2, cache_prefix="w2"), tenant="a").namespaces
+    assert all(n.cache_prefix == "w2" and n.tenant == "a" for n in prefixed)
+    assert not {n.prefix() for n in plain} & {n.prefix() for n in prefixed}
+
+
 def test_one_namespace_per_tp_and_pp_rank_without_dp() -> None:
     ranks = rank_namespaces(_config(tp=2, pp=2)).namespaces
     assert [(n.tp_rank, n.tp_size, n.pp_rank) for n in ranks] == [
@@ -96,3 +103,47 @@ def test_request_extras_collects_lora_salt_and_multimodal_hashes() -> None:
                           mm_features=[feature])
     assert request_extras(req) == RequestExtras("sql", "salt", ((5, 10, "h1"),))
     assert request_extras(SimpleNamespace()) == RequestExtras()
+
+
+class _MlaModel(_Model):
+    """A DeepSeek-V2-style model: one 576-wide latent per token, on every TP rank."""
+
+    use_mla = True
+
+    def get_head_size(self) -> int:
+        return 576
+
+    def get_num_kv_heads(self, parallel: SimpleNamespace) -> int:
+        return 1
+
+
+def _mla_config(tp: int = 2, pp: int = 1, dcp: int = 1) -> SimpleNamespace:
+    cfg = _config(tp=tp, pp=pp)
+    cfg.model_config = _MlaModel()
+    cfg.parallel_config.decode_context_parallel_size = dcp
+    return cfg
+
+
+def test_mla_tp_ranks_share_one_namespace_and_only_rank0_stores() -> None:
+    (sched,) = rank_namespaces(_mla_config(tp=2)).namespaces  # the scheduler looks up one set
+    (rank0,) = rank_namespaces(_mla_config(tp=2), only=(0, 0)).namespaces
+    (rank1,) = rank_namespaces(_mla_config(tp=2), only=(1, 0)).namespaces
+    assert sched.prefix() == rank0.prefix() == rank1.prefix()
+    assert "|tp=shared|" in rank1.describe()
+    assert (rank0.stores, rank1.stores) == (True, False)
+    # the fingerprint still names the bytes: the latent layout, not the CPU attention packing
+    assert rank0.layout.endswith(":float32:L6:1x32x576") and rank0.layout.startswith(("hnc", "mla"))
+    assert RankNamespaces((sched,)).keys_for(["ab"]) == [f"{sched.prefix()}/ab"]
+    # per PP stage still its own namespace
+    assert len(rank_namespaces(_mla_config(tp=2, pp=2)).namespaces) == 2
+
+
+def test_mla_sharded_by_context_parallelism_keeps_per_rank_keys() -> None:
+    ranks = rank_namespaces(_mla_config(tp=2, dcp=2)).namespaces
+    assert len({n.prefix() for n in ranks}) == 2 and all(n.stores for n in ranks)
+
+
+def test_non_mla_keeps_per_rank_keys() -> None:
+    ranks = rank_namespaces(_config(tp=2)).namespaces
+    assert len({n.prefix() for n in ranks}) == 2 and all(n.stores for n in ranks)
+    assert all(not n.tp_shared for n in ranks)

@@ -43,16 +43,17 @@ def tenant_configs(module_local_stack: Any, tmp_path_factory: pytest.TempPathFac
     return out
 
 
-def _worker(config_path: Path, *, save: bool) -> tuple[WorkerLogic, SharedClient]:
+def _worker(config_path: Path, *, save: bool, prefix: str = "") -> tuple[WorkerLogic, SharedClient]:
     cfg = load_store_config(config_path)
     shared = SharedClient(cfg)
     assert shared.start() is not None
-    ns = KeyNamespace("tenant-test", "float32", EXPECTED.fingerprint, SHAPE[2], tenant=cfg.tenant_id)
+    ns = KeyNamespace("tenant-test", "float32", EXPECTED.fingerprint, SHAPE[2], tenant=cfg.tenant_id,
+                      cache_prefix=prefix)
     return WorkerLogic(ns, EXPECTED, shared, can_load=not save, can_save=save), shared
 
 
-def _save(config_path: Path, cache: dict[str, np.ndarray]) -> None:
-    saver, shared = _worker(config_path, save=True)
+def _save(config_path: Path, cache: dict[str, np.ndarray], prefix: str = "") -> None:
+    saver, shared = _worker(config_path, save=True, prefix=prefix)
     try:
         saver.register_kv_caches(cache)
         saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("s", DIGESTS, [1, 2, 3])]))
@@ -65,8 +66,8 @@ def _save(config_path: Path, cache: dict[str, np.ndarray]) -> None:
         shared.close()
 
 
-def _load(config_path: Path, cache: dict[str, np.ndarray]) -> set[int]:
-    loader, shared = _worker(config_path, save=False)
+def _load(config_path: Path, cache: dict[str, np.ndarray], prefix: str = "") -> set[int]:
+    loader, shared = _worker(config_path, save=False, prefix=prefix)
     try:
         loader.register_kv_caches(cache)
         loader.start_load_kv(MooncakeConnectorMetadata(loads=[BlockJob("l", DIGESTS, [4, 5, 6])]))
@@ -90,3 +91,17 @@ def test_two_tenants_never_share_blocks(tenant_configs: dict[str, Path]) -> None
     assert _load(tenant_configs["team-a"], same) == set()  # the same tenant does share
     for name in src:
         assert np.array_equal(same[name][4:7], src[name][1:4])
+
+
+def test_cache_prefix_composes_with_the_tenant(tenant_configs: dict[str, Path]) -> None:
+    """Sharing needs the same tenant AND the same cache_prefix, on one real pool."""
+    src = _cache(4)
+    _save(tenant_configs["team-b"], src, prefix="weights-v2")
+    for tenant, prefix in (("team-b", ""), ("team-b", "weights-v1"), ("team-a", "weights-v2"),
+                           ("", "weights-v2")):
+        other, original = _cache(5), _cache(5)
+        assert _load(tenant_configs[tenant], other, prefix) == {4, 5, 6}, (tenant, prefix)
+        assert all(np.array_equal(other[n], original[n]) for n in other)
+    same = _cache(6)
+    assert _load(tenant_configs["team-b"], same, "weights-v2") == set()
+    assert all(np.array_equal(same[n][4:7], src[n][1:4]) for n in src)

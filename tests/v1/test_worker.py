@@ -341,3 +341,39 @@ def test_aborted_while_loading_is_freed_only_after_the_load(pool: SharedClient,
         assert freed == {"x"}
     finally:
         del client.get_blocks
+
+
+#: MLA's latent cache ``[blocks, 1, block_size, kv_lora_rank + rope]``, one copy per TP rank
+MLA_SHAPE = (8, 1, 4, 576)
+MLA = ExpectedLayout("hnc", "", "float32", 2, MLA_SHAPE[1:], heads_first=True, mla=True)
+
+
+def test_mla_tp_ranks_share_keys_rank0_puts_rank1_reads(pool: SharedClient, workers: Any) -> None:
+    """TP=2 MLA: both ranks key by one namespace; only rank 0 stores, rank 1 loads it."""
+    rng = np.random.default_rng(7)
+    src = {f"layer.{i}": rng.standard_normal(MLA_SHAPE, dtype=np.float32) for i in range(2)}
+    rank1_src = {name: t.copy() for name, t in src.items()}  # identical KV on rank 1
+    ns0, ns1 = (KeyNamespace("worker-test-mla", "float32", MLA.fingerprint, 4, tp_rank=r,
+                             tp_size=2, tp_shared=True) for r in (0, 1))
+    assert ns0.prefix() == ns1.prefix() and ns0.stores and not ns1.stores
+    digests = [f"{i + 500:032x}" for i in range(2)]
+    rank0 = WorkerLogic(ns0, MLA, pool, can_load=True, can_save=True)
+    rank1 = WorkerLogic(ns1, MLA, pool, can_load=True, can_save=True)
+    for w, cache in ((rank0, src), (rank1, rank1_src)):
+        workers(w)
+        w.register_kv_caches(cache)
+        w.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("s", digests, [2, 3])]))
+        _wait_idle(w, 10)
+    assert rank0.counters["saved_blocks"] == 2
+    assert rank1.counters["save_jobs"] == rank1.counters["saved_blocks"] == 0  # never puts
+    assert rank1.get_finished({"s"})[0] == {"s"}  # ... yet frees the blocks like rank 0
+    assert rank0.get_finished({"s"})[0] == {"s"}
+
+    dst = {name: np.zeros(MLA_SHAPE, dtype=np.float32) for name in src}
+    reader = WorkerLogic(ns1, MLA, pool, can_load=True, can_save=False)
+    workers(reader)
+    reader.register_kv_caches(dst)
+    reader.start_load_kv(MooncakeConnectorMetadata(loads=[BlockJob("l", digests, [5, 6])]))
+    assert reader.take_load_errors() == set()
+    for name in src:
+        assert np.array_equal(dst[name][5:7], src[name][2:4])

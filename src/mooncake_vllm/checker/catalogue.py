@@ -286,6 +286,15 @@ _ALL: tuple[Rule, ...] = (
          "master unmounts it and the whole pool is lost at once (a silent 0% hit rate until it is refilled).",
          "start a second holder (on another host), or accept the risk explicitly with --ignore MCV-W104",
          "mooncake §6 Dead clients; issue 13 item 5", probe=True),
+    Rule("MCV-W105", WARNING, "live-namespaces-split",
+         "pool of {url}: {split}",
+         "Blocks are shared only inside one key namespace (model, dtype, KV layout, block size, TP size, tenant, "
+         "cache_prefix). Instances whose namespaces differ in anything but tenant/cache_prefix keep saving while "
+         "never hitting each other: a silent 0% hit rate between them.",
+         "start every instance of a model with the same --block-size, --dtype, --kv-cache-dtype and "
+         "--tensor-parallel-size (and the same model_id); `mooncake-vllm pool namespaces` lists them, "
+         "`mooncake-vllm pool clear` removes a stale one",
+         "keys.py namespace; issue 15 item 7", probe=True),
     Rule("MCV-W102", WARNING, "local-hostname-not-local",
          "local_hostname {host!r} is not an address of this host",
          "Peers connect to local_hostname; an address of another machine makes every transfer to this client fail.",

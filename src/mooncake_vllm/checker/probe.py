@@ -23,12 +23,13 @@ from mooncake_vllm.checker.model import MASTER, Finding, Where
 from mooncake_vllm.checker.rules_fleet import DEFAULT_CLIENT_TTL, MIN_CLIENT_TTL
 from mooncake_vllm.checker.rules_mooncake import metadata_urls
 from mooncake_vllm.errors import ConfigError, StoreError, StoreUnavailableError
+from mooncake_vllm.inventory import scan_pool, splits
 from mooncake_vllm.metadata.backends import MetadataBackend, backend_for
 from mooncake_vllm.metadata.gc import DEAD, master_segments, scan
 from mooncake_vllm.metadata.gc import probe as tcp_probe
 
-__all__ = ["IB_SYSFS", "is_local_address", "library_fix", "local_master", "missing_libraries",
-           "mooncake_package_dir"]
+__all__ = ["IB_SYSFS", "is_local_address", "library_fix", "local_master", "master_http_url",
+           "missing_libraries", "mooncake_package_dir"]
 
 #: where the kernel lists RDMA devices
 IB_SYSFS = "/sys/class/infiniband"
@@ -266,35 +267,61 @@ def live_client_ttl_short(ctx: Context, rule: Rule) -> Iterable[Finding]:
             yield ctx.finding(rule, where, address=address, pid=pid, ttl=f"{ttl:g}")
 
 
-def _metrics_url(ctx: Context, address: str) -> str | None:
-    """The master's HTTP address: from its command line when it runs here, else the scripts' master, else :9003."""
+def master_http_url(address: str, launched_port: str | None = None) -> str | None:
+    """The HTTP (metrics) address of the master serving ``address``: from its command line when
+    it runs here, else ``launched_port`` (a launch script's), else Mooncake's default :9003."""
     hp = _host_port(address)
     if hp is None:
         return None
-    host, port = hp[0], str(_DEFAULT_METRICS_PORT)
+    host, port = hp[0], launched_port or str(_DEFAULT_METRICS_PORT)
     found = local_master(address)
     if found is not None:
         metrics_host = _gflag(found[1], "metrics_host")
         if metrics_host and metrics_host not in ("0.0.0.0", "::"):
             host = metrics_host
-        port = _gflag(found[1], "metrics_port") or port
-    else:
-        launched = [m.option("--metrics-port") for m in ctx.deployment.of_kind(MASTER)]
-        port = next((p for p in launched if p), port)
+        port = _gflag(found[1], "metrics_port") or str(_DEFAULT_METRICS_PORT)
     return f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+
+
+def _metrics_url(ctx: Context, address: str) -> str | None:
+    """The master's HTTP address: from its command line when it runs here, else the scripts' master, else :9003."""
+    launched = [m.option("--metrics-port") for m in ctx.deployment.of_kind(MASTER)]
+    return master_http_url(address, next((p for p in launched if p), None))
+
+
+def _master_views(ctx: Context) -> Iterator[tuple[Where, str]]:
+    """(where, HTTP address) of each configured master whose address has a host:port."""
+    for address, where in _masters(ctx):
+        url = _metrics_url(ctx, address)
+        if url is not None:
+            yield where, url
 
 
 @check("MCV-W104")
 def live_pool_in_one_holder(ctx: Context, rule: Rule) -> Iterable[Finding]:
     if not ctx.probe:
         return
-    for address, where in _masters(ctx):
-        url = _metrics_url(ctx, address)
-        if url is None:
-            continue
+    for where, url in _master_views(ctx):
         try:
             segments = master_segments(url, ctx.timeout)
         except StoreUnavailableError:
             continue  # no HTTP view of this master (MCV-E101 reports an unreachable one)
         if len(segments) == 1:
             yield ctx.finding(rule, where, url=url, segment=next(iter(segments)))
+
+
+#: keys a --probe lists at most per master (the listing is streamed and counted, never kept)
+PROBE_MAX_KEYS = 200_000
+
+
+@check("MCV-W105")
+def live_namespaces_split(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if not ctx.probe:
+        return
+    for where, url in _master_views(ctx):
+        try:
+            inv = scan_pool(url, timeout=ctx.timeout, max_keys=PROBE_MAX_KEYS, sizes=False)
+        except StoreUnavailableError:
+            continue  # no HTTP view of this master (MCV-E101 reports an unreachable one)
+        for split in splits(inv):
+            yield ctx.finding(rule, where, url=url, split=split.text())

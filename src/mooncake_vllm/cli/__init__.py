@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "metadata": ("metadata", "inspect and clean Transfer Engine metadata (list, gc, serve)"),
     "holder": ("holder", "run a process that holds pool memory for vLLM instances"),
     "doctor": ("doctor", "report installed vLLM / Mooncake versions and the engine path"),
+    "pool": ("pool", "list, measure and clear the pool's key namespaces (namespaces, stats, clear)"),
 }
 
 

@@ -154,6 +154,10 @@ class VllmFacts:
     #: ``kv_transfer_params`` are committed (the store flow's hand-off); without it the
     #: decode looks up at once and may recompute what the prefill is still saving
     deferred_lookup: bool = False
+    #: ``KVConnectorBase_V1.reset_cache()``: ``POST /reset_prefix_cache?reset_external=true``
+    #: (and ``LLM.reset_prefix_cache(reset_connector=True)``) reach the connector, which then
+    #: removes its namespaces from the pool; elsewhere ``mooncake-vllm pool clear`` does it
+    connector_reset_hook: bool = False
     module_path: bool = False  #: kv_connector_module_path honoured (V1 only)
     module_path_beats_registry: bool = False
     multi_connector: bool = False
@@ -206,6 +210,14 @@ class VllmFacts:
     #: for a connector whose ``prefer_cross_layer_blocks`` is True; ours never is) |
     #: "layout" (block-outermost ``KVCacheLayout`` BL..: per-layer views into one buffer)
     cross_layer_kv: str = "none"
+    #: what vLLM does with a hybrid model's KV cache groups next to a connector that is no
+    #: ``SupportsHMA`` (ours): "unified" (no hybrid manager: V1 always unifies the specs) |
+    #: "forced-off" (the hybrid manager is switched off whenever a connector is set) |
+    #: "off-unless-supports-hma" (switched off for connectors without ``SupportsHMA``). In all
+    #: three, full + sliding-window layers become ONE full-attention group; an all-sliding
+    #: model stays a sliding-window group and Mamba hybrids keep state groups or fail in vLLM
+    #: (v1/kv_groups.py refuses both at start)
+    connector_hma: str = "unified"
     #: field name -> reference note of the row that set it
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -262,9 +274,13 @@ VLLM_CHANGES: tuple[_Change, ...] = (
     _c("0.9.2", "wheel: v1/attention/backends/utils.get_kv_cache_layout (lru_cache), "
        "VLLM_KV_CACHE_LAYOUT; FlashInfer stride order too",
        kv_layout_source="backends-utils", kv_layout_env=True),
-    _c("0.10.0", "vllm §11: +sha256_cbor_64bit; wheel: FlashInfer on SM 10.x sets HND (set_kv_cache_layout)",
+    _c("0.10.0", "vllm §11: +sha256_cbor_64bit; wheel: FlashInfer on SM 10.x sets HND (set_kv_cache_layout); "
+       "hybrid KV cache manager off whenever a connector is set",
        hash_algorithms=("builtin", "sha256", "sha256_cbor_64bit"),
-       kv_layout_blackwell_flashinfer_hnd=True),
+       kv_layout_blackwell_flashinfer_hnd=True,
+       # wheel: config.py sets disable_hybrid_kv_cache_manager when kv_transfer_config is set
+       # (0.8.5's wheel has no hybrid manager: unify_hybrid_kv_cache_specs always; 0.9.x unread)
+       connector_hma="forced-off"),
     _c("0.10.1", "vllm §2/§6/§7: V0 connectors removed; name free on V1; request.block_hashes",
        v0_kv_connectors=False, v0_name="absent", v0_claim=None, in_tree_v0_store=False,
        v0_store_needs_chunked_prefill_off=False, in_tree_mooncake_connector=None,
@@ -278,16 +294,23 @@ VLLM_CHANGES: tuple[_Change, ...] = (
     _c("0.11.0", "vllm §2/§3: V0 engine gone; VLLM_USE_V1 still defined, False raises",
        has_v0_engine=False, use_v1_env="v1-required", v0_hash_seed="absent"),
     _c("0.11.1", "vllm §3/§6/§7/§8: VLLM_USE_V1 removed; optional kv_cache_config 3rd arg; children get 3 args; "
-       "+get_block_ids_with_load_errors (background loads may fail safely)",
+       "+get_block_ids_with_load_errors (background loads may fail safely); SupportsHMA (hybrid manager "
+       "off for other connectors)",
        use_v1_env="removed", v1_ctor_args=(2, 3), multi_children_get_kv_cache_config=True,
        factory_api="create_connector(config, role, kv_cache_config=None)",
-       kv_config_fields=_KV_FIELDS_0111, load_error_reporting=True),
+       kv_config_fields=_KV_FIELDS_0111, load_error_reporting=True,
+       # vLLM PR #25712 (SupportsHMA); verified in the 0.32.0 and 0.33.0 wheels: config/vllm.py
+       # turns the hybrid manager off unless KVConnectorFactory.supports_hma_config
+       connector_hma="off-unless-supports-hma"),
     _c("0.12.0", "vllm §7: prefer_cross_layer_blocks/register_cross_layers_kv_cache (opt-in cross-layer KV)",
        cross_layer_kv="opt-in"),
-    _c("0.13.0", "vllm §5/§6/§11: V1 P2P MooncakeConnector; +kv_load_failure_policy; hashing.py algorithms",
+    _c("0.13.0", "vllm §5/§6/§7/§11: V1 P2P MooncakeConnector; +kv_load_failure_policy; hashing.py algorithms; "
+       "+reset_cache",
        in_tree_mooncake_connector="v1-p2p", p2p_transfer_params="handoff",
        kv_config_fields=_KV_FIELDS_0130,
-       hash_algorithms=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
+       hash_algorithms=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
+       # vllm §7 (+reset_cache, PR #27170); wheels: absent in 0.10.0, present in 0.32.0 and 0.33.0
+       connector_reset_hook=True),
     _c("0.16.0", "vllm §5/§9: ConfigDict(extra='forbid') -> unknown KVTransferConfig keys rejected; "
        "P2P MooncakeConnector needs a proxy-chosen transfer_id and a bootstrap server",
        kv_config_kind="pydantic-forbid", rejects_unknown_kv_keys=True,

@@ -150,7 +150,34 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
                         "rss_kb": _rss_kb()})
     _wait_saves_idle()
     return {"init_s": init_s, "results": results, "metrics": _metric_totals(llm),
-            "connector": _connector_counters(), "rss_kb": _rss_kb()}
+            "connector": _connector_counters(), "rss_kb": _rss_kb(),
+            "kv_block_digests": _kv_block_digests()}
+
+
+def _kv_block_digests() -> list[str]:
+    """With ``MOONCAKE_VLLM_DEMO_KV_DIGESTS=1``: a digest of every non-zero KV block the
+    worker holds (all layers' bytes), so tests can compare two instances' caches."""
+    if os.environ.get("MOONCAKE_VLLM_DEMO_KV_DIGESTS") != "1":
+        return []
+    import hashlib
+
+    from mooncake_vllm.v1.connector import INSTANCES
+
+    out = []
+    for inst in list(INSTANCES):
+        layout = inst.worker.layout if inst.worker is not None else None
+        if layout is None:
+            continue
+        views = layout.byte_views()
+        for block in range(layout.num_blocks):
+            rows = [v[:, block].contiguous() for v in views]
+            if all(int(r.count_nonzero()) == 0 for r in rows):
+                continue
+            h = hashlib.blake2b(digest_size=16)
+            for r in rows:
+                h.update(r.cpu().numpy().tobytes())
+            out.append(h.hexdigest())
+    return out
 
 
 def _rss_kb() -> int:

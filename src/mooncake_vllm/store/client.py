@@ -340,6 +340,16 @@ class StoreClient:
             return self._store.remove(key)
 
     # ------------------------------------------------------------------ loads
+    def remove_matching(self, pattern: str) -> int | None:
+        """Remove every key matching the regular expression ``pattern`` (leases ignored:
+        a reader of a removed value fails its checksum and recomputes); the count removed,
+        or ``None`` when the pool is away or has no ``remove_by_regex`` (Mooncake < 0.3.6)."""
+        remove = getattr(self._store, "remove_by_regex", None)
+        if self._closed or remove is None or not self.health.admit():
+            return None
+        rc = self._run(self._control, self._op_timeout, remove, pattern, True)
+        return rc if isinstance(rc, int) and not isinstance(rc, bool) and rc >= 0 else None
+
     def stream_position(self, layout: BlockLayout) -> Any:
         """For a background load: an event on vLLM's stream, taken on vLLM's thread."""
         return self._paths_for(layout).mover.stream_position()

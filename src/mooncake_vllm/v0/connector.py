@@ -15,7 +15,8 @@ V0 producer warms a V1 consumer of the same model and layout.
   state; otherwise nothing is loaded and vLLM recomputes.
 
 vLLM V0 caches are FlashAttention-layout tensors ``[2, num_blocks, block_size,
-kv_heads, head_size]`` per layer (or MLA ``[num_blocks, block_size, dim]``).
+kv_heads, head_size]`` per layer (or MLA ``[num_blocks, block_size, dim]``: the
+same latent on every TP rank, so keys name no TP rank and only TP rank 0 puts).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.logs import follow_vllm_logging
 from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.store import StoreClient
+from mooncake_vllm.store.namespaces import register_namespaces
 from mooncake_vllm.v0.batch import SeqSpan, Tail, prefill_spans, tail_key
 
 __all__ = ["MooncakeStoreConnector"]
@@ -66,6 +68,7 @@ class MooncakeStoreConnector(KVConnectorBase):
         self.store = store if store is not None else StoreClient.connect(
             load_store_config(settings.mooncake_config_path), timeout=settings.connect_timeout)
         self.tenant = self.store.config.tenant_id
+        self.cache_prefix = settings.cache_prefix
         self._layout: BlockLayout | None = None
         self._layout_key: tuple[int, ...] = ()
         self.namespace: KeyNamespace | None = None
@@ -91,7 +94,10 @@ class MooncakeStoreConnector(KVConnectorBase):
         self.namespace = KeyNamespace(model_id=self.model_id, dtype=layout.dtype,
                                       layout=layout.fingerprint, block_size=layout.block_size,
                                       tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                      pp_rank=self.pp_rank, tenant=self.tenant)
+                                      pp_rank=self.pp_rank, tenant=self.tenant,
+                                      cache_prefix=self.cache_prefix,
+                                      tp_shared=layout.kind == "mla")
+        register_namespaces(self.store, [self.namespace], background=True)
         return layout
 
     def _skip(self, why: str) -> None:
@@ -132,7 +138,7 @@ class MooncakeStoreConnector(KVConnectorBase):
             if not span.keyable or span.num_tokens == 0:
                 continue
             keys = chunk_keys(self.namespace, span.tokens)
-            if keys:
+            if keys and self.namespace.stores:  # MLA: TP rank 0 stores for every rank
                 self.store.put_blocks(keys, layout, list(span.block_ids))
             if hidden is not None and layout.kind == "nhd":
                 tail = Tail.gather(kv_caches, span.tail_slots, hidden[span.end - 1])

@@ -36,8 +36,10 @@ from mooncake_vllm.config import load_store_config
 from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.logs import follow_vllm_logging
 from mooncake_vllm.settings import ConnectorSettings
+from mooncake_vllm.store.namespaces import clear_namespaces, register_namespaces
 from mooncake_vllm.v1.client import SharedClient, shared_client
 from mooncake_vllm.v1.handoff import MarkerWaiter, pool_ready, store_probe
+from mooncake_vllm.v1.kv_groups import check_kv_cache_config, check_kv_caches
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
 from mooncake_vllm.v1.scheduler import SchedulerLogic
@@ -108,6 +110,10 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             super().__init__(vllm_config, role)
         ktc = vllm_config.kv_transfer_config
         self.settings = settings = ConnectorSettings.from_vllm_config(vllm_config)
+        # hybrid models: refuse at start unless the KV is one full-attention group
+        self._groups_checked = kv_cache_config is not None
+        if self._groups_checked:
+            check_kv_cache_config(kv_cache_config, model=settings.model_id)
         self.kv_role = settings.kv_role
         self.can_save = settings.can_save
         self.can_load = settings.can_load
@@ -135,6 +141,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                             handoff_timeout=settings.handoff_timeout,
                                             pool_ready=pool_ready(self.shared))
             self._announce(self.scheduler.namespaces.namespaces[0])
+            namespaces = self.scheduler.namespaces.namespaces
+            self.shared.on_connect(lambda client: register_namespaces(client, namespaces,
+                                                                      background=True))
         else:
             tp_rank, pp_rank = _worker_ranks()
             (namespace,) = rank_namespaces(vllm_config, settings, tenant=tenant,
@@ -155,8 +164,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         except Exception:  # noqa: BLE001
             vllm_version = "unknown"
         log.info("mooncake-vllm %s: MooncakeStoreConnector on the vLLM V1 engine (vllm %s), "
-                 "role %s, pool %s, namespace %s", __version__, vllm_version, self.kv_role,
-                 self.store_config.master_server_address, ns.describe())
+                 "role %s, pool %s, namespace %s (digest %s)", __version__, vllm_version,
+                 self.kv_role, self.store_config.master_server_address, ns.describe(), ns.digest())
 
     def _lookup(self, keys: Any) -> list[bool]:
         client = self.shared.get()
@@ -173,6 +182,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
+        if not self._groups_checked:  # releases that give connectors no KVCacheConfig
+            check_kv_caches(kv_caches, self._vllm_config, model=self.settings.model_id)
         self.worker.register_kv_caches(kv_caches)
 
     def _meta(self) -> MooncakeConnectorMetadata | None:
@@ -237,6 +248,14 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's connector reset (``POST /reset_prefix_cache?reset_external=true``, a pause
+        with ``clear_cache``; fact ``connector_reset_hook``): remove THIS engine's namespaces
+        from the pool, every rank's, and nothing else."""
+        if self.scheduler is None:
+            return None
+        return clear_namespaces(self.shared.get(), self.scheduler.namespaces.namespaces) is not None
 
     # ------------------------------------------------------------------ introspection
     def counters(self) -> dict[str, int]:

@@ -6,6 +6,10 @@ the config with :func:`expected_layout`; the worker then checks it against the
 real tensors (:func:`check_layout`), so a wrong prediction fails loudly at start
 instead of silently missing.
 
+For MLA models every TP rank holds the same latent KV: the namespace then names
+no TP rank (:func:`tp_shared`), rank 0 stores each block once and every rank
+loads it.
+
 Request-level facts (LoRA, cache salt, multimodal hashes) become
 :class:`~mooncake_vllm.keys.RequestExtras` with :func:`request_extras`.
 """
@@ -31,6 +35,7 @@ __all__ = [
     "expected_layout",
     "rank_namespaces",
     "request_extras",
+    "tp_shared",
 ]
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,8 @@ class ExpectedLayout:
     block_shape: tuple[int, ...]
     #: memory runs heads before tokens inside a block (HND, LBHNC/BLHNC)
     heads_first: bool = False
+    #: MLA: one latent per token, the same on every TP rank
+    mla: bool = False
 
     @property
     def fingerprint(self) -> str:
@@ -115,18 +122,19 @@ def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
     layers = _layer_count(vllm_config, pp_rank)
     dtype = _dtype_name(vllm_config)
     heads_first = False
-    if _is_cpu_platform():
+    use_mla = bool(getattr(model_config, "use_mla", False))
+    if _is_cpu_platform() and not use_mla:
         kind, predicted = "cpu", _cpu_isa(vllm_config, block_size, head_size)
         shape: tuple[int, ...] = (heads, block_size, 2 * head_size)
-    else:
+    else:  # GPU, or MLA anywhere (the CPU MLA backend keeps the generic latent layout)
         facts = _installed_facts()
         name = gpu_layout_name(vllm_config, facts)
         kind, heads_first, shape = predict_block(
-            facts, name, use_mla=bool(getattr(model_config, "use_mla", False)), heads=heads,
-            head_size=head_size, block_size=block_size)
+            facts, name, use_mla=use_mla, heads=heads, head_size=head_size,
+            block_size=block_size)
         predicted = ""
     return ExpectedLayout(kind, predicted if variant is None else variant, dtype, layers, shape,
-                          heads_first)
+                          heads_first, use_mla)
 
 
 def _installed_facts() -> Any:
@@ -153,7 +161,8 @@ def check_layout(expected: ExpectedLayout, actual: BlockLayout) -> None:
 
 @dataclass(frozen=True)
 class RankNamespaces:
-    """The namespace of every (tp, pp) rank of one engine, rank-major order."""
+    """The namespace of every (tp, pp) rank of one engine, rank-major order; one per
+    pipeline stage where the TP ranks share their keys (MLA, :func:`tp_shared`)."""
 
     namespaces: tuple[KeyNamespace, ...]
 
@@ -177,7 +186,7 @@ class RankNamespaces:
 def rank_namespaces(vllm_config: Any, settings: ConnectorSettings, *, tenant: str = "",
                     only: tuple[int, int] | None = None) -> RankNamespaces:
     """Namespaces of all TP×PP ranks (or of the one ``(tp_rank, pp_rank)``);
-    ``tenant`` is the Mooncake config's ``tenant_id``."""
+    ``tenant`` is the Mooncake config's ``tenant_id``; the settings' ``cache_prefix`` joins too."""
     parallel = vllm_config.parallel_config
     tp_size = int(parallel.tensor_parallel_size)
     pp_size = int(parallel.pipeline_parallel_size)
@@ -185,13 +194,26 @@ def rank_namespaces(vllm_config: Any, settings: ConnectorSettings, *, tenant: st
     out: list[KeyNamespace] = []
     for pp in range(pp_size):
         layout = expected_layout(vllm_config, pp, variant=settings.layout_variant)
+        shared = tp_shared(vllm_config, layout)
         for tp in range(tp_size):
             if only is not None and only != (tp, pp):
                 continue
+            if only is None and shared and tp > 0:
+                continue  # one namespace for the whole stage: rank 0's keys are every rank's
             out.append(KeyNamespace(model_id=settings.model_id, dtype=layout.dtype,
                                     layout=layout.fingerprint, block_size=block_size,
-                                    tp_rank=tp, tp_size=tp_size, pp_rank=pp, tenant=tenant))
+                                    tp_rank=tp, tp_size=tp_size, pp_rank=pp, tenant=tenant,
+                                    cache_prefix=settings.cache_prefix, tp_shared=shared))
     return RankNamespaces(tuple(out))
+
+
+def tp_shared(vllm_config: Any, layout: ExpectedLayout) -> bool:
+    """Whether every TP rank of a stage holds the same KV bytes: MLA's latent cache is
+    replicated on every TP rank, unless decode/prefill context parallelism shards it."""
+    parallel = vllm_config.parallel_config
+    sharded = any(int(getattr(parallel, name, 1) or 1) > 1 for name in
+                  ("decode_context_parallel_size", "prefill_context_parallel_size"))
+    return layout.mla and not sharded
 
 
 def request_extras(request: Any) -> RequestExtras:

@@ -71,7 +71,7 @@ class WorkerLogic:
         self.expected = expected
         self.source = client_source  # .get() -> StoreClient | None, .on_connect(cb)
         self.can_load = can_load
-        self.can_save = can_save
+        self.can_save = can_save and namespace.stores  # MLA: only TP rank 0 puts
         self.layout: BlockLayout | None = None
         self._save_deadline = save_deadline
         self._preempt_wait = preempt_wait
