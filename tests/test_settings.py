@@ -30,14 +30,17 @@ def test_every_documented_key_is_read() -> None:
     s = ConnectorSettings.from_vllm_config(_vllm_config(
         "kv_consumer", model_id="shared", mooncake_config_path="/etc/mc.json",
         load_failure_policy="fail", save_queue_size=8, connect_timeout=2, layout_variant="amx",
-        load_async=False, gpu_path="zero_copy", cache_prefix="weights-v2"))
+        load_async=False, gpu_path="zero_copy", handoff_timeout=0, cache_prefix="weights-v2"))
     assert s == ConnectorSettings(kv_role="kv_consumer", model_id="shared",
                                   mooncake_config_path="/etc/mc.json", load_failure_policy="fail",
                                   save_queue_size=8, connect_timeout=2.0, layout_variant="amx",
-                                  load_async=False, gpu_path="zero_copy", cache_prefix="weights-v2")
+                                  load_async=False, gpu_path="zero_copy", handoff_timeout=0.0,
+                                  cache_prefix="weights-v2")
     assert sorted(EXTRA_KEYS) == sorted(
         ["model_id", "mooncake_config_path", "load_failure_policy", "save_queue_size",
-         "connect_timeout", "layout_variant", "load_async", "gpu_path", "cache_prefix"])
+         "connect_timeout", "layout_variant", "load_async", "gpu_path", "handoff_timeout",
+         "cache_prefix"])
+    assert ConnectorSettings.from_vllm_config(_vllm_config()).handoff_timeout == 5.0
     with pytest.raises(AttributeError):
         s.kv_role = "kv_both"  # type: ignore[misc]  # frozen
 
@@ -55,6 +58,14 @@ def test_every_problem_in_one_error_naming_field_and_fix() -> None:
                           "kv_connector_extra_config.connect_timeout"]
     assert "model_idd" in str(err) and "use only" in str(err) and '"recompute" or "fail"' in str(err)
     assert "'gpudirect'" in str(err) and '"auto", "staged" or "zero_copy"' in str(err)
+
+
+@pytest.mark.parametrize("value", [-1, 601, True, "5", None])
+def test_handoff_timeout_is_a_bounded_number_of_seconds(value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        ConnectorSettings.from_vllm_config(_vllm_config(handoff_timeout=value))
+    assert info.value.fields == ["kv_connector_extra_config.handoff_timeout"]
+    assert "from 0 to 600" in str(info.value) and "0 never waits" in str(info.value)
 
 
 def test_unknown_role_is_refused() -> None:

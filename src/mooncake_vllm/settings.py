@@ -27,6 +27,10 @@ key or value one engine rejects, the other rejects too, with one
 ``load_async``             ``true`` (default): load in the background where vLLM can
                            recompute failed blocks (>= 0.11.1); ``false``: before the
                            forward pass (V1 only; V0 always loads before it)
+``handoff_timeout``        seconds a decode instance waits for the blocks a prefill
+                           instance named in ``kv_transfer_params`` (the proxy's store
+                           flow) before it recomputes (default 5, 0 = never wait, at most
+                           600; V1 >= 0.10.2 only)
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ from typing import Any
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.keys import model_id as _model_id
 
-__all__ = ["EXTRA_KEYS", "GPU_PATHS", "ROLES", "ConnectorSettings"]
+__all__ = ["EXTRA_KEYS", "GPU_PATHS", "MAX_HANDOFF_TIMEOUT", "ROLES", "ConnectorSettings"]
 
 #: every key ``kv_connector_extra_config`` may hold
-EXTRA_KEYS = ("cache_prefix", "connect_timeout", "gpu_path", "layout_variant", "load_async",
-              "load_failure_policy",
-              "model_id", "mooncake_config_path", "save_queue_size")
+EXTRA_KEYS = ("cache_prefix", "connect_timeout", "gpu_path", "handoff_timeout", "layout_variant",
+              "load_async", "load_failure_policy", "model_id", "mooncake_config_path",
+              "save_queue_size")
+#: the longest ``handoff_timeout`` accepted (seconds): longer is a typo, not a bound
+MAX_HANDOFF_TIMEOUT = 600.0
 #: vLLM's ``kv_role`` values and what each lets the connector do: (save, load)
 ROLES = {"kv_both": (True, True), "kv_producer": (True, False), "kv_consumer": (False, True)}
 _POLICIES = ("recompute", "fail")
@@ -65,6 +71,7 @@ class ConnectorSettings:
     layout_variant: str | None = None
     load_async: bool = True
     gpu_path: str = "auto"
+    handoff_timeout: float = 5.0
     cache_prefix: str = ""
 
     @property
@@ -119,6 +126,13 @@ class ConnectorSettings:
                                               f"must be a positive number, found {value!r}",
                                               f"omit it or set e.g. {default}"))
             numbers[name] = value
+        handoff = extra.get("handoff_timeout", 5.0)
+        if (isinstance(handoff, bool) or not isinstance(handoff, (int, float))
+                or not 0 <= handoff <= MAX_HANDOFF_TIMEOUT):
+            problems.append(ConfigProblem(f"{_FIELD}.handoff_timeout",
+                                          f"must be a number of seconds from 0 to "
+                                          f"{MAX_HANDOFF_TIMEOUT:.0f}, found {handoff!r}",
+                                          "omit it (5 s) or set e.g. 5; 0 never waits"))
         texts = {name: None if extra.get(name) is None else str(extra[name])
                  for name in ("model_id", "mooncake_config_path", "layout_variant")}
         cache_prefix = extra.get("cache_prefix", "")
@@ -138,4 +152,5 @@ class ConnectorSettings:
                    save_queue_size=int(numbers["save_queue_size"]),
                    connect_timeout=float(numbers["connect_timeout"]),
                    layout_variant=texts["layout_variant"], load_async=bool(load_async),
-                   gpu_path=str(gpu_path), cache_prefix=str(cache_prefix))
+                   gpu_path=str(gpu_path), handoff_timeout=float(handoff),
+                   cache_prefix=str(cache_prefix))

@@ -88,6 +88,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "MCV-W016": (dict(script="mooncake_master --rpc_port 50051 --client_ttl=2 &\n"),
                  dict(script="mooncake_master --rpc_port 50051 --client_ttl=30 &\nmooncake_master --port 50052 &\n")),
     "MCV-W017": (dict(script=serve() + HOLDER, config=SEG0), dict(script=serve() + HOLDER + HOLDER, config=SEG0)),
+    "MCV-W018": (dict(script=serve(OURS), target_vllm="0.10.1"), dict(script=serve(OURS), target_vllm="0.10.2")),
     "MCV-W015": (dict(script=serve(), config=CONFIG, target_vllm="0.8.4", target_mooncake="0.3.3.post2"),
                  dict(script=serve(), config=CONFIG, target_vllm="0.8.5", target_mooncake="0.3.3.post2")),
 }

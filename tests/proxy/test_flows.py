@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mooncake_vllm.errors import ConfigError, UnsupportedVersionError
@@ -29,7 +31,8 @@ def test_prefill_body_store_and_p2p() -> None:
     body = {"prompt": "p", "max_tokens": 50, "max_completion_tokens": 50, "stream": True,
             "stream_options": {"include_usage": True}, "n": 3, "min_tokens": 5}
     store = flows.prefill_body(body, "store", "", "tid")
-    assert store == {"prompt": "p", "max_tokens": 1, "max_completion_tokens": 1, "stream": False}
+    assert store == {"prompt": "p", "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
+                     "kv_transfer_params": {"mooncake_vllm_handoff": {"v": 1, "ask": True}}}
     assert body["max_tokens"] == 50  # the client's body is not mutated
     boot = flows.prefill_body(body, "p2p", "bootstrap", "tid")
     assert boot["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "tid"}
@@ -47,6 +50,22 @@ def test_plan_decode_bootstrap_needs_an_engine_id() -> None:
                                   "remote_bootstrap_addr": "http://[::1]:50052", "remote_dp_rank": 1,
                                   "transfer_id": "t"}
     assert flows.plan_decode("store", "", pre, "t", None).decode_params is None
+
+
+def test_store_flow_passes_the_prefills_offer_and_nothing_else() -> None:
+    pre = Instance("prefill", parse_endpoint("127.0.0.1:8100"))
+    offer = {"v": 1, "id": "ab" * 16, "ns": ["mcv/0123456789abcdef"], "chunks": 3, "state": "saving"}
+    answer = {"choices": [], "kv_transfer_params": {"mooncake_vllm_handoff": offer, "other": 1}}
+    raw = json.dumps(answer).encode()
+    plan = flows.plan_decode("store", "", pre, "t", flows.parse_prefill_answer("store", "", raw))
+    assert plan.decode_params == {"mooncake_vllm_handoff": offer}
+    # no offer (V0, another connector, a non-JSON answer): the decode body stays the client's
+    for raw in (b'{"choices": []}', b"not json", b"[1]", b'{"kv_transfer_params": {"x": 1}}'):
+        pre_json = flows.parse_prefill_answer("store", "", raw)
+        assert flows.plan_decode("store", "", pre, "t", pre_json).decode_params is None
+    with pytest.raises(ValueError):
+        flows.parse_prefill_answer("p2p", "handoff", b"not json")
+    assert flows.parse_prefill_answer("p2p", "bootstrap", b"not json") is None
 
 
 def test_parse_engine_ids_accepts_both_query_shapes() -> None:

@@ -23,9 +23,27 @@ def test_store_flow_non_streaming_prefills_one_token_then_decodes_original() -> 
                 out = await r.json()
             assert out["choices"][0]["text"] == " t0 t1 t2 t3 t4"
             assert p.received[0]["max_tokens"] == 1 and p.received[0]["stream"] is False
-            assert "stream_options" not in p.received[0] and "kv_transfer_params" not in p.received[0]
-            assert d.received == [body]  # the decode gets the client's request unchanged
+            assert "stream_options" not in p.received[0]
+            # the prefill is asked for a hand-off; it offers none (V0, another connector) ...
+            assert p.received[0]["kv_transfer_params"] == {"mooncake_vllm_handoff": {"v": 1, "ask": True}}
+            assert d.received == [body]  # ... so the decode gets the client's request unchanged
             assert p.headers[0]["X-Request-Id"] == d.headers[0]["X-Request-Id"]
+
+    run(go)
+
+
+def test_store_flow_hands_the_prefills_offer_to_the_decode_streamed_or_not() -> None:
+    offer = {"v": 1, "id": "cd" * 16, "ns": ["mcv/0123456789abcdef"], "chunks": 2, "state": "saving"}
+
+    async def go() -> None:
+        async with stubs(1) as (p,), stubs(1) as (d,), proxy([p], [d]) as (_s, url, c):
+            p.kv_params_out = {"mooncake_vllm_handoff": offer, "do_remote_prefill": False}
+            for stream in (False, True):
+                body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": stream}
+                async with c.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+                assert d.received[-1] == {**body, "kv_transfer_params": {"mooncake_vllm_handoff": offer}}
 
     run(go)
 

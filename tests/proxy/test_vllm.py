@@ -1,8 +1,9 @@
 """The proxy over REAL vLLM CPU instances using our MooncakeStoreConnector through a real pool.
 
 1P1D must answer token for token like a single instance (greedy), with the
-decode instance loading the prompt's KV from the pool; adding and removing a
-decode instance while requests stream must not fail a single request.
+decode instance loading EVERY full block of every prompt from the pool (the
+hand-off: it waits for the prefill's saves instead of racing them); adding and
+removing a decode instance while requests stream must not fail a single request.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ PROMPTS = [
     for i in range(4)
 ]
 GEN = {"max_tokens": 12, "temperature": 0, "return_token_ids": True}
+BLOCK = 32  # start_vllm_server's --block-size
 #: patient health checks: CPU instances on a busy 2-core box answer slowly
 HEALTH = {"health_interval": 1.0, "health_timeout": 10.0}
 
@@ -87,7 +89,7 @@ def reference(tiny_model: Path, fleet: dict[str, ManagedProcess]) -> dict[str, A
             req = urllib.request.Request(proc.url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
             choice = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]
-            out[prompt] = (choice["text"], choice.get("token_ids"))
+            out[prompt] = (choice["text"], choice.get("token_ids"), len(choice["prompt_token_ids"]))
         return out
     finally:
         proc.stop()
@@ -97,6 +99,7 @@ def test_1p1d_through_the_pool_matches_a_single_instance(tiny_model: Path, refer
                                                           fleet: dict[str, ManagedProcess]) -> None:
     dec = fleet["decode"]
     hits_before = _metric(str(dec.url), "vllm:external_prefix_cache_hits_total")
+    reports: list[dict[str, Any]] = []
 
     async def go() -> None:
         pre = str(fleet["prefill"].address)
@@ -112,16 +115,28 @@ def test_1p1d_through_the_pool_matches_a_single_instance(tiny_model: Path, refer
                         text = "".join(ch["text"] for ch in chunks)
                         ids = [t for ch in chunks for t in (ch.get("token_ids") or [])] or None
                     else:
-                        choice = (await r.json())["choices"][0]
+                        answer = await r.json()
+                        reports.append(answer["kv_transfer_params"]["mooncake_vllm_handoff"])
+                        choice = answer["choices"][0]
                         text, ids = choice["text"], choice.get("token_ids")
-                ref_text, ref_ids = reference[prompt]
+                ref_text, ref_ids, _ = reference[prompt]
                 assert text == ref_text
                 if ref_ids is not None:
                     assert ids == ref_ids
 
     run(go, timeout=600)
-    # the decode instance really loaded prompt KV from the pool (not only recomputed it)
-    assert _metric(str(dec.url), "vllm:external_prefix_cache_hits_total") > hits_before
+    # the decode instance got EVERY full block of every prompt from the pool, streamed or not:
+    # no request lost the race against the prefill's saves. (The block holding a prompt's last
+    # token is always computed; no prompt here ends on a block boundary, so that is every
+    # full block.)
+    lengths = [reference[p][2] for p in PROMPTS]
+    assert all(n % BLOCK for n in lengths), lengths
+    full_block_tokens = sum(n // BLOCK * BLOCK for n in lengths)
+    assert full_block_tokens >= 2 * BLOCK * len(PROMPTS)
+    hits = _metric(str(dec.url), "vllm:external_prefix_cache_hits_total") - hits_before
+    assert hits == full_block_tokens
+    # non-streamed answers carry the decode's hand-off report: it waited for the markers
+    assert [r["outcome"] for r in reports] == ["ready"] * len(reports) and reports
     # the version detection --flow p2p relies on works against the real server
     version = json.loads(urllib.request.urlopen(str(dec.url) + "/version", timeout=10).read())["version"]
     assert flows.p2p_mode(flows.release_triple(version)) == "bootstrap"

@@ -9,6 +9,7 @@ mooncake_master + holder, and the V1 worker logic for the cross-engine cases.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -71,6 +72,32 @@ def test_v0_producer_then_v0_consumer_bypasses_with_exact_kv(stack_env, dev) -> 
         assert torch.equal(out[39], hidden[39]) and torch.equal(out[74], hidden[74])
         untouched = set(range(NUM_BLOCKS)) - {b for t in cons_tables for b in t}
         assert all(float(kv[:, b].abs().sum()) == 0.0 for kv in dst for b in untouched)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_no_handoff_race_on_v0_every_block_is_stored_when_send_returns(stack_env) -> None:
+    """V0 needs no hand-off (issue 18): vLLM calls ``send_kv_caches_and_hidden_states``
+    inside the forward pass and answers only after it returns, and the connector stores
+    synchronously there (no save thread). So when the prefill's answer reaches the proxy,
+    every key is already in the pool: a decode looking up at that instant finds all."""
+    from mooncake_vllm.keys import chunk_keys
+
+    prompt = _prompt(21, 70)  # 4 full blocks + 6 tail
+    producer, consumer = _connector(), _connector()
+    try:
+        batch = prefill_input([prompt], [[1, 2, 3, 4, 5]], BS)
+        src = flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD, fill="randn", seed=9)
+        producer.send_kv_caches_and_hidden_states(None, batch, src, torch.randn(70, HIDDEN))
+        # no save thread (V1's is "mcv-save"): nothing can still be on its way
+        assert not [t for t in threading.enumerate() if t.name.startswith("mcv-save")]
+        keys = chunk_keys(producer.namespace, prompt)
+        assert len(keys) == 4 and producer.store.exists(keys) == [True] * 4  # no wait, no retry
+        _, bypass, _ = consumer.recv_kv_caches_and_hidden_states(
+            None, prefill_input([prompt], [[6, 7, 8, 9, 10]], BS),
+            flash_caches(LAYERS, NUM_BLOCKS, BS, HEADS, HEAD))
+        assert bypass is True
     finally:
         producer.close()
         consumer.close()

@@ -236,6 +236,17 @@ _ALL: tuple[Rule, ...] = (
          "run two or more holders (on different hosts) so one loss costs only its share, or give the instances "
          "a non-zero global_segment_size; if one holder is a deliberate choice, say so with --ignore MCV-W017",
          "mooncake §3 close() loses data, §6 Dead clients; running-on-cpu.md placement; issue 13 item 5"),
+    Rule("MCV-W018", WARNING, "handoff-not-awaited",
+         "a V1 MooncakeStoreConnector that loads KV ({role}) on vLLM {target} cannot wait for a prefill "
+         "instance's saves",
+         "In the proxy's store flow the decode request follows the prefill's answer at once, while the prefill's "
+         "saves may still be on their way. mooncake-vllm defers such a request until the blocks the prefill "
+         "named are committed (get_num_new_matched_tokens answers None, \"ask again later\"), which vLLM "
+         "accepts from 0.10.2 on. Before that the decode looks up at once and may recompute the whole prompt "
+         "(correct output, no pool benefit): the behaviour before hand-offs existed.",
+         "run decode instances on vLLM >= 0.10.2 (prefill instances may stay older), or accept that XpYd "
+         "decodes sometimes recompute",
+         "vllm §7 0.10.2; DESIGN.md Hand-off"),
     # ------------------------------------------------------------------ --probe
     Rule("MCV-E101", ERROR, "master-unreachable",
          "mooncake_master {address} is not reachable: {reason}", "Every client setup fails (-1) without the master.",

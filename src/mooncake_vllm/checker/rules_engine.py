@@ -165,3 +165,13 @@ def v0_v1_pools_disjoint(ctx: Context, rule: Rule) -> Iterable[Finding]:
     elif v0 and not ctx.vllm.v0_kv_connectors:
         yield ctx.finding(rule, v0[0].where,
                           what=f"after moving these {len(v0)} V0 instances to vLLM {ctx.vllm.release} (V1)")
+
+
+@check("MCV-W018")
+def handoff_not_awaited(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if ctx.vllm is None or ctx.vllm.deferred_lookup or not ctx.vllm.our_v1_connector:
+        return
+    for launch in ctx.deployment.instances:
+        loads = launch.roles() & {"kv_consumer", "kv_both"}
+        if ctx.engine(launch) == "v1" and launch.uses_store() and loads:
+            yield ctx.finding(rule, launch.where, role=sorted(loads)[0])

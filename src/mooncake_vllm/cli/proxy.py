@@ -41,7 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling", choices=sorted(POLICIES), default="round_robin",
                         help="instance selection policy (default round_robin)")
     parser.add_argument("--flow", choices=("store", "p2p"), default="store",
-                        help="store: KV through the Mooncake pool (MooncakeStoreConnector); "
+                        help="store: KV through the Mooncake pool (MooncakeStoreConnector; the "
+                             "decode waits for the blocks the prefill names, bounded by the "
+                             "connectors' handoff_timeout); "
                              "p2p: vLLM V1 MultiConnector(MooncakeConnector + MooncakeStoreConnector)")
     parser.add_argument("--target-vllm", metavar="X.Y.Z", default=None,
                         help="vLLM version of the instances for --flow p2p (default: ask GET /version)")

@@ -149,6 +149,11 @@ class VllmFacts:
     #: the V1 API reports blocks that failed to load (``get_block_ids_with_load_errors``), so
     #: loads may run in the background (``load_kv_async``) and a failed block is recomputed
     load_error_reporting: bool = False
+    #: ``get_num_new_matched_tokens`` may answer ``None`` ("ask again later"): a decode
+    #: instance defers a request until the blocks its prefill instance named in
+    #: ``kv_transfer_params`` are committed (the store flow's hand-off); without it the
+    #: decode looks up at once and may recompute what the prefill is still saving
+    deferred_lookup: bool = False
     #: ``KVConnectorBase_V1.reset_cache()``: ``POST /reset_prefix_cache?reset_external=true``
     #: (and ``LLM.reset_prefix_cache(reset_connector=True)``) reach the connector, which then
     #: removes its namespaces from the pool; elsewhere ``mooncake-vllm pool clear`` does it
@@ -281,8 +286,9 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        v0_store_needs_chunked_prefill_off=False, in_tree_mooncake_connector=None,
        v1_name="free", v1_claim="register", factory_api="create_connector(config, role)",
        block_hashes_on_request=True, kv_layout_connector_hook=True),
-    _c("0.10.2", "vllm §5/§11: pydantic dataclass (unknown keys ignored, unverified); builtin hash removed, sha256 default",
-       kv_config_kind="pydantic-dataclass", rejects_unknown_kv_keys=False,
+    _c("0.10.2", "vllm §5/§7/§11: pydantic dataclass (unknown keys ignored, unverified); builtin hash removed, "
+       "sha256 default; get_num_new_matched_tokens may return None (ask again: vllm#23620)",
+       kv_config_kind="pydantic-dataclass", rejects_unknown_kv_keys=False, deferred_lookup=True,
        hash_algorithms=("sha256", "sha256_cbor_64bit"), default_hash_algorithm="sha256",
        builtin_hash_randomises_strings=False),
     _c("0.11.0", "vllm §2/§3: V0 engine gone; VLLM_USE_V1 still defined, False raises",

@@ -3,7 +3,12 @@
 * ``store``: the prefill instance gets a ``max_tokens=1`` copy of the request
   (its KV lands in the Mooncake pool through the connector), then the decode
   instance gets the original request and loads the prompt's KV from the pool.
-  No ``kv_transfer_params``; works for V0 and V1 alike.
+  The prefill request asks for a hand-off (``kv_transfer_params``); a V1
+  ``MooncakeStoreConnector`` answers with an offer naming what it is saving,
+  which goes to the decode request, whose connector waits (bounded) until those
+  blocks are committed instead of racing the prefill's saves
+  (:mod:`mooncake_vllm.v1.handoff`). An answer without an offer (V0, another
+  connector) leaves the decode request as the client sent it.
 * ``p2p``: vLLM V1 ``MultiConnector(MooncakeConnector + MooncakeStoreConnector)``.
   The in-tree P2P ``MooncakeConnector`` needs ``kv_transfer_params``:
 
@@ -21,13 +26,16 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from mooncake_vllm.compat.versions import release_of, vllm_facts
 from mooncake_vllm.errors import UnsupportedVersionError
+from mooncake_vllm.keys import HANDOFF_PARAM
 from mooncake_vllm.proxy.instances import Instance
+from mooncake_vllm.v1.handoff import ask_params
 
 __all__ = [
     "FLOWS",
@@ -35,6 +43,7 @@ __all__ = [
     "FlowPlan",
     "new_transfer_id",
     "p2p_mode",
+    "parse_prefill_answer",
     "parse_engine_ids",
     "release_triple",
     "plan_decode",
@@ -96,7 +105,21 @@ def prefill_body(body: dict[str, Any], flow: str, mode: str, transfer_id: str) -
         if mode == "bootstrap":
             params["transfer_id"] = transfer_id
         req["kv_transfer_params"] = params
+    elif flow == "store":
+        req["kv_transfer_params"] = ask_params()
     return req
+
+
+def parse_prefill_answer(flow: str, mode: str, raw: bytes) -> dict[str, Any] | None:
+    """The prefill's JSON answer where the flow reads it: p2p ``handoff`` needs it
+    (``ValueError`` when it is not JSON); the store flow uses it if it is JSON."""
+    if flow == "p2p":
+        return json.loads(raw) if mode == "handoff" else None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 @dataclass(frozen=True)
@@ -119,7 +142,9 @@ def plan_decode(
     """Decode-side params once the prefill answered; ``ValueError`` when the
     prefill's answer lacks what the decode needs (the caller turns it into a 502)."""
     if flow == "store":
-        return FlowPlan(None)
+        params = (prefill_response or {}).get("kv_transfer_params")
+        offer = params.get(HANDOFF_PARAM) if isinstance(params, dict) else None
+        return FlowPlan({HANDOFF_PARAM: offer} if isinstance(offer, dict) else None)
     if mode == "handoff":
         params = (prefill_response or {}).get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):

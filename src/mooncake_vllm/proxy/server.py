@@ -298,7 +298,7 @@ class ProxyServer:
                     if up.status >= 400:
                         raise await self._error_from(inst, up, secrets)
                     raw = await self._read_upstream(inst, up, self.config.max_upstream_bytes)
-                return inst, (json.loads(raw) if mode == "handoff" else None), dp_rank
+                return inst, flows.parse_prefill_answer(self.config.flow, mode, raw), dp_rank
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 if (err := self._upstream_failure(inst, exc, last=attempt == 1, secrets=secrets)) is not None:
                     raise err from None

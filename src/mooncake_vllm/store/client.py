@@ -71,6 +71,10 @@ class StoreClient:
         self._lookups = TimeBox("lookup", 1)
         self._transfers = TimeBox("transfer", 2)
         self._control = TimeBox("control", 1)
+        #: hand-off markers, each box with one caller thread (a worker's save thread
+        #: publishes, the scheduler's waiter reads), never competing with lookups
+        self._publish = TimeBox("publish", 1)
+        self._markers = TimeBox("markers", 1)
         self.health = PoolHealth(config.master_server_address, self._probe, self.stats,
                                  cooldown=cooldown)
         self.failures = FailureLog()
@@ -419,6 +423,40 @@ class StoreClient:
             self.stats.add("corrupt")
         return payload
 
+    # ------------------------------------------------------------------ hand-off markers
+    def publish_marker(self, key: str, chunk_keys: Sequence[str],
+                       value: Callable[[int], bytes]) -> bool:
+        """Count the leading ``chunk_keys`` present, then put ``value(count)`` under ``key``
+        (framed like :meth:`put_value`); one time-boxed call on the publish box."""
+        if self._closed or not self.health.admit():
+            return False
+
+        def publish() -> int:
+            codes = list(self._batch_exist(list(chunk_keys))) if chunk_keys else []
+            present = next((i for i, c in enumerate(codes) if c != 1), len(codes))
+            return self._store.put(key, codec.frame_value(key, value(present)))
+
+        rc = self._run(self._publish, self._op_timeout, publish)
+        return rc in (Code.OK, Code.OBJECT_ALREADY_EXISTS)
+
+    def take_markers(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each marker's payload (``None``: absent or damaged); a marker read is removed (it
+        has one reader). One time-boxed call on the markers box."""
+        if not keys or self._closed or not self.health.admit():
+            return [None] * len(keys)
+
+        def take() -> list[bytes | None]:
+            out: list[bytes | None] = []
+            for key, code in zip(keys, self._batch_exist(list(keys))):
+                raw = self._store.get(key) if code == 1 else None
+                out.append(codec.unframe_value(key, raw) if raw else None)
+                if raw:
+                    self._remove(key)
+            return out
+
+        got = self._run(self._markers, self._lookup_timeout, take)
+        return [None] * len(keys) if isinstance(got, BaseException) else got
+
     # ------------------------------------------------------------------ close
     def close(self) -> None:
         """Close the client (its segment, if any, is unmounted by Mooncake)."""
@@ -428,6 +466,8 @@ class StoreClient:
         self.health.close()
         self._lookups.close()
         self._transfers.close()
+        self._publish.close()
+        self._markers.close()
         closer = threading.Thread(target=call, args=(self._store.close,), daemon=True,
                                   name="mcv-close")
         closer.start()

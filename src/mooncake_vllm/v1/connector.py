@@ -38,6 +38,7 @@ from mooncake_vllm.logs import follow_vllm_logging
 from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.store.namespaces import clear_namespaces, register_namespaces
 from mooncake_vllm.v1.client import SharedClient, shared_client
+from mooncake_vllm.v1.handoff import MarkerWaiter, pool_ready, store_probe
 from mooncake_vllm.v1.kv_groups import check_kv_cache_config, check_kv_caches
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
@@ -76,13 +77,15 @@ def _require_supported_vllm() -> None:
             f"upgrade vLLM; `mooncake-vllm check --target-vllm X.Y.Z` shows what changes")
 
 
-def _background_loads_supported() -> bool:
-    """Whether this vLLM can recompute blocks a background load failed to deliver."""
+def _installed_fact(name: str) -> bool:
+    """A boolean fact of the installed vLLM (``load_error_reporting``: it can recompute
+    blocks a background load failed to deliver; ``deferred_lookup``: a lookup may
+    answer "ask again later")."""
     from mooncake_vllm.compat.detect import installed_vllm
     from mooncake_vllm.compat.versions import vllm_facts
 
     dist = installed_vllm()
-    return dist is not None and vllm_facts(dist.version, strict=False).load_error_reporting
+    return dist is not None and bool(getattr(vllm_facts(dist.version, strict=False), name))
 
 
 def _worker_ranks() -> tuple[int, int]:
@@ -126,12 +129,17 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                     ktc, "kv_load_failure_policy"):
                 # The scheduler reads this right after building us: a pool miss is never fatal.
                 ktc.kv_load_failure_policy = "recompute"
+            waits = self.can_load and _installed_fact("deferred_lookup")
             self.scheduler = SchedulerLogic(rank_namespaces(vllm_config, settings, tenant=tenant),
                                             block_size,
                                             self._lookup, can_load=self.can_load,
                                             can_save=self.can_save,
                                             load_async=settings.load_async
-                                            and _background_loads_supported())
+                                            and _installed_fact("load_error_reporting"),
+                                            waiter=MarkerWaiter(store_probe(self.shared))
+                                            if waits else None,
+                                            handoff_timeout=settings.handoff_timeout,
+                                            pool_ready=pool_ready(self.shared))
             self._announce(self.scheduler.namespaces.namespaces[0])
             namespaces = self.scheduler.namespaces.namespaces
             self.shared.on_connect(lambda client: register_namespaces(client, namespaces,
@@ -220,9 +228,12 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     # ------------------------------------------------------------------ scheduler side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

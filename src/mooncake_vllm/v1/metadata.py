@@ -43,3 +43,6 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     #: finished while their background load ran: vLLM keeps their blocks until the
     #: workers report them (finished-sending) once the load is over
     delayed_loads: set[str] = field(default_factory=set)
+    #: req_id -> (hand-off id, digests of every full prompt chunk): publish the marker
+    #: once this step's and earlier saves of the request are committed
+    handoffs: dict[str, tuple[str, list[str]]] = field(default_factory=dict)

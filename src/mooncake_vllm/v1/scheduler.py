@@ -20,6 +20,11 @@ query), so it is unit-testable without vLLM or Mooncake.
 * Saves: every prompt chunk completed by a step is handed to the workers after
   that step's forward; a request with saves in flight keeps its blocks after it
   finishes (``request_finished`` → True) until the workers report them written.
+* Hand-offs (the store flow's prefill → decode, :mod:`~mooncake_vllm.v1.handoff`):
+  a prefill request that asks gets an offer in ``request_finished``'s
+  ``kv_transfer_params`` and its workers publish a marker after its saves; a
+  decode request carrying an offer is deferred (``None``) until the markers are
+  read or ``handoff_timeout`` passes, then looked up as usual.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_vllm.keys import RequestExtras, chunk_digests
+from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, request_extras
 
@@ -61,7 +67,9 @@ class SchedulerLogic:
     """The scheduler-side state machine of :class:`MooncakeStoreConnector`."""
 
     def __init__(self, namespaces: RankNamespaces, block_size: int, lookup: Lookup, *,
-                 can_load: bool, can_save: bool, load_async: bool = False) -> None:
+                 can_load: bool, can_save: bool, load_async: bool = False,
+                 waiter: MarkerWaiter | None = None, handoff_timeout: float = 5.0,
+                 pool_ready: Callable[[], bool] = lambda: True) -> None:
         self.namespaces = namespaces
         self.block_size = block_size
         self.lookup = lookup
@@ -72,6 +80,10 @@ class SchedulerLogic:
         self._loads: list[BlockJob] = []
         self._delayed_loads: set[str] = set()
         self.counters = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "save_jobs": 0}
+        self.handoffs = Handoffs([ns.prefix() for ns in namespaces.namespaces], block_size,
+                                 self.counters, offer=can_save,
+                                 waiter=waiter if can_load else None,
+                                 timeout=handoff_timeout, pool_ready=pool_ready)
 
     # ------------------------------------------------------------------ state
     def _state(self, request: Any) -> RequestState | None:
@@ -86,11 +98,14 @@ class SchedulerLogic:
         digests = [d.hex() for d in chunk_digests(tokens, self.block_size, extras)]
         st = RequestState(req_id=req_id, prompt_len=len(tokens), digests=digests)
         self.requests[req_id] = st
+        self.handoffs.on_new_request(request)
         return st
 
     # ------------------------------------------------------------------ lookup
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` the pool can supply (loaded synchronously)."""
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` the pool can supply; ``(None, False)`` =
+        ask again later (a hand-off still on its way)."""
         if not self.can_load:
             return 0, False
         st = self._state(request)
@@ -107,12 +122,15 @@ class SchedulerLogic:
         bs = self.block_size
         claimable = (st.prompt_len - 1) // bs  # never the chunk with the last prompt token
         start = num_computed_tokens // bs
+        if self.handoffs.defer(request, claimable, start):
+            return None, False
         if start >= claimable:
             return 0, False
         wanted = st.digests[start:claimable]
         self.counters["lookups"] += 1
         present = self.lookup(self.namespaces.keys_for(wanted))
         hits = self.namespaces.prefix_hits(present, len(wanted))
+        self.handoffs.after_lookup(st.req_id, start + hits)
         if hits == 0:
             return 0, False
         st.pending_load = (start, hits, num_computed_tokens)
@@ -139,6 +157,7 @@ class SchedulerLogic:
         st.promised = end * self.block_size
         self.counters["load_jobs"] += 1
         self.counters["hit_tokens"] += end * self.block_size - computed
+        self.handoffs.note_hit(st.req_id, end * self.block_size - computed)
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: Any) -> MooncakeConnectorMetadata:
@@ -162,6 +181,7 @@ class SchedulerLogic:
             st.block_ids = list(new.block_ids[0]) if new.block_ids else []
             done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._plan_save(meta, st, done, block_state)
+            self._declare(meta, st)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
         for i, req_id in enumerate(cached.req_ids):
@@ -176,7 +196,16 @@ class SchedulerLogic:
                     st.block_ids.extend(new_ids[0])
             done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._plan_save(meta, st, done, block_state)
+            self._declare(meta, st)
         return meta
+
+    def _declare(self, meta: MooncakeConnectorMetadata, st: RequestState) -> None:
+        """Every full chunk of an asked request is with the workers (or came from the
+        pool): they publish its hand-off marker after those saves."""
+        declared = self.handoffs.declare(st.req_id, max(st.saved_upto, st.loaded_upto),
+                                         st.digests)
+        if declared is not None:
+            meta.handoffs[st.req_id] = declared
 
     def _keep_promises(self, scheduler_output: Any) -> None:
         """A request vLLM schedules with what we promised to load got it: clear the promise."""
@@ -207,19 +236,28 @@ class SchedulerLogic:
         st.has_saves = True
         self.counters["save_jobs"] += 1
 
-    def request_finished(self, request: Any) -> tuple[bool, None]:
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; keep its blocks while the workers may still use them.
 
         That is while saves may be reading them, or while a background load may
-        still be writing them (vLLM has not yet been told the load is over).
+        still be writing them (vLLM has not yet been told the load is over). The
+        second value goes to the answer's ``kv_transfer_params``: a prefill's
+        hand-off offer, or a decode's hand-off report.
         """
+        offer = self.handoffs.offer_for(request.request_id)
+        params = offer or self.handoffs.finished(request.request_id)
         st = self.requests.pop(request.request_id, None)
         if st is None:
-            return False, None
+            return False, params
         loading = self.load_async and st.loaded_upto > 0 and _waiting_for_remote_kvs(request)
         if loading:
             self._delayed_loads.add(st.req_id)
-        return bool(st.has_saves or loading), None
+        return bool(st.has_saves or loading), params
+
+    def close(self) -> None:
+        """Stop the hand-off waiter's thread."""
+        if self.handoffs.waiter is not None:
+            self.handoffs.waiter.close()
 
 
 def _waiting_for_remote_kvs(request: Any) -> bool:

@@ -17,6 +17,10 @@
   until its puts finish, for at most ``save_deadline`` seconds. Whatever the
   timing, a block that vLLM reused before its put read it no longer matches its
   checksum: the reader refuses it and the writer removes it.
+* **Hand-off markers** (:mod:`~mooncake_vllm.v1.handoff`): a hand-off declared
+  in a step's metadata is queued behind that request's saves on the same save
+  thread; once they are committed the thread checks which of its chunks are
+  present and publishes the marker the decode instance waits for.
 * **Preemption** never waits for the pool: queued zero-copy saves of a
   preempted request are cancelled, one in flight gets ``preempt_wait`` seconds.
 """
@@ -28,11 +32,13 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from mooncake_vllm.keys import KeyNamespace
+from mooncake_vllm.keys import KeyNamespace, handoff_key
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.v1.client import off_compute_cores
+from mooncake_vllm.v1.handoff import marker_value
 from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
@@ -42,6 +48,15 @@ __all__ = ["WorkerLogic"]
 log = logging.getLogger(__name__)
 
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _Marker:
+    """Publish hand-off ``handoff_id``'s marker (queued behind the request's saves)."""
+
+    req_id: str
+    handoff_id: str
+    digests: list[str]
 
 
 class WorkerLogic:
@@ -62,7 +77,9 @@ class WorkerLogic:
         self._save_deadline = save_deadline
         self._preempt_wait = preempt_wait
         self._clock = clock
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        # unbounded so a marker always finds room; save jobs stop at queue_size
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._queue_size = queue_size
         self._cond = threading.Condition()
         self._pending: dict[str, int] = {}  # req_id -> zero-copy saves not yet finished
         self._held_since: dict[str, float] = {}  # req_id -> first hold still pending
@@ -75,7 +92,7 @@ class WorkerLogic:
         self._loads: BackgroundLoads | None = None
         self.counters = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
                          "save_jobs": 0, "dropped_jobs": 0, "cancelled_jobs": 0,
-                         "holds_expired": 0}
+                         "holds_expired": 0, "handoff_markers": 0, "handoff_markers_failed": 0}
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ setup
@@ -166,11 +183,18 @@ class WorkerLogic:
 
     # ------------------------------------------------------------------ saves
     def wait_for_save(self, meta: MooncakeConnectorMetadata | None) -> None:
-        """Capture this step's saves (the forward pass has written their KV) and queue them."""
-        if meta is None or not meta.saves:
+        """Capture this step's saves (the forward pass has written their KV) and queue them,
+        then the hand-off markers declared this step (after their requests' saves)."""
+        if meta is None or not (meta.saves or meta.handoffs):
             return
         client = self.source.get() if self.can_save and self.layout is not None else None
-        for job in meta.saves:
+        self._queue_saves(meta.saves, client)
+        if self.can_save and self._thread is not None:
+            for req_id, (handoff_id, digests) in meta.handoffs.items():
+                self._queue.put_nowait(_Marker(req_id, handoff_id, digests))
+
+    def _queue_saves(self, saves: list[BlockJob], client: Any) -> None:
+        for job in saves:
             with self._cond:
                 self._tracked.add(job.req_id)
                 self._cancelled.discard(job.req_id)
@@ -186,10 +210,10 @@ class WorkerLogic:
                 continue
             if not ticket.snapshot:
                 self._hold(job.req_id)
-            try:
+            if self._queue.qsize() < self._queue_size:
                 self._queue.put_nowait((job, ticket, client))
                 self.counters["save_jobs"] += 1
-            except queue.Full:
+            else:
                 self.counters["dropped_jobs"] += 1
                 client.discard(ticket)
                 if not ticket.snapshot:
@@ -207,6 +231,12 @@ class WorkerLogic:
             if item is _STOP:
                 self._queue.task_done()
                 return
+            if isinstance(item, _Marker):
+                try:
+                    self._publish(item)
+                finally:
+                    self._queue.task_done()
+                continue
             job, ticket, client = item
             try:
                 with self._cond:
@@ -222,6 +252,19 @@ class WorkerLogic:
                 if not ticket.snapshot:
                     self._job_done(job.req_id)
                 self._queue.task_done()
+
+    def _publish(self, marker: _Marker) -> None:
+        """The request's saves are committed: say how many leading chunks are present."""
+        client = self.source.get()
+        ok = False
+        if client is not None:
+            try:
+                ok = client.publish_marker(
+                    handoff_key(self.prefix, marker.handoff_id), self.keys(marker.digests),
+                    lambda present: marker_value(len(marker.digests), present))
+            except Exception as exc:  # noqa: BLE001 - the decode waits its bound, then recomputes
+                log.warning("mooncake-vllm: publishing hand-off marker failed: %s", exc)
+        self.counters["handoff_markers" if ok else "handoff_markers_failed"] += 1
 
     def _job_done(self, req_id: str) -> None:
         with self._cond:
@@ -295,8 +338,5 @@ class WorkerLogic:
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            return
+        self._queue.put(_STOP)
         thread.join(timeout)

@@ -1,0 +1,366 @@
+"""The store flow's prefill → decode hand-off: offers, markers, bounded deferred lookups.
+
+Pure logic runs two real ``SchedulerLogic`` objects (a prefill and a decode) over a
+fake pool and a fake clock; the marker path runs real workers and waiters against
+a REAL master + holder. The engine-level proof (1P1D through the proxy, exact hit
+counts) is tests/proxy/test_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from mooncake_vllm.keys import HANDOFF_PARAM, KeyNamespace, chunk_keys, handoff_key
+from mooncake_vllm.v1.handoff import MarkerWaiter, Offer, ask_params, marker_value, store_probe
+from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
+from mooncake_vllm.v1.namespace import RankNamespaces
+from mooncake_vllm.v1.scheduler import SchedulerLogic
+from mooncake_vllm.v1.worker import WorkerLogic
+from tests.v1.test_worker import (  # noqa: F401
+    EXPECTED,
+    _cache,
+    _GatedClient,
+    _Source,
+    _wait_idle,
+    pool,
+    workers,
+)
+
+#: ``pool`` and ``workers`` are test_worker's fixtures (a real shared client, worker cleanup)
+
+BS = 4
+TOKENS = list(range(200, 218))  # 18 tokens: 4 full chunks (16 tokens) + 2
+NS = KeyNamespace("m", "float32", "cpu:vec:float32:L2:2x4x64", BS)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Pool:
+    """Chunk keys and markers: ``lookup`` for the scheduler, ``probe`` for the waiter."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.markers: dict[str, bytes] = {}
+        self.lookups = 0
+
+    def lookup(self, keys: Any) -> list[bool]:
+        self.lookups += 1
+        return [k in self.keys for k in keys]
+
+    def probe(self, keys: Any) -> list[bytes | None]:
+        return [self.markers.get(k) for k in keys]
+
+
+def _request(req_id: str, params: dict[str, Any] | None, tokens: list[int] = TOKENS) -> Any:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, lora_request=None,
+                           cache_salt=None, mm_features=[], kv_transfer_params=params)
+
+
+def _new(req_id: str, tokens: int, computed: int = 0) -> Any:
+    return SimpleNamespace(req_id=req_id, block_ids=([10, 11, 12, 13, 14],),
+                           num_computed_tokens=computed)
+
+
+def _step(logic: SchedulerLogic, new: list[Any] = (), cached: Any = None,
+          scheduled: dict[str, int] | None = None) -> MooncakeConnectorMetadata:
+    cached = cached or SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                       num_computed_tokens=[])
+    return logic.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=list(new), scheduled_cached_reqs=cached,
+        num_scheduled_tokens=scheduled or {}, preempted_req_ids=None,
+        kv_connector_block_state=None))
+
+
+class Blocks:
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return ([10, 11, 12, 13, 14],)
+
+
+def _prefill(pool: Pool, ready: bool = True) -> SchedulerLogic:
+    return SchedulerLogic(RankNamespaces((NS,)), BS, pool.lookup, can_load=False,
+                          can_save=True, pool_ready=lambda: ready)
+
+
+def _decode(pool: Pool, clock: Clock, *, timeout: float = 2.0, waiter: bool = True,
+            ranks: tuple[KeyNamespace, ...] = (NS,)) -> tuple[SchedulerLogic, MarkerWaiter]:
+    w = MarkerWaiter(pool.probe, clock=clock, background=False)
+    logic = SchedulerLogic(RankNamespaces(ranks), BS, pool.lookup, can_load=True,
+                           can_save=False, load_async=True, waiter=w if waiter else None,
+                           handoff_timeout=timeout)
+    return logic, w
+
+
+def _prefill_offer(pool: Pool, *, ready: bool = True, tokens: list[int] = TOKENS,
+                   chunked: bool = False) -> tuple[dict[str, Any], MooncakeConnectorMetadata]:
+    """Run an asked prefill request to its end: (its answer's params, the declaring step)."""
+    pre = _prefill(pool, ready)
+    req = _request("p", ask_params(), tokens)
+    pre.get_num_new_matched_tokens(req, 0)
+    pre.update_state_after_alloc(req, Blocks(), 0)
+    if chunked:  # two steps: 8 tokens, then the rest; only the second declares
+        first = _step(pre, [_new("p", len(tokens))], scheduled={"p": 8})
+        assert first.handoffs == {} and len(first.saves) == 1
+        cached = SimpleNamespace(req_ids=["p"], resumed_req_ids=set(), new_block_ids=[None],
+                                 num_computed_tokens=[8])
+        meta = _step(pre, cached=cached, scheduled={"p": len(tokens) - 8})
+    else:
+        meta = _step(pre, [_new("p", len(tokens))], scheduled={"p": len(tokens)})
+    _, params = pre.request_finished(req)
+    assert params is not None
+    return params, meta
+
+
+def _publish(pool: Pool, params: dict[str, Any], present: int | None = None) -> None:
+    """What the prefill worker does after its saves: chunk keys, then the marker."""
+    offer = Offer.from_params(params)
+    assert isinstance(offer, Offer)
+    keys = chunk_keys(NS, TOKENS)[:offer.chunks if present is None else present]
+    pool.keys.update(keys)
+    pool.markers[handoff_key(NS.prefix(), offer.handoff_id)] = marker_value(offer.chunks, len(keys))
+
+
+def _waiting(**kw: Any) -> tuple[Pool, Clock, dict[str, Any], SchedulerLogic, MarkerWaiter, Any]:
+    """A decode request with a fresh prefill's offer, deferred once: (pool, clock, offer
+    params, decode logic, its waiter, the request)."""
+    pool, clock = Pool(), Clock()
+    params, _ = _prefill_offer(pool)
+    dec, waiter = _decode(pool, clock, **kw)
+    req = _request("d", params)
+    assert dec.get_num_new_matched_tokens(req, 0) == (None, False)
+    return pool, clock, params, dec, waiter, req
+
+
+# ---------------------------------------------------------------------- prefill side
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_asked_prefill_declares_after_its_last_full_chunk_and_offers_it(chunked: bool) -> None:
+    params, meta = _prefill_offer(Pool(), chunked=chunked)
+    offer = Offer.from_params(params)
+    assert isinstance(offer, Offer)
+    assert (offer.chunks, offer.state, offer.namespaces) == (4, "saving", (NS.prefix(),))
+    (hid, digests), = meta.handoffs.values()
+    assert hid == offer.handoff_id and len(digests) == 4
+    # the declaring step's saves come first in the metadata, the marker after them
+    assert meta.saves and meta.saves[-1].digests[-1] == digests[-1]
+
+
+def test_a_prefill_not_asked_offers_nothing_and_declares_nothing() -> None:
+    pre = _prefill(Pool())
+    req = _request("p", None)
+    pre.update_state_after_alloc(req, Blocks(), 0)
+    meta = _step(pre, [_new("p", 18)], scheduled={"p": 18})
+    assert meta.handoffs == {} and meta.saves
+    assert pre.request_finished(req) == (True, None)
+
+
+def test_a_prefill_without_pool_or_full_chunk_says_do_not_wait() -> None:
+    params, meta = _prefill_offer(Pool(), ready=False)
+    assert params[HANDOFF_PARAM]["state"] == "unavailable" and params[HANDOFF_PARAM]["chunks"] == 0
+    params, meta = _prefill_offer(Pool(), tokens=TOKENS[:3])
+    assert params[HANDOFF_PARAM]["state"] == "none" and meta.handoffs == {}
+
+
+# ---------------------------------------------------------------------- decode side
+def test_decode_defers_until_the_marker_then_claims_exactly_what_is_there() -> None:
+    pool, clock, params, dec, waiter, req = _waiting()
+    waiter.poll_once()
+    clock.now += 0.5
+    assert dec.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert pool.lookups == 0  # no lookup (and no claim) while the blocks may be in flight
+    _publish(pool, params)
+    clock.now += 0.01
+    waiter.poll_once()
+    assert dec.get_num_new_matched_tokens(req, 0) == (16, True)
+    dec.update_state_after_alloc(req, Blocks(), 16)
+    _, report = dec.request_finished(req)
+    assert report == {HANDOFF_PARAM: {"outcome": "ready", "wait_ms": 510.0, "hit_tokens": 16}}
+    assert dec.counters["handoff_ready"] == 1 and dec.counters["handoff_wait_us"] == 510000
+    assert not any(k.startswith("handoff_fallback") for k in dec.counters)
+
+
+def test_decode_gives_up_at_the_bound_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="mooncake_vllm.v1.handoff"):
+        pool, clock, params, dec, waiter, req = _waiting(timeout=2.0)
+        pool.keys.update(chunk_keys(NS, TOKENS)[:2])  # what a dead prefill got out
+        clock.now += 1.99
+        assert dec.get_num_new_matched_tokens(req, 0) == (None, False)
+        clock.now += 0.02  # past the bound: even without a poll, the wait is over
+        assert dec.get_num_new_matched_tokens(req, 0) == (8, True)
+        assert dec.get_num_new_matched_tokens(req, 8) == (0, False)  # asked again: no new wait
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "did not arrive within handoff_timeout" in lines[0]
+    assert dec.counters["handoff_fallback_timeout"] == 1
+    assert dec.request_finished(req)[1][HANDOFF_PARAM]["outcome"] == "timeout"
+
+
+def test_a_failed_prefill_ends_the_wait_at_once_and_is_counted() -> None:
+    pool, clock, params, dec, waiter, req = _waiting()
+    _publish(pool, params, present=1)  # the marker says: 1 of 4 chunks got out
+    waiter.poll_once()
+    assert dec.get_num_new_matched_tokens(req, 0) == (4, True)
+    assert dec.counters["handoff_fallback_prefill_failed"] == 1
+
+    # an unavailable prefill: no wait at all
+    params, _ = _prefill_offer(pool, ready=False)
+    assert dec.get_num_new_matched_tokens(_request("e", params), 0) == (4, True)
+    assert dec.counters["handoff_fallback_prefill_unavailable"] == 1
+
+
+def test_blocks_gone_after_the_marker_are_never_claimed() -> None:
+    pool, clock, params, dec, waiter, req = _waiting()
+    _publish(pool, params)
+    pool.keys.discard(chunk_keys(NS, TOKENS)[2])  # evicted between the marker and the lookup
+    waiter.poll_once()
+    assert dec.get_num_new_matched_tokens(req, 0) == (8, True)
+    assert dec.counters["handoff_fallback_missing"] == 1
+
+
+def test_foreign_or_malformed_offers_and_plain_requests_never_wait() -> None:
+    pool, clock = Pool(), Clock()
+    params, _ = _prefill_offer(pool)
+    pool.keys.update(chunk_keys(NS, TOKENS))
+    other = KeyNamespace("m", "float32", "cpu:vec:float32:L2:2x4x64", BS, 0, 2)
+    dec, _ = _decode(pool, clock, ranks=(NS, other))
+    assert dec.get_num_new_matched_tokens(_request("a", params), 0) == (0, False)  # rank 1 lacks them
+    assert dec.counters["handoff_fallback_namespace_mismatch"] == 1
+    dec, _ = _decode(pool, clock)
+    bad = {HANDOFF_PARAM: {**params[HANDOFF_PARAM], "id": "not-hex"}}
+    assert dec.get_num_new_matched_tokens(_request("b", bad), 0) == (16, True)
+    assert dec.counters["handoff_fallback_bad_offer"] == 1
+    plain = _request("c", None)
+    assert dec.get_num_new_matched_tokens(plain, 0) == (16, True)
+    assert dec.request_finished(plain)[1] is None  # a plain client's answer is as today
+
+
+def test_without_deferral_the_decode_behaves_as_before() -> None:
+    """Releases before 0.10.2 (no "ask again") or handoff_timeout 0: look up at once."""
+    pool, clock = Pool(), Clock()
+    params, _ = _prefill_offer(pool)
+    for dec in (_decode(pool, clock, waiter=False)[0], _decode(pool, clock, timeout=0)[0]):
+        assert dec.get_num_new_matched_tokens(_request("d", params), 0) == (0, False)
+        assert dec.counters["handoff_not_waited"] == 1
+
+
+def test_an_aborted_waiting_request_stops_being_watched() -> None:
+    _, _, _, dec, waiter, req = _waiting()
+    assert waiter._watches  # noqa: SLF001 - the watch exists ...
+    dec.request_finished(req)
+    assert not waiter._watches  # noqa: SLF001 - ... and is gone with the request
+
+
+def test_offer_parsing_refuses_what_it_cannot_trust() -> None:
+    good = Offer("ab" * 16, (NS.prefix(),), 3).to_params()
+    assert Offer.from_params(good) == Offer("ab" * 16, (NS.prefix(),), 3)
+    assert Offer.from_params(None) is None and Offer.from_params({}) is None
+    assert Offer.from_params(ask_params()) is None  # a prefill request, not an offer
+    for change in ({"id": "AB" * 16}, {"id": "ab"}, {"ns": []}, {"chunks": -1}, {"chunks": True},
+                   {"state": "done"}, {"v": 2}):
+        assert Offer.from_params({HANDOFF_PARAM: {**good[HANDOFF_PARAM], **change}}) == "bad_offer"
+    assert Offer.from_params({HANDOFF_PARAM: "x"}) == "bad_offer"
+    with pytest.raises(ValueError):
+        handoff_key(NS.prefix(), "../x")
+
+
+# ---------------------------------------------------------------------- real pool
+def test_marker_follows_the_committed_saves_through_a_real_pool(pool: Any, workers: Any) -> None:
+    """A real prefill worker publishes after its saves; a real waiter reads (and removes) it."""
+    from mooncake_vllm.v1.metadata import BlockJob
+
+    ns = KeyNamespace("handoff-test", "float32", EXPECTED.fingerprint, 4)
+    digests = [f"{i + 7:032x}" for i in range(3)]
+    hid = "ef" * 16
+    marker = handoff_key(ns.prefix(), hid)
+    saver = WorkerLogic(ns, EXPECTED, pool, can_load=False, can_save=True)
+    workers(saver)
+    saver.register_kv_caches(_cache(3))
+    waiter = MarkerWaiter(store_probe(pool), poll_seconds=0.002)
+    try:
+        waiter.watch("d", [marker], 10.0)
+        saver.wait_for_save(MooncakeConnectorMetadata(
+            saves=[BlockJob("s", digests, [1, 2, 3])], handoffs={"s": (hid, digests)}))
+        _wait_idle(saver, 10)
+        deadline = time.monotonic() + 10
+        while (res := waiter.result("d")) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert res is not None and res.outcome == "ready" and res.present == 3, (
+            res, str(saver.counters), str(pool.get().stats.snapshot()))
+        assert pool.get().exists([f"{ns.prefix()}/{d}" for d in digests]) == [True] * 3
+        assert pool.get().exists([marker]) == [False]  # read once, then removed
+        assert saver.counters["handoff_markers"] == 1
+        assert pool.get().stats.snapshot().get("rejected", 0) == 0  # no box contention
+    finally:
+        waiter.close()
+
+
+def test_the_marker_waits_for_a_slow_save_of_its_request(workers: Any) -> None:
+    """FIFO: a marker is published only after every save queued before it is committed."""
+    from mooncake_vllm.v1.metadata import BlockJob
+
+    class Client(_GatedClient):
+        def __init__(self) -> None:
+            super().__init__(snapshot=True)
+            self.events: list[str] = []
+
+        def commit_save(self, ticket: Any) -> int:
+            n = super().commit_save(ticket)
+            self.events.append("saved")
+            return n
+
+        def publish_marker(self, key: str, keys: Any, value: Any) -> bool:
+            self.events.append(f"marker {len(keys)} {json.loads(value(len(keys)))['present']}")
+            return True
+
+    client = Client()
+    saver = WorkerLogic(NS, EXPECTED, _Source(client), can_load=False, can_save=True)
+    workers(saver)
+    saver.register_kv_caches(_cache(5))
+    digests = [f"{i:032x}" for i in range(2)]
+    saver.wait_for_save(MooncakeConnectorMetadata(
+        saves=[BlockJob("s", digests, [1, 2])], handoffs={"s": ("ab" * 16, digests)}))
+    assert client.started.wait(5)
+    time.sleep(0.1)
+    assert client.events == []  # the save hangs: no marker yet
+    client.gate.set()
+    _wait_idle(saver)
+    assert client.events == ["saved", "marker 2 2"]
+
+
+def test_a_worker_without_pool_fails_its_marker_and_the_wait_stays_bounded(workers: Any) -> None:
+    saver = WorkerLogic(NS, EXPECTED, _Source(None), can_load=False, can_save=True)
+    workers(saver)
+    saver.register_kv_caches(_cache(4))
+    saver.wait_for_save(MooncakeConnectorMetadata(handoffs={"s": ("ab" * 16, ["00" * 16])}))
+    _wait_idle(saver)
+    assert saver.counters["handoff_markers_failed"] == 1
+    hung = threading.Event()
+    waiter = MarkerWaiter(lambda keys: [None] * len(keys) if hung.wait(5) else [])
+    try:
+        start = time.monotonic()
+        waiter.watch("d", ["k"], 0.2)
+        while (res := waiter.result("d")) is None:
+            time.sleep(0.01)
+        assert res.outcome == "timeout" and time.monotonic() - start < 1.0  # probe still hung
+    finally:
+        hung.set()
+        waiter.close()
+
+
+def test_marker_payload_round_trips() -> None:
+    from mooncake_vllm.v1.handoff import parse_marker
+
+    assert parse_marker(marker_value(4, 3)) == 3
+    assert json.loads(marker_value(4, 4)) == {"v": 1, "chunks": 4, "present": 4}
+    assert parse_marker(None) is None and parse_marker(b"{") is None
+    assert parse_marker(b'{"present": true}') is None
