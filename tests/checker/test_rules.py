@@ -15,6 +15,7 @@ from mooncake_vllm.checker.model import Deployment
 SEED = "python3 -m vllm.entrypoints.openai.api_server --model m --port {port} --kv-transfer-config '{kv}' &\n"
 HOLDER = "mooncake-vllm holder --config mooncake.json &\n"
 SEG0 = {**CONFIG, "global_segment_size": "0"}
+_EVENTS = """--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq"}'"""
 
 
 def _c(**changes: Any) -> dict[str, Any]:
@@ -89,6 +90,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                  dict(script="mooncake_master --rpc_port 50051 --client_ttl=30 &\nmooncake_master --port 50052 &\n")),
     "MCV-W017": (dict(script=serve() + HOLDER, config=SEG0), dict(script=serve() + HOLDER + HOLDER, config=SEG0)),
     "MCV-W018": (dict(script=serve(OURS), target_vllm="0.10.1"), dict(script=serve(OURS), target_vllm="0.10.2")),
+    "MCV-W040": (dict(script=serve(OURS), target_vllm="0.10.2"), dict(script=serve(OURS), target_vllm="0.11.1")),
+    "MCV-W041": (dict(script=serve(OURS, extra=_EVENTS), target_vllm="0.12.0"),
+                 dict(script=serve(OURS, extra=_EVENTS), target_vllm="0.13.0")),
     "MCV-W015": (dict(script=serve(), config=CONFIG, target_vllm="0.8.4", target_mooncake="0.3.3.post2"),
                  dict(script=serve(), config=CONFIG, target_vllm="0.8.5", target_mooncake="0.3.3.post2")),
 }
@@ -165,3 +169,13 @@ def test_w016_up_and_w017_needs_segment_zero(check_ids) -> None:  # noqa: ANN001
     assert "MCV-W016" not in check_ids(script="mooncake-vllm up &\n")  # default 10 s
     assert "MCV-W017" not in check_ids(script=serve() + HOLDER, config=CONFIG)
     assert "MCV-W017" not in check_ids(script=serve() + HOLDER, config=SEG0, ignore=["MCV-W017"])
+
+
+def test_metrics_rule_names_the_log_only_release_and_events_need_the_flag(tmp_path: Path) -> None:
+    from mooncake_vllm.checker import run_check
+
+    (tmp_path / "launch.sh").write_text(serve(OURS))
+    result, _ = run_check([tmp_path], target_vllm="0.11.0", target_mooncake="0.3.13.post1")
+    (w040,) = [f for f in result.findings if f.id == "MCV-W040"]
+    assert "KV Transfer metrics" in w040.message
+    assert "MCV-W041" not in {f.id for f in result.findings}  # no --kv-events-config: nothing to miss

@@ -247,6 +247,22 @@ _ALL: tuple[Rule, ...] = (
          "run decode instances on vLLM >= 0.10.2 (prefill instances may stay older), or accept that XpYd "
          "decodes sometimes recompute",
          "vllm §7 0.10.2; DESIGN.md Hand-off"),
+    Rule("MCV-W040", WARNING, "pool-metrics-not-exported",
+         "vLLM {target} has no connector-metrics hooks: the pool's counters are not in this server's /metrics"
+         "{logged}",
+         "vLLM asks a V1 connector for stats from 0.11.0 (get_kv_connector_stats, logged as 'KV Transfer "
+         "metrics' lines) and exports them to Prometheus from 0.11.1 (build_prom_metrics); before that, pool "
+         "lookups, hits, loads, saves, failures and the pool's state are not visible in vllm:mooncake_vllm_*.",
+         "move to vLLM >= 0.11.1 to scrape vllm:mooncake_vllm_* from /metrics (until then the connector's "
+         "warnings are the only signal), or accept it with --ignore MCV-W040",
+         "vllm §7 (get_kv_connector_stats 0.11.0, build_prom_metrics 0.11.1); README Metrics and events"),
+    Rule("MCV-W041", WARNING, "pool-kv-events-not-published",
+         "--kv-events-config is set, but vLLM {target} carries no connector KV events: routers see vLLM's own "
+         "blocks, never what the Mooncake pool holds",
+         "Connector KV events (get_kv_connector_kv_cache_events, handed to the scheduler's publisher) arrive "
+         "in vLLM 0.13.0; before that no BlockStored/BlockRemoved with medium MOONCAKE is published.",
+         "move to vLLM >= 0.13.0 for pool events, or accept it with --ignore MCV-W041",
+         "vllm §7 (get_kv_connector_kv_cache_events 0.13.0); README Metrics and events"),
     # ------------------------------------------------------------------ --probe
     Rule("MCV-E101", ERROR, "master-unreachable",
          "mooncake_master {address} is not reachable: {reason}", "Every client setup fails (-1) without the master.",

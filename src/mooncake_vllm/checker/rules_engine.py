@@ -175,3 +175,30 @@ def handoff_not_awaited(ctx: Context, rule: Rule) -> Iterable[Finding]:
         loads = launch.roles() & {"kv_consumer", "kv_both"}
         if ctx.engine(launch) == "v1" and launch.uses_store() and loads:
             yield ctx.finding(rule, launch.where, role=sorted(loads)[0])
+
+def _our_v1_instances(ctx: Context) -> Iterable[Launch]:
+    """Instances whose MooncakeStoreConnector is mooncake-vllm's, on the V1 engine."""
+    if ctx.vllm is None or not ctx.vllm.our_v1_connector:
+        return
+    for launch in ctx.deployment.instances:
+        named = launch.uses_mooncake_vllm() or not ctx.vllm.in_tree_v1_store
+        if launch.uses_store() and named and ctx.engine(launch) == "v1":
+            yield launch
+
+
+@check("MCV-W040")
+def pool_metrics_not_exported(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if ctx.vllm is None or ctx.vllm.connector_metrics == "prometheus":
+        return
+    logged = " (it logs them as 'KV Transfer metrics' lines)" if ctx.vllm.connector_metrics == "log" else ""
+    for launch in _our_v1_instances(ctx):
+        yield ctx.finding(rule, launch.where, logged=logged)
+
+
+@check("MCV-W041")
+def pool_kv_events_not_published(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if ctx.vllm is None or ctx.vllm.connector_kv_events:
+        return
+    for launch in _our_v1_instances(ctx):
+        if launch.option("--kv-events-config") is not None:
+            yield ctx.finding(rule, launch.where)

@@ -158,6 +158,13 @@ class VllmFacts:
     #: (and ``LLM.reset_prefix_cache(reset_connector=True)``) reach the connector, which then
     #: removes its namespaces from the pool; elsewhere ``mooncake-vllm pool clear`` does it
     connector_reset_hook: bool = False
+    #: where a V1 connector's own stats go: "none" (no hooks) | "log" (get_kv_connector_stats +
+    #: build_kv_connector_stats: a periodic "KV Transfer metrics" log line) | "prometheus"
+    #: (+ build_prom_metrics: the server's /metrics)
+    connector_metrics: str = "none"
+    #: worker-side KV events reach vLLM's KV-event publisher (get_kv_connector_kv_cache_events
+    #: -> update_connector_output -> take_events): a connector can announce what the pool holds
+    connector_kv_events: bool = False
     module_path: bool = False  #: kv_connector_module_path honoured (V1 only)
     module_path_beats_registry: bool = False
     multi_connector: bool = False
@@ -291,26 +298,29 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        kv_config_kind="pydantic-dataclass", rejects_unknown_kv_keys=False, deferred_lookup=True,
        hash_algorithms=("sha256", "sha256_cbor_64bit"), default_hash_algorithm="sha256",
        builtin_hash_randomises_strings=False),
-    _c("0.11.0", "vllm §2/§3: V0 engine gone; VLLM_USE_V1 still defined, False raises",
-       has_v0_engine=False, use_v1_env="v1-required", v0_hash_seed="absent"),
+    _c("0.11.0", "vllm §2/§3/§7: V0 engine gone; VLLM_USE_V1 still defined, False raises; "
+       "+get_kv_connector_stats/build_kv_connector_stats (KVConnectorStats, logged only)",
+       has_v0_engine=False, use_v1_env="v1-required", v0_hash_seed="absent", connector_metrics="log"),
     _c("0.11.1", "vllm §3/§6/§7/§8: VLLM_USE_V1 removed; optional kv_cache_config 3rd arg; children get 3 args; "
        "+get_block_ids_with_load_errors (background loads may fail safely); SupportsHMA (hybrid manager "
-       "off for other connectors)",
+       "off for other connectors); +build_prom_metrics (connector stats in /metrics; wheel 0.11.2 also "
+       "aggregates scheduler-side stats)",
        use_v1_env="removed", v1_ctor_args=(2, 3), multi_children_get_kv_cache_config=True,
        factory_api="create_connector(config, role, kv_cache_config=None)",
        kv_config_fields=_KV_FIELDS_0111, load_error_reporting=True,
        # vLLM PR #25712 (SupportsHMA); verified in the 0.32.0 and 0.33.0 wheels: config/vllm.py
        # turns the hybrid manager off unless KVConnectorFactory.supports_hma_config
-       connector_hma="off-unless-supports-hma"),
+       connector_hma="off-unless-supports-hma", connector_metrics="prometheus"),
     _c("0.12.0", "vllm §7: prefer_cross_layer_blocks/register_cross_layers_kv_cache (opt-in cross-layer KV)",
        cross_layer_kv="opt-in"),
     _c("0.13.0", "vllm §5/§6/§7/§11: V1 P2P MooncakeConnector; +kv_load_failure_policy; hashing.py algorithms; "
-       "+reset_cache",
+       "+reset_cache; +get_kv_connector_kv_cache_events/KVConnectorKVEvents (absent in wheel 0.11.2, "
+       "present in 0.14.1)",
        in_tree_mooncake_connector="v1-p2p", p2p_transfer_params="handoff",
        kv_config_fields=_KV_FIELDS_0130,
        hash_algorithms=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
        # vllm §7 (+reset_cache, PR #27170); wheels: absent in 0.10.0, present in 0.32.0 and 0.33.0
-       connector_reset_hook=True),
+       connector_reset_hook=True, connector_kv_events=True),
     _c("0.16.0", "vllm §5/§9: ConfigDict(extra='forbid') -> unknown KVTransferConfig keys rejected; "
        "P2P MooncakeConnector needs a proxy-chosen transfer_id and a bootstrap server",
        kv_config_kind="pydantic-forbid", rejects_unknown_kv_keys=True,

@@ -41,8 +41,10 @@ from mooncake_vllm.v1.client import SharedClient, shared_client
 from mooncake_vllm.v1.handoff import MarkerWaiter, pool_ready, store_probe
 from mooncake_vllm.v1.kv_groups import check_kv_cache_config, check_kv_caches
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
+from mooncake_vllm.v1.metrics import PoolStats, build_prom_metrics
 from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
 from mooncake_vllm.v1.scheduler import SchedulerLogic
+from mooncake_vllm.v1.telemetry import Telemetry
 from mooncake_vllm.v1.worker import WorkerLogic
 
 if TYPE_CHECKING:
@@ -154,6 +156,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                       can_save=self.can_save,
                                       queue_size=settings.save_queue_size,
                                       gpu_path=settings.gpu_path)
+        self.telemetry = Telemetry(self, vllm_config, kv_cache_config)
         self.shared.start()
         INSTANCES.add(self)
 
@@ -244,7 +247,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> MooncakeConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta(scheduler_output)
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        self.telemetry.planned(meta)
+        return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
@@ -257,6 +262,32 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         if self.scheduler is None:
             return None
         return clear_namespaces(self.shared.get(), self.scheduler.namespaces.namespaces) is not None
+
+    # ------------------------------------------------------------------ stats and KV events
+    def get_kv_connector_stats(self) -> PoolStats | None:
+        """This side's pool counters since the last step (vLLM >= 0.11.0)."""
+        return self.telemetry.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PoolStats:
+        return PoolStats(data=data) if data is not None else PoolStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:
+        """``vllm:mooncake_vllm_*`` series in the server's /metrics (vLLM >= 0.11.1)."""
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """Worker side: what the pool gained or lost this step (vLLM >= 0.13.0)."""
+        return self.telemetry.take_worker_events()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.telemetry.received(connector_output)
+
+    def take_events(self) -> Any:
+        """Scheduler side: BlockStored/BlockRemoved with medium MOONCAKE for vLLM's publisher."""
+        return self.telemetry.take_events()
 
     # ------------------------------------------------------------------ introspection
     def counters(self) -> dict[str, int]:

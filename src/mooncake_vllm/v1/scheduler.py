@@ -61,6 +61,7 @@ class RequestState:
     #: failed are likely still there, and a retry would fail the same way, forever)
     refuse_loads: bool = False
     block_ids: list[int] = field(default_factory=list)  # mirror for engines without block state
+    request: Any = None  #: vLLM's request (its block hashes name the pool's blocks in KV events)
 
 
 class SchedulerLogic:
@@ -96,7 +97,7 @@ class SchedulerLogic:
             return None
         extras: RequestExtras = request_extras(request)
         digests = [d.hex() for d in chunk_digests(tokens, self.block_size, extras)]
-        st = RequestState(req_id=req_id, prompt_len=len(tokens), digests=digests)
+        st = RequestState(req_id=req_id, prompt_len=len(tokens), digests=digests, request=request)
         self.requests[req_id] = st
         self.handoffs.on_new_request(request)
         return st

@@ -92,6 +92,7 @@ class WorkerLogic:
         self._loads: BackgroundLoads | None = None
         self.counters = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
                          "save_jobs": 0, "dropped_jobs": 0, "cancelled_jobs": 0,
+                         "dropped_blocks": 0,  # planned saves that never reached the pool
                          "holds_expired": 0, "handoff_markers": 0, "handoff_markers_failed": 0}
         self._thread: threading.Thread | None = None
 
@@ -199,6 +200,7 @@ class WorkerLogic:
                 self._tracked.add(job.req_id)
                 self._cancelled.discard(job.req_id)
             if client is None:
+                self.counters["dropped_blocks"] += len(job.block_ids)
                 continue
             try:
                 ticket = client.prepare_save(self.keys(job.digests), self.layout, job.block_ids)
@@ -215,6 +217,7 @@ class WorkerLogic:
                 self.counters["save_jobs"] += 1
             else:
                 self.counters["dropped_jobs"] += 1
+                self.counters["dropped_blocks"] += len(ticket.keys)
                 client.discard(ticket)
                 if not ticket.snapshot:
                     self._job_done(job.req_id)
@@ -243,6 +246,7 @@ class WorkerLogic:
                     cancelled = not ticket.snapshot and job.req_id in self._cancelled
                 if cancelled:  # its blocks may hold another request's KV by now
                     self.counters["cancelled_jobs"] += 1
+                    self.counters["dropped_blocks"] += len(ticket.keys)
                     client.discard(ticket)
                 else:
                     self.counters["saved_blocks"] += client.commit_save(ticket)

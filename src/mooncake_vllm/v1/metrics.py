@@ -1,0 +1,284 @@
+"""The connector's counters in vLLM's own ``/metrics`` (the connector-stats hooks).
+
+Wraps the mechanism instead of living in it (as LMCache does): a :class:`Meter`
+per connector side times the pool calls through :class:`MeteredSource` /
+:func:`Meter.timed`, and turns the counters the scheduler, the worker and the
+store client already keep into per-step deltas. vLLM carries those deltas from
+the workers (``get_kv_connector_stats``) and the scheduler to its front end as
+:class:`PoolStats` (``build_kv_connector_stats``), where :class:`PoolPromMetrics`
+(``build_prom_metrics``) adds them to Prometheus counters, latency histograms
+and a pool-up gauge named ``vllm:mooncake_vllm_*``. Counters of several workers
+(TP/PP ranks) add up: a TP=2 instance counts each block once per rank.
+
+Releases without these hooks never call them (fact ``connector_metrics``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_vllm.stats import LATENCY_BUCKETS
+
+try:  # vLLM >= 0.11.0 (fact connector_metrics)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats as _StatsBase
+except ImportError:  # pragma: no cover - older releases never ask for stats
+    @dataclass
+    class _StatsBase:  # type: ignore[no-redef]
+        data: dict[str, Any] = field(default_factory=dict)
+
+try:  # vLLM >= 0.11.1
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics as _PromBase,
+    )
+except ImportError:  # pragma: no cover
+    _PromBase = None
+
+__all__ = ["COUNTERS", "METRIC_PREFIX", "OPS", "Meter", "MeteredSource", "PoolPromMetrics",
+           "PoolStats", "build_prom_metrics", "pool_up"]
+
+#: Every exported metric is named ``vllm:mooncake_vllm_<name>``.
+METRIC_PREFIX = "vllm:mooncake_vllm_"
+#: counter name -> help text (Prometheus appends ``_total``)
+COUNTERS: Mapping[str, str] = {
+    "lookups": "Pool lookups (one batched existence query per request prefix asked about).",
+    "hit_tokens": "Prompt tokens the pool supplied instead of prefill.",
+    "loaded_blocks": "KV blocks loaded from the pool and verified.",
+    "loaded_bytes": "KV bytes loaded from the pool (block payloads).",
+    "failed_blocks": "Planned block loads that failed (missing, corrupt, late or pool away); "
+                     "vLLM recomputed them.",
+    "saved_blocks": "KV blocks newly stored in the pool.",
+    "saved_bytes": "KV bytes newly stored in the pool (block payloads).",
+    "dropped_blocks": "KV blocks planned for saving that never reached the pool (queue full, "
+                      "preempted, no staging slot, timed out or pool away).",
+}
+#: timed operation -> help text of its latency histogram
+OPS: Mapping[str, str] = {
+    "lookup": "Seconds per pool lookup (scheduler side).",
+    "load": "Seconds per batched block load from the pool (worker side).",
+    "save": "Seconds per batched block save into the pool (worker side).",
+}
+_MAX_SAMPLES = 1024  # per operation and report: a stalled front end never grows us unbounded
+#: store-client counters (``StoreStats``) that are dropped saves
+_STORE_DROPS = ("saves_skipped", "saves_dropped_no_slot", "saves_abandoned")
+
+
+@dataclass
+class PoolStats(_StatsBase):
+    """One interval's deltas: ``{"counters": {...}, "latency": {op: [s]}, "pool_up": {who: 0|1}}``.
+
+    Plain dicts, lists and numbers only: vLLM sends it between processes.
+    """
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"counters": {}, "latency": {}, "pool_up": {}}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(part) for part in ("counters", "latency", "pool_up"))
+
+    def aggregate(self, other: Any) -> PoolStats:
+        """Add ``other``'s counters, append its samples, take its pool-up values."""
+        data = getattr(other, "data", None)
+        if not isinstance(other, PoolStats) or not data:
+            return self
+        mine = self.data
+        counters = mine.setdefault("counters", {})
+        for name, value in data.get("counters", {}).items():
+            counters[name] = counters.get(name, 0) + value
+        latency = mine.setdefault("latency", {})
+        for op, samples in data.get("latency", {}).items():
+            latency.setdefault(op, []).extend(samples)
+        mine.setdefault("pool_up", {}).update(data.get("pool_up", {}))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Totals, mean latency per operation and the lowest pool-up value (vLLM's log line)."""
+        out: dict[str, int | float] = dict(sorted(self.data.get("counters", {}).items()))
+        for op, samples in sorted(self.data.get("latency", {}).items()):
+            if samples:
+                out[f"{op}_count"] = len(samples)
+                out[f"{op}_avg_ms"] = round(1e3 * sum(samples) / len(samples), 3)
+        ups = self.data.get("pool_up", {})
+        if ups:
+            out["pool_up"] = min(ups.values())
+        return out
+
+
+def pool_up(source: Any) -> int:
+    """1 while the source's client is connected and its breaker closed, else 0 (never blocks)."""
+    client = source.get()
+    if client is None:
+        return 0
+    health = getattr(client, "health", None)
+    return 0 if health is not None and health.breaker.is_open else 1
+
+
+class Meter:
+    """Latency samples and counter deltas of one connector side, taken once per step."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who  #: "scheduler" or "tp<r>-pp<r>"
+        self._lock = threading.Lock()
+        self._samples: dict[str, list[float]] = {}
+        self._seen: dict[str, int] = {}
+        self._up_sent: int | None = None
+
+    def observe(self, op: str, seconds: float) -> None:
+        with self._lock:
+            samples = self._samples.setdefault(op, [])
+            if len(samples) < _MAX_SAMPLES:
+                samples.append(seconds)
+
+    def timed(self, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with each call's duration recorded under ``op``."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.observe(op, time.perf_counter() - start)
+
+        return call
+
+    def take(self, counters: Mapping[str, int], up: int | None = None) -> PoolStats | None:
+        """What changed since the last call (``None`` when nothing did)."""
+        with self._lock:
+            deltas = {k: v - self._seen.get(k, 0) for k, v in counters.items()
+                      if v != self._seen.get(k, 0)}
+            self._seen.update(counters)
+            samples, self._samples = {k: v for k, v in self._samples.items() if v}, {}
+            ups: dict[str, int] = {}
+            if up is not None and up != self._up_sent:
+                ups[self.who] = self._up_sent = up
+        if not (deltas or samples or ups):
+            return None
+        return PoolStats(data={"counters": deltas, "latency": samples, "pool_up": ups})
+
+
+def scheduler_counters(scheduler: Any) -> dict[str, int]:
+    """The scheduler side's cumulative counters, by exported name."""
+    return {"lookups": scheduler.counters["lookups"], "hit_tokens": scheduler.counters["hit_tokens"]}
+
+
+def worker_counters(worker: Any, client: Any) -> dict[str, int]:
+    """The worker side's cumulative counters, by exported name (``client`` may be None)."""
+    c = worker.counters
+    nbytes = worker.layout.block_nbytes if worker.layout is not None else 0
+    dropped = c.get("dropped_blocks", 0)
+    if client is not None:  # the store client's own drops (only the worker saves)
+        store = client.stats.snapshot()
+        dropped += sum(store.get(name, 0) for name in _STORE_DROPS)
+    return {"loaded_blocks": c["loaded_blocks"], "loaded_bytes": c["loaded_blocks"] * nbytes,
+            "failed_blocks": c["failed_blocks"], "saved_blocks": c["saved_blocks"],
+            "saved_bytes": c["saved_blocks"] * nbytes, "dropped_blocks": dropped}
+
+
+class _MeteredClient:
+    """A store client whose loads and saves are timed (and reported to ``events``)."""
+
+    def __init__(self, client: Any, meter: Meter, events: Any) -> None:
+        self._client = client
+        self._meter = meter
+        self._events = events
+
+    def get_blocks(self, keys: Any, layout: Any, block_ids: Any, **kwargs: Any) -> list[bool]:
+        start = time.perf_counter()
+        try:
+            ok = self._client.get_blocks(keys, layout, block_ids, **kwargs)
+        finally:
+            self._meter.observe("load", time.perf_counter() - start)
+        if self._events is not None and not all(ok):
+            self._events.load_failed(self._client, keys, ok)
+        return ok
+
+    def commit_save(self, ticket: Any) -> int:
+        start = time.perf_counter()
+        try:
+            stored = self._client.commit_save(ticket)
+        finally:
+            if ticket.keys:
+                self._meter.observe("save", time.perf_counter() - start)
+        if self._events is not None and ticket.keys:
+            self._events.saved(self._client, ticket.keys)
+        return stored
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+class MeteredSource:
+    """Wraps the worker's client source: every client it hands out is metered."""
+
+    def __init__(self, source: Any, meter: Meter, events: Any = None) -> None:
+        self._source = source
+        self._meter = meter
+        self._events = events
+
+    def get(self) -> Any:
+        client = self._source.get()
+        return None if client is None else _MeteredClient(client, self._meter, self._events)
+
+    def raw(self) -> Any:
+        """The unwrapped client (or None)."""
+        return self._source.get()
+
+    def on_connect(self, callback: Callable[[Any], None]) -> None:
+        self._source.on_connect(callback)
+
+
+class PoolPromMetrics(_PromBase or object):  # type: ignore[misc]
+    """Prometheus series of the pool: counters, latency histograms, pool-up gauge."""
+
+    def __init__(self, vllm_config: Any, metric_types: Mapping[type, type], labelnames: list[str],
+                 per_engine_labelvalues: Mapping[int, list[object]]) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._values = {idx: list(values) for idx, values in per_engine_labelvalues.items()}
+        names = list(labelnames)
+        self._counters = {
+            name: metric_types[Counter](name=f"{METRIC_PREFIX}{name}", documentation=doc,
+                                        labelnames=names)
+            for name, doc in COUNTERS.items()}
+        self._latency = {
+            op: metric_types[Histogram](name=f"{METRIC_PREFIX}{op}_seconds", documentation=doc,
+                                        labelnames=names, buckets=list(LATENCY_BUCKETS))
+            for op, doc in OPS.items()}
+        self._up = metric_types[Gauge](
+            name=f"{METRIC_PREFIX}pool_up", labelnames=[*names, "side"],
+            documentation="1 while this side's Mooncake pool client is connected and its "
+                          "circuit breaker closed, else 0 (vLLM recomputes).")
+        for values in self._values.values():  # every series present (at 0) from the start
+            for metric in (*self._counters.values(), *self._latency.values()):
+                metric.labels(*values)
+
+    def observe(self, transfer_stats_data: Mapping[str, Any], engine_idx: int = 0) -> None:
+        values = self._values.get(engine_idx)
+        if values is None or not transfer_stats_data:
+            return
+        for name, amount in transfer_stats_data.get("counters", {}).items():
+            if name in self._counters and amount > 0:
+                self._counters[name].labels(*values).inc(amount)
+        for op, samples in transfer_stats_data.get("latency", {}).items():
+            if op in self._latency:
+                child = self._latency[op].labels(*values)
+                for seconds in samples:
+                    child.observe(seconds)
+        for side, up in transfer_stats_data.get("pool_up", {}).items():
+            self._up.labels(*values, side).set(up)
+
+
+def build_prom_metrics(vllm_config: Any, metric_types: Mapping[type, type], labelnames: list[str],
+                       per_engine_labelvalues: Mapping[int, list[object]]) -> Any:
+    """vLLM's ``build_prom_metrics`` hook; None where the release has no Prometheus base class."""
+    if _PromBase is None:  # pragma: no cover - never called there
+        return None
+    return PoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

