@@ -108,6 +108,24 @@ def test_reset_hook_fact_matches_this_releases_base() -> None:
                            inspect.signature(KVConnectorBase_V1.reset_cache)) is None
 
 
+@pytest.mark.skipif(not FACTS.v1_kv_connectors, reason=f"vLLM {_DIST.version} has no V1 KV connectors")
+def test_stats_and_kv_event_hooks_are_where_the_facts_say() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as Base
+
+    from mooncake_vllm.v1.connector import MooncakeStoreConnector as Ours
+
+    stats = hasattr(Base, "get_kv_connector_stats") and hasattr(Base, "build_kv_connector_stats")
+    prom = stats and hasattr(Base, "build_prom_metrics")
+    assert FACTS.connector_metrics == ("prometheus" if prom else "log" if stats else "none")
+    events = hasattr(Base, "get_kv_connector_kv_cache_events") and hasattr(Base, "take_events")
+    assert FACTS.connector_kv_events == events
+    hooks = ("get_kv_connector_stats", "build_kv_connector_stats", "build_prom_metrics",
+             "get_kv_connector_kv_cache_events", "update_connector_output", "take_events")
+    for name in (h for h in hooks if hasattr(Base, h)):  # our overrides take what vLLM passes
+        why = _compatible(inspect.signature(getattr(Ours, name)), inspect.signature(getattr(Base, name)))
+        assert why is None, f"{name}: {why}"
+
+
 @pytest.mark.v0
 @pytest.mark.skipif(not FACTS.v0_kv_connectors, reason=f"vLLM {_DIST.version} has no V0 KV connectors")
 def test_v0_class_implements_this_releases_base() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as published
 
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.keys import KeyNamespace
@@ -57,13 +58,14 @@ def test_a_block_is_stored_once_every_rank_has_it_and_named_by_vllms_hash() -> N
     events.received(PoolKVEvents([("tp1-pp0", STORED, digests[2])]))
     (stored,) = events.take_events()
     assert isinstance(stored, BlockStored)
-    assert stored.block_hashes == [req.block_hashes[2]] and stored.parent_block_hash == req.block_hashes[1]
+    assert stored.block_hashes == [published(req.block_hashes[2])]  # as vLLM publishes its own
+    assert stored.parent_block_hash == published(req.block_hashes[1])
     assert stored.token_ids == req.prompt_token_ids[2 * BS:3 * BS]
     assert (stored.medium, stored.block_size, stored.lora_id) == (POOL_MEDIUM, BS, None)
     events.received(PoolKVEvents([("tp1-pp0", REMOVED, digests[1]), ("tp0-pp0", REMOVED, "f" * 32)]))
     (removed,) = events.take_events()  # the unknown digest is nobody's block: no event
     assert isinstance(removed, BlockRemoved)
-    assert removed.block_hashes == [req.block_hashes[1]] and removed.medium == POOL_MEDIUM
+    assert removed.block_hashes == [published(req.block_hashes[1])] and removed.medium == POOL_MEDIUM
     assert events.take_events() == []
 
 

