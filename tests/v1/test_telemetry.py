@@ -98,6 +98,35 @@ def _stored(events: list[Any], medium: str) -> list[Any]:
     return [e for e in events if type(e).__name__ == "BlockStored" and e.medium == medium]
 
 
+COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "loaded_bytes", "failed_blocks",
+            "saved_blocks", "saved_bytes", "dropped_blocks")
+
+
+def _check_saver(got: dict[str, float], events: list[Any], prompt: list[int], n: int) -> None:
+    assert {k: got[f"{k}_total"] for k in COUNTERS} == {
+        "lookups": 1, "hit_tokens": 0, "loaded_blocks": 0, "loaded_bytes": 0, "failed_blocks": 0,
+        "saved_blocks": n, "saved_bytes": n * BLOCK_NBYTES, "dropped_blocks": 0}, got
+    assert got["save_seconds_count"] >= 1 and got["lookup_seconds_count"] >= 1
+    assert got["pool_up{side=scheduler}"] == 1 and got["pool_up{side=tp0-pp0}"] == 1
+    pool = _stored(events, POOL_MEDIUM)
+    gpu = [h for e in _stored(events, "GPU") for h in e.block_hashes]
+    assert len(pool) == n, events
+    assert [e.block_hashes[0] for e in pool] == gpu[:n]  # vLLM's hashes of the same blocks, in order
+    assert [e.parent_block_hash for e in pool] == [None, *gpu[:n - 1]]
+    assert [list(e.token_ids) for e in pool] == [prompt[i * BS:(i + 1) * BS] for i in range(n)]
+    assert {e.block_size for e in pool} == {BS}
+
+
+def _check_loader(all_values: dict[str, float], n: int) -> None:
+    got = _ours(all_values)
+    assert {k: got[f"{k}_total"] for k in COUNTERS} == {
+        "lookups": 1, "hit_tokens": n * BS, "loaded_blocks": n, "loaded_bytes": n * BLOCK_NBYTES,
+        "failed_blocks": 0, "saved_blocks": 0, "saved_bytes": 0, "dropped_blocks": 0}, got
+    assert all_values["vllm:external_prefix_cache_hits_total"] == n * BS  # vLLM's own view agrees
+    assert got["load_seconds_count"] >= 1 and got["load_seconds_sum"] > 0
+    assert got["pool_up{side=tp0-pp0}"] == 1
+
+
 def test_metrics_and_kv_events_of_a_cross_instance_hit(tiny_model: Path, module_local_stack: LocalStack,
                                                        tmp_path: Path) -> None:
     import zmq
@@ -129,37 +158,17 @@ def test_metrics_and_kv_events_of_a_cross_instance_hit(tiny_model: Path, module_
             events = _events(sub, lambda ev: len(_stored(ev, POOL_MEDIUM)) >= n)
         finally:
             a.stop()
-        b = start_vllm_server(tiny_model, None, tmp_path, cfg, stack.env(), name="tele-b", timeout=600,
-                              extra_args=args)
-        try:
-            _complete(b.url, prompt)
-            all_b = _settled(b.url, f"{PREFIX}loaded_blocks_total", n)
-            got_b = _ours(all_b)
-        finally:
-            b.stop()
     finally:
         sub.close(0)
         ctx.term()
         shutil.rmtree(sock_dir, ignore_errors=True)
+    _check_saver(got_a, events, prompt, n)
 
-    counters = ("lookups", "hit_tokens", "loaded_blocks", "loaded_bytes", "failed_blocks",
-                "saved_blocks", "saved_bytes", "dropped_blocks")
-    assert {k: got_a[f"{k}_total"] for k in counters} == {
-        "lookups": 1, "hit_tokens": 0, "loaded_blocks": 0, "loaded_bytes": 0, "failed_blocks": 0,
-        "saved_blocks": n, "saved_bytes": n * BLOCK_NBYTES, "dropped_blocks": 0}, got_a
-    assert {k: got_b[f"{k}_total"] for k in counters} == {
-        "lookups": 1, "hit_tokens": n * BS, "loaded_blocks": n, "loaded_bytes": n * BLOCK_NBYTES,
-        "failed_blocks": 0, "saved_blocks": 0, "saved_bytes": 0, "dropped_blocks": 0}, got_b
-    assert all_b["vllm:external_prefix_cache_hits_total"] == n * BS  # vLLM's own view agrees
-    assert got_a["save_seconds_count"] >= 1 and got_a["lookup_seconds_count"] >= 1
-    assert got_b["load_seconds_count"] >= 1 and got_b["load_seconds_sum"] > 0
-    assert got_a["pool_up{side=scheduler}"] == 1 and got_a["pool_up{side=tp0-pp0}"] == 1
-    assert got_b["pool_up{side=tp0-pp0}"] == 1
-
-    pool = _stored(events, POOL_MEDIUM)
-    gpu = [h for e in _stored(events, "GPU") for h in e.block_hashes]
-    assert len(pool) == n, events
-    assert [e.block_hashes[0] for e in pool] == gpu[:n]  # vLLM's hashes of the same blocks, in order
-    assert [e.parent_block_hash for e in pool] == [None, *gpu[:n - 1]]
-    assert [list(e.token_ids) for e in pool] == [prompt[i * BS:(i + 1) * BS] for i in range(n)]
-    assert {e.block_size for e in pool} == {BS}
+    b = start_vllm_server(tiny_model, None, tmp_path, cfg, stack.env(), name="tele-b", timeout=600,
+                          extra_args=args)
+    try:
+        _complete(b.url, prompt)
+        all_b = _settled(b.url, f"{PREFIX}loaded_blocks_total", n)
+    finally:
+        b.stop()
+    _check_loader(all_b, n)
