@@ -84,7 +84,7 @@ def test_no_handoff_race_on_v0_every_block_is_stored_when_send_returns(stack_env
     every key is already in the pool: a decode looking up at that instant finds all."""
     from mooncake_vllm.keys import chunk_keys
 
-    prompt = _prompt(21, 70)  # 4 full blocks + 6 tail
+    prompt = _prompt(77, 70)  # 4 full blocks + 6 tail (a seed no other test of this module uses)
     producer, consumer = _connector(), _connector()
     try:
         batch = prefill_input([prompt], [[1, 2, 3, 4, 5]], BS)

@@ -3,14 +3,16 @@
 A call that outlives its deadline is abandoned, not cancelled (a pybind call
 cannot be interrupted): the caller gets :class:`CallTimedOut` at once, the call
 keeps its worker until Mooncake returns, and whatever memory it reads or writes
-stays reserved until then (``on_done``). When every worker of a box is taken by
-such calls, new calls are refused at once (:class:`CallRejected`) instead of
-queueing without bound.
+stays reserved until then (``on_done``). A call finding every worker of its box
+taken waits for one at most its own deadline (threads sharing a client queue
+briefly), then is refused (:class:`CallRejected`): hung calls never make callers
+queue without bound.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -47,12 +49,23 @@ class TimeBox:
         ``on_done(result)`` runs once the call has really returned, also after a
         timeout: that is where memory the call used may be handed back.
         """
-        return self.result(self.submit(fn, *args, on_done=on_done), timeout)
+        start = time.monotonic()
+        fut = self.submit(fn, *args, on_done=on_done, wait=timeout)
+        return self.result(fut, max(0.0, timeout - (time.monotonic() - start)))
 
     def submit(self, fn: Callable[..., Any], *args: Any,
-               on_done: Callable[[Any], None] | None = None) -> Future[Any]:
-        """Start ``fn(*args)`` now; collect it with :meth:`result` (pipelined calls)."""
-        if self._closed or not self._slots.acquire(blocking=False):
+               on_done: Callable[[Any], None] | None = None, wait: float = 0.0) -> Future[Any]:
+        """Start ``fn(*args)``; collect it with :meth:`result` (pipelined calls).
+
+        A worker busy with another caller's call is waited for up to ``wait`` seconds
+        (the caller's own deadline: two threads sharing a client queue, they are not
+        refused); still busy after that — hung calls — is :class:`CallRejected`.
+        """
+        acquired = (self._slots.acquire(timeout=wait) if wait > 0 and not self._closed
+                    else self._slots.acquire(blocking=False))
+        if self._closed or not acquired:
+            if acquired:
+                self._slots.release()
             raise CallRejected(f"{self.name}: all workers busy with unanswered calls")
         try:
             fut: Future[Any] = self._pool.submit(call, fn, *args)
