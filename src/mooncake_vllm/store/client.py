@@ -81,8 +81,12 @@ class StoreClient:
         self._staging = staging or StagingSizes()
         #: zero-copy saves of host KV need Mooncake's multi-buffer API (>= 0.3.7)
         self._multi = zero_copy and hasattr(store, "batch_put_from_multi_buffers")
+        # separate boxes: a save (on the save thread) never holds the worker a scheduler
+        # lookup or a load needs, so neither waits behind it (nor is refused for it)
         self._lookups = TimeBox("lookup", 1)
         self._transfers = TimeBox("transfer", 2)
+        self._save_lookups = TimeBox("save-lookup", 1)
+        self._saves = TimeBox("save", 1)
         self._control = TimeBox("control", 1)
         self.health = PoolHealth(config.master_server_address, self._probe, self.stats,
                                  cooldown=cooldown)
@@ -159,6 +163,9 @@ class StoreClient:
     # ------------------------------------------------------------------ queries
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Presence of every key, in one batched, time-boxed query; ``False`` on any error."""
+        return self._exists(keys, self._lookups)
+
+    def _exists(self, keys: Sequence[str], box: TimeBox) -> list[bool]:
         if not keys:
             return []
         self.stats.add("lookups")
@@ -166,7 +173,7 @@ class StoreClient:
             self.stats.add("lookup_errors", len(keys))
             return [False] * len(keys)
         start = time.perf_counter()
-        codes = self._run(self._lookups, self._lookup_timeout, self._batch_exist, list(keys))
+        codes = self._run(box, self._lookup_timeout, self._batch_exist, list(keys))
         if isinstance(codes, BaseException) or (codes and all(c < 0 for c in codes)):
             self.stats.add("lookup_errors", len(keys))
             if not isinstance(codes, BaseException):
@@ -254,7 +261,7 @@ class StoreClient:
         try:
             if not ticket.keys or self._closed or not self.health.admit():
                 return 0
-            present = self.exists(ticket.keys)
+            present = self._exists(ticket.keys, self._save_lookups)
             todo = [i for i, p in enumerate(present) if not p]
             self.stats.add("skipped_existing", len(ticket.keys) - len(todo))
             stored = 0
@@ -288,7 +295,7 @@ class StoreClient:
         if ticket.snapshot:
             ptrs, sizes = paths.frame_snapshot(ticket, keep)
             late = LateRelease(lambda: paths.release(ticket))
-            codes = self._run(self._transfers, self._transfer_timeout(nbytes),
+            codes = self._run(self._saves, self._transfer_timeout(nbytes),
                               self._store.batch_put_from, keys, ptrs, sizes, late=late)
         else:
             header_runs = paths.header_pool.take(len(keep))
@@ -298,7 +305,7 @@ class StoreClient:
                 return 0
             ptrs, msizes = paths.frame_zero_copy(ticket, keep, header_runs)
             late = LateRelease(lambda: paths.header_pool.release(header_runs))
-            codes = self._run(self._transfers, self._transfer_timeout(nbytes),
+            codes = self._run(self._saves, self._transfer_timeout(nbytes),
                               self._store.batch_put_from_multi_buffers, keys, ptrs, msizes,
                               late=late)
         if isinstance(codes, CallTimedOut):
@@ -398,7 +405,7 @@ class StoreClient:
         try:
             future = self._transfers.submit(
                 self._store.batch_get_into, keys, [pool.address(s) for s in slots],
-                [paths.slot_nbytes] * len(keys), on_done=late.returned)
+                [paths.slot_nbytes] * len(keys), on_done=late.returned, wait=self._lookup_timeout)
         except CallRejected as exc:
             pool.release(runs)
             self.stats.add("rejected")
@@ -502,6 +509,8 @@ class StoreClient:
         self.health.close()
         self._lookups.close()
         self._transfers.close()
+        self._save_lookups.close()
+        self._saves.close()
         closer = threading.Thread(target=call, args=(self._store.close,), daemon=True,
                                   name="mcv-close")
         closer.start()

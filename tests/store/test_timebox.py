@@ -1,0 +1,68 @@
+"""TimeBox: a busy worker makes a call wait (within its deadline), a stuck one refuses it.
+
+Pure logic over threads and sleeps (the real pool's time boxes are exercised by
+tests/store/test_health.py): a call of another thread that is merely in flight
+must never read as "the pool is away" (that opened the circuit breaker whenever
+a save, a load and a lookup overlapped).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from mooncake_vllm.store.timebox import CallRejected, CallTimedOut, TimeBox
+
+
+def _busy(box: TimeBox, seconds: float) -> threading.Thread:
+    started = threading.Event()
+
+    def hold() -> None:
+        box.run(10.0, lambda: (started.set(), time.sleep(seconds)))
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert started.wait(5)
+    return t
+
+
+def test_a_call_waits_for_a_worker_busy_with_another_threads_call() -> None:
+    box = TimeBox("t", 1)
+    try:
+        t = _busy(box, 0.2)
+        t0 = time.monotonic()
+        assert box.run(2.0, lambda: 42) == 42
+        assert 0.05 < time.monotonic() - t0 < 1.5
+        t.join()
+    finally:
+        box.close()
+
+
+def test_a_worker_stuck_past_the_callers_deadline_refuses_within_that_deadline() -> None:
+    box = TimeBox("t", 1)
+    try:
+        t = _busy(box, 1.0)
+        t0 = time.monotonic()
+        with pytest.raises(CallRejected, match="all workers busy"):
+            box.run(0.3, lambda: 1)
+        assert 0.25 < time.monotonic() - t0 < 0.9
+        with pytest.raises(CallRejected):
+            box.submit(lambda: 1)  # no wait asked: refused at once
+        t.join()
+    finally:
+        box.close()
+
+
+def test_the_deadline_covers_the_wait_and_the_call() -> None:
+    box = TimeBox("t", 1)
+    try:
+        t = _busy(box, 0.3)
+        t0 = time.monotonic()
+        with pytest.raises(CallTimedOut):
+            box.run(0.5, time.sleep, 0.5)  # 0.3 s waiting + 0.5 s running > 0.5 s
+        assert time.monotonic() - t0 < 0.9
+        t.join()
+    finally:
+        box.close()
