@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from mooncake_vllm.store.timebox import CallRejected, CallTimedOut, TimeBox
+
+
+@pytest.fixture
+def box() -> Iterator[TimeBox]:
+    b = TimeBox("t", 1)
+    yield b
+    b.close()
 
 
 def _busy(box: TimeBox, seconds: float) -> threading.Thread:
@@ -28,41 +36,29 @@ def _busy(box: TimeBox, seconds: float) -> threading.Thread:
     return t
 
 
-def test_a_call_waits_for_a_worker_busy_with_another_threads_call() -> None:
-    box = TimeBox("t", 1)
-    try:
-        t = _busy(box, 0.2)
-        t0 = time.monotonic()
-        assert box.run(2.0, lambda: 42) == 42
-        assert 0.05 < time.monotonic() - t0 < 1.5
-        t.join()
-    finally:
-        box.close()
+def test_a_call_waits_for_a_worker_busy_with_another_threads_call(box: TimeBox) -> None:
+    t = _busy(box, 0.2)
+    t0 = time.monotonic()
+    assert box.run(2.0, lambda: 42) == 42
+    assert 0.05 < time.monotonic() - t0 < 1.5
+    t.join()
 
 
-def test_a_worker_stuck_past_the_callers_deadline_refuses_within_that_deadline() -> None:
-    box = TimeBox("t", 1)
-    try:
-        t = _busy(box, 1.0)
-        t0 = time.monotonic()
-        with pytest.raises(CallRejected, match="all workers busy"):
-            box.run(0.3, lambda: 1)
-        assert 0.25 < time.monotonic() - t0 < 0.9
-        with pytest.raises(CallRejected):
-            box.submit(lambda: 1)  # no wait asked: refused at once
-        t.join()
-    finally:
-        box.close()
+def test_a_worker_stuck_past_the_callers_deadline_refuses_within_that_deadline(box: TimeBox) -> None:
+    t = _busy(box, 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(CallRejected, match="all workers busy"):
+        box.run(0.3, lambda: 1)
+    assert 0.25 < time.monotonic() - t0 < 0.9
+    with pytest.raises(CallRejected):
+        box.submit(lambda: 1)  # no wait asked: refused at once
+    t.join()
 
 
-def test_the_deadline_covers_the_wait_and_the_call() -> None:
-    box = TimeBox("t", 1)
-    try:
-        t = _busy(box, 0.3)
-        t0 = time.monotonic()
-        with pytest.raises(CallTimedOut):
-            box.run(0.5, time.sleep, 0.5)  # 0.3 s waiting + 0.5 s running > 0.5 s
-        assert time.monotonic() - t0 < 0.9
-        t.join()
-    finally:
-        box.close()
+def test_the_deadline_covers_the_wait_and_the_call(box: TimeBox) -> None:
+    t = _busy(box, 0.3)
+    t0 = time.monotonic()
+    with pytest.raises(CallTimedOut):
+        box.run(0.5, time.sleep, 0.5)  # 0.3 s waiting + 0.5 s running > 0.5 s
+    assert time.monotonic() - t0 < 0.9
+    t.join()
