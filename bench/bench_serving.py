@@ -428,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
                     local_buffer_size=256 << 20) as stack:
         cfg_path = work / "mooncake_config.json"  # ours ignores "mode"; the in-tree one needs it
         cfg_path.write_text(json.dumps({**stack.config(), "mode": "standalone-store"}))
+        # the random model declares 4096 positions; RoPE computes any position, the same in every mode
         env = {**stack.env(), "MOONCAKE_CONFIG_PATH": str(cfg_path),
-               "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"}
+               "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
         runs, ceiling = _run_modes(args.modes.split(","), base, prompts, work, env, stack)
     report = {"params": params, "block_size": args.block_size, "model": MODEL,
               "hardware": args.hardware, "loadavg_before": load_before,
