@@ -312,34 +312,39 @@ def _run_modes(modes: list[str], base: dict[str, Any], prompts: dict[str, Any], 
     return runs, ceiling
 
 
-def _derive(runs: dict[str, Any], base: dict[str, Any], raw_get_gbps: float) -> dict[str, Any]:
+def _derive(runs: dict[str, Any], base: dict[str, Any], raw_get_gbps: float | None) -> dict[str, Any]:
+    """Ratios between modes, phase by phase, over the modes that finished that phase."""
     p, bs = base["params"], base["block_size"]
-    ok = {m: r for m, r in runs.items() if "error" not in r}
+
+    def done(phase: str) -> dict[str, Any]:
+        return {m: r[phase] for m, r in runs.items() if phase in r}
+
     d: dict[str, Any] = {"interference": {}, "hits": {}, "mixed": {}, "miss": {}}
-    for m, r in ok.items():
-        i = r["interference"]
+    for m, i in done("interference").items():
         d["interference"][m] = {"p99_during_over_alone": i["during_load"]["p99"] / i["alone"]["p99"],
                                 "max_during_over_alone_p99": i["during_load"]["max"] / i["alone"]["p99"]}
-    ref = ok.get("none")
-    for n in p["lengths"]:
-        step = ref["hits"][str(n)]["local_ttft_s"] if ref else None
-        nbytes = (n - 1) // bs * bs * BYTES_PER_TOKEN
-        floor = step + nbytes / raw_get_gbps / 1e9 if step is not None else None
+    hits = done("hits")
+    ref = hits.get("none")
+    for n in map(str, p["lengths"]) if hits else ():
+        step = ref[n]["local_ttft_s"] if ref else None
+        nbytes = (int(n) - 1) // bs * bs * BYTES_PER_TOKEN
+        floor = step + nbytes / raw_get_gbps / 1e9 if step is not None and raw_get_gbps else None
         row: dict[str, Any] = {"floor_s": floor, "engine_step_s": step, "hit_bytes": nbytes}
-        for m, r in ok.items():
-            h = r["hits"][str(n)]
-            row[m] = {"ttft_s": h["ttft_s"], "over_floor": h["ttft_s"] / floor if floor else None,
-                      "tokens_match_none": h["tokens"] == ref["hits"][str(n)]["tokens"] if ref else None}
-        if "ours" in ok and "intree" in ok:
-            row["ours_over_intree"] = ok["ours"]["hits"][str(n)]["ttft_s"] / ok["intree"]["hits"][str(n)]["ttft_s"]
-        d["hits"][str(n)] = row
-    if "ours" in ok and "intree" in ok:
-        o, t = ok["ours"]["mixed"], ok["intree"]["mixed"]
+        for m, h in hits.items():
+            row[m] = {"ttft_s": h[n]["ttft_s"], "over_floor": h[n]["ttft_s"] / floor if floor else None,
+                      "tokens_match_none": h[n]["tokens"] == ref[n]["tokens"] if ref else None}
+        if "ours" in hits and "intree" in hits:
+            row["ours_over_intree"] = hits["ours"][n]["ttft_s"] / hits["intree"][n]["ttft_s"]
+        d["hits"][n] = row
+    mixed = done("mixed")
+    if "ours" in mixed and "intree" in mixed:
+        o, t = mixed["ours"], mixed["intree"]
         d["mixed"] = {"throughput_ours_over_intree": o["throughput_tok_s"] / t["throughput_tok_s"],
                       "ttft_p99_ours_over_intree": o["ttft_p99_s"] / t["ttft_p99_s"]}
-    if ref:
-        base_miss = statistics.median(ref["misses"]["ttft_s"])
-        d["miss"] = {m: statistics.median(r["misses"]["ttft_s"]) / base_miss - 1 for m, r in ok.items()}
+    misses = done("misses")
+    if "none" in misses:
+        base_miss = statistics.median(misses["none"]["ttft_s"])
+        d["miss"] = {m: statistics.median(r["ttft_s"]) / base_miss - 1 for m, r in misses.items()}
     targets = {}
     if "ours" in d["interference"]:
         targets["interference_p99<=1.5x"] = d["interference"]["ours"]["p99_during_over_alone"] <= 1.5
@@ -348,36 +353,49 @@ def _derive(runs: dict[str, Any], base: dict[str, Any], raw_get_gbps: float) -> 
         targets["mixed_ttft_p99<=intree"] = d["mixed"]["ttft_p99_ours_over_intree"] <= 1.0
     if "ours" in d["miss"]:
         targets["miss_overhead<=5%"] = d["miss"]["ours"] <= 0.05
-    if "ours" in ok:
-        targets["hits_token_identical"] = all(d["hits"][str(n)]["ours"]["tokens_match_none"]
-                                              for n in p["lengths"])
+    if "ours" in hits and ref:
+        targets["hits_token_identical"] = all(row["ours"]["tokens_match_none"] for row in d["hits"].values())
     d["targets"] = targets
     return d
+
+
+def _from_work(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Base and runs from a work folder's per-phase files (a run cut short)."""
+    runs, base = {}, {}
+    for spec_path in sorted(work.glob("*-spec.json")):
+        mode = spec_path.name[:-len("-spec.json")]
+        base = json.loads(spec_path.read_text())
+        runs[mode] = {f.stem: json.loads(f.read_text()) for f in (work / f"{mode}-reader").glob("*.json")}
+    return base, runs
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    runs = {m: r for m, r in report["runs"].items() if "error" not in r}
-    modes = list(runs)
+    runs = report["runs"]
+
+    def have(phase: str) -> tuple[list[str], list[int]]:
+        modes = [m for m in runs if phase in runs[m]]
+        return modes, list(range(len(modes)))
+
     fig, ax = plt.subplots(2, 2, figsize=(11, 8))
-    x = range(len(modes))
     a = ax[0][0]
+    modes, x = have("interference")
     a.bar([i - 0.2 for i in x], [runs[m]["interference"]["alone"]["p99"] * 1e3 for m in modes],
           0.4, label="alone")
     a.bar([i + 0.2 for i in x], [runs[m]["interference"]["during_load"]["p99"] * 1e3 for m in modes],
           0.4, label=f"during the {report['params']['load_len']}-token load")
-    a.set_xticks(list(x), modes)
+    a.set_xticks(x, modes)
     a.set_yscale("log")
     a.set_ylabel("stream ITL p99 (ms)")
     a.set_title("1. interference")
     a.legend()
     a = ax[0][1]
     lengths = report["params"]["lengths"]
-    for m in modes:
+    for m in have("hits")[0]:
         a.plot(lengths, [runs[m]["hits"][str(n)]["ttft_s"] for n in lengths], marker="o", label=m)
-    floors = [report["derived"]["hits"][str(n)]["floor_s"] for n in lengths]
+    floors = [report["derived"]["hits"].get(str(n), {}).get("floor_s") for n in lengths]
     if None not in floors:
         a.plot(lengths, floors, "k--", label="floor")
     a.set_yscale("log")
@@ -386,21 +404,37 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     a.set_title("2. hit TTFT (cross-instance)")
     a.legend()
     a = ax[1][0]
-    a.bar(list(x), [runs[m]["mixed"]["throughput_tok_s"] for m in modes])
-    a.set_xticks(list(x), modes)
+    modes, x = have("mixed")
+    a.bar(x, [runs[m]["mixed"]["throughput_tok_s"] for m in modes])
+    a.set_xticks(x, modes)
     a.set_ylabel("output tokens/s")
     twin = a.twinx()
-    twin.plot(list(x), [runs[m]["mixed"]["ttft_p99_s"] for m in modes], "ro-")
+    twin.plot(x, [runs[m]["mixed"]["ttft_p99_s"] for m in modes], "ro-")
     twin.set_ylabel("TTFT p99 (s, red)")
     a.set_title(f"3. mixed: {report['params']['clients']} clients")
     a = ax[1][1]
-    a.bar(list(x), [statistics.median(runs[m]["misses"]["ttft_s"]) for m in modes])
-    a.set_xticks(list(x), modes)
+    modes, x = have("misses")
+    a.bar(x, [statistics.median(runs[m]["misses"]["ttft_s"]) for m in modes])
+    a.set_xticks(x, modes)
     a.set_ylabel("TTFT (s), median")
     a.set_title("4. misses (0 % hits)")
     fig.suptitle("vLLM V1 CPU, 12-layer hidden-512 fp32 Llama; " + report["hardware"])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _report(base: dict[str, Any], runs: dict[str, Any], ceiling: dict[str, float] | None,
+            args: argparse.Namespace, load_before: Any, out: Path) -> None:
+    report = {"params": base["params"], "block_size": base["block_size"], "model": MODEL,
+              "hardware": args.hardware, "loadavg_before": load_before,
+              "loadavg_after": os.getloadavg(), "raw_store": ceiling, "runs": runs}
+    report["derived"] = _derive(runs, base, (ceiling or {}).get("get_gbps"))
+    name = "bench_serving_quick" if base["params"] == QUICK else "bench_serving"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
+    _plot(report, out / f"{name}.png")
+    print(json.dumps({"derived": report["derived"], "loadavg": [load_before, report["loadavg_after"]],
+                      "raw_store": ceiling}, indent=1, default=str))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -410,10 +444,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--hardware", default="dev box: 2 cores, 24 GiB, shared with other jobs")
+    parser.add_argument("--from-work", help="report from a cut-short run's work folder (no floor)")
     parser.add_argument("--reader", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reader:
         _reader(json.loads(Path(args.reader).read_text()))
+        return 0
+    if args.from_work:
+        base, runs = _from_work(Path(args.from_work))
+        _report(base, runs, None, args, ("unknown",) * 3, Path(args.out))
         return 0
     params = QUICK if args.quick else FULL
     max_len = max(params["load_len"], *params["lengths"], params["doc_len"] + params["question_len"])
@@ -432,15 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**stack.env(), "MOONCAKE_CONFIG_PATH": str(cfg_path),
                "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
         runs, ceiling = _run_modes(args.modes.split(","), base, prompts, work, env, stack)
-    report = {"params": params, "block_size": args.block_size, "model": MODEL,
-              "hardware": args.hardware, "loadavg_before": load_before,
-              "loadavg_after": os.getloadavg(), "raw_store": ceiling, "runs": runs}
-    report["derived"] = _derive(runs, base, ceiling["get_gbps"])
-    name = "bench_serving_quick" if args.quick else "bench_serving"
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
-    _plot(report, out / f"{name}.png")
-    print(json.dumps({"derived": report["derived"], "loadavg": [load_before, report["loadavg_after"]],
-                      "raw_store": ceiling}, indent=1, default=str))
+    _report(base, runs, ceiling, args, load_before, out)
     return 0
 
 
