@@ -57,6 +57,8 @@ except ImportError:
     asyncio.run(serve())
 """
 _CLI = "import sys; from mooncake_vllm.cli import main; sys.exit(main())"
+#: the proxy without uvloop (``--loop asyncio``): an import of it then fails
+_NO_UVLOOP = "import sys; sys.modules['uvloop'] = None; "
 
 Samples = dict[str, dict[str, list[float]]]
 
@@ -225,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-process", action="store_true",
                     help="run stubs, proxy and client on one event loop: measures the proxy's code on the "
                          "critical path without the OS scheduler's cost of an extra process hop")
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                    help="the proxy's event loop (uvloop: when installed, as the CLI runs it)")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin the proxy to the first allowed core and the client and stubs to the others")
     args = ap.parse_args(argv)
     print(f"machine yardstick: one bare aiohttp request/response on loopback takes {_run(_calibrate()):.3f} ms")
     if args.in_process:
@@ -238,12 +244,19 @@ def main(argv: list[str] | None = None) -> int:
         stub = ManagedProcess("stubs", [sys.executable, "-c", _STUBS, MODEL, str(args.tokens), str(args.delay),
                                         str(pre_port), str(dec_port)], workdir=work).start()
         procs.append(stub)
+        if args.pin:  # the proxy alone on the first core, everything else on the others
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, cores[1:])
+            os.sched_setaffinity(stub.pid, cores[1:])
         for port in (pre_port, dec_port):
             stub.wait_ready(http_probe(f"http://127.0.0.1:{port}/health"), 30)
-        proxy = ManagedProcess("proxy", [sys.executable, "-c", _CLI, "proxy", "--model", MODEL,
+        cli = (_NO_UVLOOP if args.loop == "asyncio" else "") + _CLI
+        proxy = ManagedProcess("proxy", [sys.executable, "-c", cli, "proxy", "--model", MODEL,
                                          "-p", f"127.0.0.1:{pre_port}", "-d", f"127.0.0.1:{dec_port}",
                                          "--port", str(proxy_port), "--log-level", "WARNING"], workdir=work).start()
         procs.append(proxy)
+        if args.pin:
+            os.sched_setaffinity(proxy.pid, cores[:1])
         proxy.wait_ready(http_probe(f"http://127.0.0.1:{proxy_port}/health"), 30)
         urls = {"prefill": f"http://127.0.0.1:{pre_port}", "decode": f"http://127.0.0.1:{dec_port}",
                 "proxy": f"http://127.0.0.1:{proxy_port}"}

@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None (said on stderr) when not installed."""
     try:
         import matplotlib
 
@@ -176,6 +177,13 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("[bench] matplotlib missing: no plot", file=sys.stderr)
+        return None
+    return plt
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, by_len in report["ttft_s"].items():

@@ -1,15 +1,16 @@
-"""TimeBox: a busy worker is waited for within the caller's deadline, a hung one refuses.
+"""TimeBox: a busy worker makes a call wait (within its deadline), a stuck one refuses it.
 
-The first test is pure logic (threads and events). The second shares one REAL
-client between threads the way a single-process engine does (scheduler lookups,
-the save thread, background namespace registration): concurrent callers must
-queue, not be refused — a refusal opens the pool breaker and turns hits into misses.
+Pure logic over threads and sleeps, plus one REAL client shared by threads (the
+real pool's hung-master case is tests/store/test_health.py): a call of another thread that is merely in flight
+must never read as "the pool is away" (that opened the circuit breaker whenever
+a save, a load and a lookup overlapped).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,33 +20,57 @@ from mooncake_vllm.store import StoreClient
 from mooncake_vllm.store.timebox import CallRejected, CallTimedOut, TimeBox
 
 
-def test_a_busy_worker_is_waited_for_and_a_hung_one_refuses_after_the_deadline() -> None:
-    box = TimeBox("t", 1)
-    release = threading.Event()
-    try:
-        first = box.submit(release.wait)
-        # a live call finishing within the second caller's deadline: the caller queues
-        threading.Timer(0.2, release.set).start()
-        assert box.run(2.0, lambda: "second") == "second"
-        assert first.result(1) is True
-        # a hung call: the next caller waits its own deadline, no longer, then is refused
-        hang = threading.Event()
-        box.submit(hang.wait)
-        start = time.monotonic()
-        with pytest.raises(CallRejected):
-            box.run(0.3, lambda: None)
-        assert 0.25 <= time.monotonic() - start < 1.5
-        with pytest.raises(CallRejected):  # pipelined submits do not wait
-            box.submit(lambda: None)
-        hang.set()
-        with pytest.raises(CallTimedOut):
-            box.run(0.2, time.sleep, 2)
-    finally:
-        box.close()
+@pytest.fixture
+def box() -> Iterator[TimeBox]:
+    b = TimeBox("t", 1)
+    yield b
+    b.close()
+
+
+def _busy(box: TimeBox, seconds: float) -> threading.Thread:
+    started = threading.Event()
+
+    def hold() -> None:
+        box.run(10.0, lambda: (started.set(), time.sleep(seconds)))
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert started.wait(5)
+    return t
+
+
+def test_a_call_waits_for_a_worker_busy_with_another_threads_call(box: TimeBox) -> None:
+    t = _busy(box, 0.2)
+    t0 = time.monotonic()
+    assert box.run(2.0, lambda: 42) == 42
+    assert 0.05 < time.monotonic() - t0 < 1.5
+    t.join()
+
+
+def test_a_worker_stuck_past_the_callers_deadline_refuses_within_that_deadline(box: TimeBox) -> None:
+    t = _busy(box, 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(CallRejected, match="all workers busy"):
+        box.run(0.3, lambda: 1)
+    assert 0.25 < time.monotonic() - t0 < 0.9
+    with pytest.raises(CallRejected):
+        box.submit(lambda: 1)  # no wait asked: refused at once
+    t.join()
+
+
+def test_the_deadline_covers_the_wait_and_the_call(box: TimeBox) -> None:
+    t = _busy(box, 0.3)
+    t0 = time.monotonic()
+    with pytest.raises(CallTimedOut):
+        box.run(0.5, time.sleep, 0.5)  # 0.3 s waiting + 0.5 s running > 0.5 s
+    assert time.monotonic() - t0 < 0.9
+    t.join()
 
 
 def test_threads_sharing_a_real_client_queue_instead_of_opening_the_breaker(
         local_stack: LocalStack) -> None:
+    """One REAL client shared by threads, as in a single-process engine (scheduler
+    lookups, the save thread, namespace registration, hand-off markers)."""
     client = StoreClient.connect(load_store_config(local_stack.config_path))
     errors: list[BaseException] = []
 

@@ -26,7 +26,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INSTANCE_ENV", "PREFIX_CACHE_METRICS", "kv_transfer_config", "run_instance", "main"]
+__all__ = ["INSTANCE_ENV", "PREFIX_CACHE_METRICS", "connector_counters", "kv_transfer_config",
+           "run_instance", "wait_saves_idle", "main"]
 
 #: Environment every offline instance gets (in-process engine, offline, quiet).
 INSTANCE_ENV = {
@@ -76,7 +77,7 @@ def _metric_totals(llm: Any) -> dict[str, float]:
     return out
 
 
-def _connector_counters() -> dict[str, int]:
+def connector_counters() -> dict[str, int]:
     try:
         from mooncake_vllm.v1.connector import INSTANCES
     except Exception:  # noqa: BLE001 - no vLLM / connector not used
@@ -88,7 +89,7 @@ def _connector_counters() -> dict[str, int]:
     return out
 
 
-def _wait_saves_idle(timeout: float = 30.0) -> None:
+def wait_saves_idle(timeout: float = 30.0) -> None:
     try:
         from mooncake_vllm.v1.connector import INSTANCES
     except Exception:  # noqa: BLE001
@@ -110,7 +111,7 @@ def _reset_prefix_cache(llm: Any, timeout: float = 10.0) -> None:
     while not llm.reset_prefix_cache():
         if time.monotonic() > deadline:
             raise RuntimeError("vLLM's prefix cache could not be reset: blocks still held")
-        _wait_saves_idle()
+        wait_saves_idle()
         llm.llm_engine.step()
 
 
@@ -148,9 +149,9 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
             tokens = list(out[0].outputs[0].token_ids)
         results.append({"prompt_len": len(ids), "ttft_s": ttft, "tokens": tokens,
                         "rss_kb": _rss_kb()})
-    _wait_saves_idle()
+    wait_saves_idle()
     return {"init_s": init_s, "results": results, "metrics": _metric_totals(llm),
-            "connector": _connector_counters(), "rss_kb": _rss_kb(),
+            "connector": connector_counters(), "rss_kb": _rss_kb(),
             "kv_block_digests": _kv_block_digests()}
 
 

@@ -68,8 +68,12 @@ class StoreClient:
         self._staging = staging or StagingSizes()
         #: zero-copy saves of host KV need Mooncake's multi-buffer API (>= 0.3.7)
         self._multi = zero_copy and hasattr(store, "batch_put_from_multi_buffers")
+        # separate boxes: a save (on the save thread) never holds the worker a scheduler
+        # lookup or a load needs, so neither waits behind it (nor is refused for it)
         self._lookups = TimeBox("lookup", 1)
         self._transfers = TimeBox("transfer", 2)
+        self._save_lookups = TimeBox("save-lookup", 1)
+        self._saves = TimeBox("save", 1)
         self._control = TimeBox("control", 1)
         #: hand-off markers, each box with one caller thread (a worker's save thread
         #: publishes, the scheduler's waiter reads), never competing with lookups
@@ -150,6 +154,9 @@ class StoreClient:
     # ------------------------------------------------------------------ queries
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Presence of every key, in one batched, time-boxed query; ``False`` on any error."""
+        return self._exists(keys, self._lookups)
+
+    def _exists(self, keys: Sequence[str], box: TimeBox) -> list[bool]:
         if not keys:
             return []
         self.stats.add("lookups")
@@ -157,7 +164,7 @@ class StoreClient:
             self.stats.add("lookup_errors", len(keys))
             return [False] * len(keys)
         start = time.perf_counter()
-        codes = self._run(self._lookups, self._lookup_timeout, self._batch_exist, list(keys))
+        codes = self._run(box, self._lookup_timeout, self._batch_exist, list(keys))
         if isinstance(codes, BaseException) or (codes and all(c < 0 for c in codes)):
             self.stats.add("lookup_errors", len(keys))
             if not isinstance(codes, BaseException):
@@ -275,7 +282,7 @@ class StoreClient:
         try:
             if not ticket.keys or self._closed or not self.health.admit():
                 return 0
-            present = self.exists(ticket.keys)
+            present = self._exists(ticket.keys, self._save_lookups)
             todo = [i for i, p in enumerate(present) if not p]
             self.stats.add("skipped_existing", len(ticket.keys) - len(todo))
             stored = 0
@@ -309,7 +316,7 @@ class StoreClient:
         if ticket.snapshot:
             ptrs, sizes = paths.frame_snapshot(ticket, keep)
             late = LateRelease(lambda: paths.release(ticket))
-            codes = self._run(self._transfers, self._transfer_timeout(nbytes),
+            codes = self._run(self._saves, self._transfer_timeout(nbytes),
                               self._store.batch_put_from, keys, ptrs, sizes, late=late)
         else:
             header_runs = paths.header_pool.take(len(keep))
@@ -319,7 +326,7 @@ class StoreClient:
                 return 0
             ptrs, msizes = paths.frame_zero_copy(ticket, keep, header_runs)
             late = LateRelease(lambda: paths.header_pool.release(header_runs))
-            codes = self._run(self._transfers, self._transfer_timeout(nbytes),
+            codes = self._run(self._saves, self._transfer_timeout(nbytes),
                               self._store.batch_put_from_multi_buffers, keys, ptrs, msizes,
                               late=late)
         if isinstance(codes, CallTimedOut):
@@ -468,6 +475,8 @@ class StoreClient:
         self._transfers.close()
         self._publish.close()
         self._markers.close()
+        self._save_lookups.close()
+        self._saves.close()
         closer = threading.Thread(target=call, args=(self._store.close,), daemon=True,
                                   name="mcv-close")
         closer.start()

@@ -73,7 +73,7 @@ def _get_batch(client: StoreClient, paths: LayoutPaths, keys: list[str],
     start = time.perf_counter()
     try:
         fut = client._transfers.submit(client._store.batch_get_into_multi_buffers, keys, ptrs,
-                                       sizes, on_done=late.returned)
+                                       sizes, on_done=late.returned, wait=client._lookup_timeout)
     except CallRejected as exc:
         headers.release(runs)
         client.stats.add("rejected")

@@ -101,7 +101,7 @@ def start_fetch(client: StoreClient, paths: LayoutPaths, pos: int,
     try:
         future = client._transfers.submit(
             client._store.batch_get_into, keys, [pool.address(s) for s in slots],
-            [paths.slot_nbytes] * len(keys), on_done=late.returned)
+            [paths.slot_nbytes] * len(keys), on_done=late.returned, wait=client._lookup_timeout)
     except CallRejected as exc:
         pool.release(runs)
         client.stats.add("rejected")

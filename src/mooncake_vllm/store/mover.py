@@ -39,6 +39,31 @@ DEVICE_STAGE_BYTES = 256 << 20
 _SUM_BATCH = 512
 
 
+#: host copies go run by run (slices: plain memcpy per segment) when a run's piece of a
+#: layer is at least this big or runs are long; numpy's fancy indexing copies twice
+#: (a temporary, then the destination) and ran at about half of memcpy (bench_store)
+_RUN_COPY_BYTES = 16 << 10
+
+
+def _id_runs(ids: Sequence[int], positions: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+    """``(position, first block id, count)``: stretches where both ids and positions step by one."""
+    pos = list(range(len(ids))) if positions is None else positions
+    runs: list[tuple[int, int, int]] = []
+    for i, (p, b) in enumerate(zip(pos, ids)):
+        if runs and i and p == pos[i - 1] + 1 and b == ids[i - 1] + 1:
+            start, first, k = runs[-1]
+            runs[-1] = (start, first, k + 1)
+        else:
+            runs.append((p, b, 1))
+    return runs
+
+
+def _copy_by_runs(runs: Sequence[tuple[int, int, int]], n: int, shape: tuple[int, int, int]) -> bool:
+    """Whether run-by-run slice copies beat one fancy-indexed copy (Python loop cost)."""
+    _layers, segs, seg_nbytes = shape
+    return bool(runs) and (segs * seg_nbytes >= _RUN_COPY_BYTES or len(runs) * 4 <= n)
+
+
 class BlockMover:
     """Gather blocks into slots and scatter slots into blocks, for one layout."""
 
@@ -84,9 +109,15 @@ class BlockMover:
     def _gather_into(self, rows: Any, block_ids: Sequence[int]) -> None:
         dst = self._payload(rows)
         if self._host_views is not None:
-            ids, out = list(block_ids), dst.numpy()
-            for layer, view in enumerate(self._host_views):
-                out[:, layer] = view[:, ids].transpose(1, 0, 2)
+            out, ids = dst.numpy(), list(block_ids)
+            runs = _id_runs(ids)
+            if not _copy_by_runs(runs, len(ids), self._shape):
+                for layer, view in enumerate(self._host_views):
+                    out[:, layer] = view[:, ids].transpose(1, 0, 2)
+                return
+            for pos, first, k in runs:
+                for layer, view in enumerate(self._host_views):
+                    out[pos:pos + k, layer] = view[:, first:first + k].transpose(1, 0, 2)
             return
         idx = self._index(block_ids)
         for layer, view in enumerate(self.views):
@@ -94,9 +125,16 @@ class BlockMover:
 
     def _scatter_from(self, rows: Any, positions: Sequence[int], block_ids: Sequence[int]) -> None:
         if self._host_views is not None:
-            src, ids = self._payload(rows).numpy()[list(positions)], list(block_ids)
-            for layer, view in enumerate(self._host_views):
-                view[:, ids] = src[:, layer].transpose(1, 0, 2)
+            payload, ids = self._payload(rows).numpy(), list(block_ids)
+            runs = _id_runs(ids, list(positions))
+            if not _copy_by_runs(runs, len(ids), self._shape):
+                src = payload[list(positions)]
+                for layer, view in enumerate(self._host_views):
+                    view[:, ids] = src[:, layer].transpose(1, 0, 2)
+                return
+            for pos, first, k in runs:
+                for layer, view in enumerate(self._host_views):
+                    view[:, first:first + k] = payload[pos:pos + k, layer].transpose(1, 0, 2)
             return
         if len(positions) != rows.shape[0]:
             rows = rows.index_select(0, self._index(positions))

@@ -77,7 +77,11 @@ def choose_gpu_path(setting: str, *, protocol: str, cuda_build: bool, multi_buff
 class StagingSizes:
     """Registered host staging per layout, in bytes (each rounded to whole blocks)."""
 
-    save_host: int = 64 << 20  #: snapshots of host KV (only without multi-buffer puts)
+    #: snapshots of host KV (small per-layer pieces, or no multi-buffer puts): one step's
+    #: saves must fit, or the blocks beyond are dropped (future misses). vLLM on CPU prefills
+    #: an 8k-token prompt in one step: 186 MiB for the 12-layer bench model, which 64 MiB
+    #: cut to a third (bench_serving). Anonymous memory: pages are touched only when used.
+    save_host: int = 512 << 20
     #: pinned snapshots of CUDA KV awaiting their put: a 16k-token prompt of an 8B-class
     #: model is 2 GiB, saved in two chunks faster than TCP puts drain (measured on an H200)
     save_cuda: int = 4 << 30

@@ -3,10 +3,11 @@
 A call that outlives its deadline is abandoned, not cancelled (a pybind call
 cannot be interrupted): the caller gets :class:`CallTimedOut` at once, the call
 keeps its worker until Mooncake returns, and whatever memory it reads or writes
-stays reserved until then (``on_done``). A call finding every worker of its box
-taken waits for one at most its own deadline (threads sharing a client queue
-briefly), then is refused (:class:`CallRejected`): hung calls never make callers
-queue without bound.
+stays reserved until then (``on_done``). A call that finds every worker busy
+waits for one within its own deadline (calls of other threads that are merely
+in flight are no sign of trouble); when none frees up in that time — every
+worker held by a call at least that long — it is refused (:class:`CallRejected`)
+instead of queueing without bound.
 """
 
 from __future__ import annotations
@@ -49,24 +50,22 @@ class TimeBox:
         ``on_done(result)`` runs once the call has really returned, also after a
         timeout: that is where memory the call used may be handed back.
         """
-        start = time.monotonic()
+        deadline = time.monotonic() + timeout
         fut = self.submit(fn, *args, on_done=on_done, wait=timeout)
-        return self.result(fut, max(0.0, timeout - (time.monotonic() - start)))
+        return self.result(fut, max(0.0, deadline - time.monotonic()))
 
     def submit(self, fn: Callable[..., Any], *args: Any,
                on_done: Callable[[Any], None] | None = None, wait: float = 0.0) -> Future[Any]:
-        """Start ``fn(*args)``; collect it with :meth:`result` (pipelined calls).
-
-        A worker busy with another caller's call is waited for up to ``wait`` seconds
-        (the caller's own deadline: two threads sharing a client queue, they are not
-        refused); still busy after that — hung calls — is :class:`CallRejected`.
-        """
-        acquired = (self._slots.acquire(timeout=wait) if wait > 0 and not self._closed
-                    else self._slots.acquire(blocking=False))
-        if self._closed or not acquired:
-            if acquired:
-                self._slots.release()
-            raise CallRejected(f"{self.name}: all workers busy with unanswered calls")
+        """Start ``fn(*args)`` (waiting up to ``wait`` s for a free worker); collect it
+        with :meth:`result` (pipelined calls)."""
+        got = not self._closed and (self._slots.acquire(timeout=wait) if wait > 0
+                                    else self._slots.acquire(blocking=False))
+        if not got:
+            raise CallRejected(f"{self.name}: all workers busy with unanswered calls"
+                               + (f" for {wait:.1f} s" if wait > 0 else ""))
+        if self._closed:
+            self._slots.release()
+            raise CallRejected(f"{self.name}: closed")
         try:
             fut: Future[Any] = self._pool.submit(call, fn, *args)
         except RuntimeError as exc:  # shut down meanwhile
