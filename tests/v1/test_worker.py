@@ -377,3 +377,42 @@ def test_mla_tp_ranks_share_keys_rank0_puts_rank1_reads(pool: SharedClient, work
     assert reader.take_load_errors() == set()
     for name in src:
         assert np.array_equal(dst[name][5:7], src[name][2:4])
+
+
+def test_an_idle_step_waits_briefly_for_a_running_load_and_a_busy_one_never(
+        pool: SharedClient, workers: Any) -> None:
+    """A step that scheduled nothing blocks in get_finished (at most IDLE_STEP_WAIT) so the
+    loader thread gets the GIL; a step with work never waits there."""
+    from mooncake_vllm.v1.worker import IDLE_STEP_WAIT
+
+    loader = WorkerLogic(_ns("idle"), EXPECTED, pool, can_load=True, can_save=False)
+    workers(loader)
+    loader.register_kv_caches(_cache(14))
+    client = pool.get()
+    gate, started = threading.Event(), threading.Event()
+    real_get = client.get_blocks
+    client.get_blocks = lambda *a, **k: (started.set(), gate.wait(5), real_get(*a, **k))[2]
+    try:
+        loader.start_load_kv(MooncakeConnectorMetadata(
+            loads=[BlockJob("w", [f"{0xac:032x}"], [3], background=True)]))
+        assert started.wait(5)
+        waits: list[float] = []
+        real_wait_for = loader._cond.wait_for
+        loader._cond.wait_for = lambda pred, timeout=None: (waits.append(timeout),
+                                                            real_wait_for(pred, timeout))[1]
+        assert loader.get_finished(set()) == (set(), set())  # a busy step: no wait
+        assert waits == []
+        loader.start_load_kv(MooncakeConnectorMetadata(idle_step=True))
+        t0 = time.monotonic()
+        assert loader.get_finished(set()) == (set(), set())  # idle: waited, load still gated
+        assert waits == [IDLE_STEP_WAIT] and time.monotonic() - t0 >= IDLE_STEP_WAIT * 0.9
+        # the load ends during an idle step's wait: reported by that very step
+        threading.Timer(0.001, gate.set).start()
+        deadline = time.monotonic() + 10
+        received: set[str] = set()
+        while not received:
+            assert time.monotonic() < deadline
+            _, received = loader.get_finished(set())
+        assert received == {"w"}
+    finally:
+        del client.get_blocks

@@ -46,3 +46,6 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     #: req_id -> (hand-off id, digests of every full prompt chunk): publish the marker
     #: once this step's and earlier saves of the request are committed
     handoffs: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
+    #: the step schedules no token (every request waits, e.g. for its background
+    #: load): the workers may block briefly in ``get_finished`` for a load to end
+    idle_step: bool = False

@@ -165,6 +165,7 @@ class SchedulerLogic:
         """This step's loads (already planned) and saves (chunks this step completes)."""
         meta = MooncakeConnectorMetadata(loads=self._loads, delayed_loads=self._delayed_loads)
         self._loads, self._delayed_loads = [], set()
+        meta.idle_step = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         meta.preempted_req_ids = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for req_id in meta.preempted_req_ids:
             st = self.requests.get(req_id)
