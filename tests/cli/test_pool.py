@@ -29,7 +29,8 @@ from mooncake_vllm.keys import KeyNamespace
 from mooncake_vllm.services import LocalStack, start_vllm_server
 from mooncake_vllm.store import StoreClient
 from mooncake_vllm.store.namespaces import register_namespaces
-from tests.v1.test_connector import _complete, _external_hits
+from tests.v1.instances import complete as _complete
+from tests.v1.instances import external_hits as _external_hits
 
 #: the connector's start-up line: the namespace and its digest
 ANNOUNCE = re.compile(r"namespace (mcv1\|\S+) \(digest ([0-9a-f]{16})\)")

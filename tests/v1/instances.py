@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import urllib.request
 from typing import Any
 
 from mooncake_vllm.keys import KeyNamespace
 
-__all__ = ["announced_namespace", "hits", "prompt", "tokens"]
+__all__ = ["announced_namespace", "complete", "external_hits", "hits", "prompt", "tokens"]
 
 ANNOUNCE = re.compile(r"mooncake-vllm \S+: MooncakeStoreConnector on the vLLM V1 engine .* "
                       r"role (\w+), .*namespace (\S+)")
@@ -35,3 +37,23 @@ def hits(result: dict[str, Any]) -> float:
 def tokens(result: dict[str, Any]) -> list[list[int]]:
     """The greedy output tokens of every prompt."""
     return [r["tokens"] for r in result["results"]]
+
+
+def complete(url: str, prompt: list[int]) -> dict:
+    """One greedy 8-token completion of ``prompt`` (token ids) from a vLLM server."""
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def external_hits(url: str) -> float:
+    """vLLM's own external (connector) prefix-cache hit tokens, from ``/metrics``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:external_prefix_cache_hits_total")]
+    assert values, "the server exports no vllm:external_prefix_cache_hits_total: 0 hits would be vacuous"
+    return sum(values)

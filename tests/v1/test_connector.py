@@ -28,6 +28,8 @@ from mooncake_vllm.services import LocalStack, start_vllm_server
 from mooncake_vllm.store import StoreClient
 
 from instances import announced_namespace as _namespace
+from instances import complete as _complete
+from instances import external_hits as _external_hits
 from instances import hits as _hits
 from instances import prompt as _prompt
 from instances import tokens as _tokens
@@ -197,24 +199,6 @@ def test_pool_dies_between_instances(tiny_model: Path, tmp_path: Path) -> None:
     assert max(r["ttft_s"] for r in c["results"]) < 2.0
     assert max(r["ttft_s"] for r in b["results"][2:]) < 2.0  # no stall once the pool is away
     assert c["init_s"] < 60
-
-
-def _complete(url: str, prompt: list[int]) -> dict:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                       "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
-
-
-def _external_hits(url: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("vllm:external_prefix_cache_hits_total")]
-    assert values, "the server exports no vllm:external_prefix_cache_hits_total: 0 hits would be vacuous"
-    return sum(values)
 
 
 def test_serving_path_with_the_seed_config(tiny_model: Path, stack: LocalStack, client: StoreClient,
