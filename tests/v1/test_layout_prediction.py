@@ -44,7 +44,9 @@ def test_resolved_layout_is_read_from_cache_config() -> None:
 
 
 def test_facts_rows() -> None:
-    assert vllm_facts("0.28.0").kv_view_shape == "backend"
+    assert vllm_facts("0.26.0").kv_view_shape == "backend"
+    packed = vllm_facts("0.28.0")  # K and V packed in the content dim, backends decide NHD/HND
+    assert (packed.kv_view_shape, packed.kv_layout_source) == ("bhnc", "backends-utils")
     assert vllm_facts("0.10.1").kv_layout_connector_hook
     assert vllm_facts("0.12.0").cross_layer_kv == "opt-in"
 
@@ -61,6 +63,23 @@ def test_predicted_fingerprints_equal_real_tensors() -> None:
     assert BlockLayout.from_kv_caches([one, one], kind="nhd").fingerprint == \
         _fp(f, "HND", use_mla=False, heads=1, head_size=8, block_size=16)
     mla = torch.zeros(5, 16, 24, dtype=torch.bfloat16)
+    assert BlockLayout.from_kv_caches([mla, mla], kind="mla").fingerprint == \
+        _fp(f, "NHD", use_mla=True, heads=1, head_size=24, block_size=16)
+
+
+def test_packed_backend_tensors_of_0_28_match_the_prediction() -> None:
+    """0.27-0.28: each layer is the backend's (B, H, N, 2*D), NHD by stride order (0, 2, 1, 3)."""
+    f = vllm_facts("0.28.0")
+    kw = dict(use_mla=False, heads=4, head_size=8, block_size=16)
+    nhd = torch.zeros(5, 16, 4, 16, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+    hnd = torch.zeros(5, 4, 16, 16, dtype=torch.bfloat16)
+    for name, t in (("NHD", nhd), ("HND", hnd)):
+        kind = predict_block(f, name, **kw)[0]
+        assert kind == "hnc"
+        assert BlockLayout.from_kv_caches([t, t.clone()], kind=kind).fingerprint == _fp(f, name, **kw)
+    assert _fp(f, "NHD", **kw) != _fp(f, "HND", **kw)
+    assert _fp(f, "NHD", **kw) != _fp(vllm_facts("0.24.0"), "NHD", **kw)  # other bytes than 5-dim
+    mla = torch.zeros(5, 16, 24, dtype=torch.bfloat16)  # MLA keeps [B, N, head] there
     assert BlockLayout.from_kv_caches([mla, mla], kind="mla").fingerprint == \
         _fp(f, "NHD", use_mla=True, heads=1, head_size=24, block_size=16)
 

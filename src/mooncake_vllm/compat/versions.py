@@ -199,8 +199,9 @@ class VllmFacts:
     # GPU KV cache layout handed to V1 connectors (read from each release's wheel:
     # vllm/v1/attention/backends/*.py, v1/worker/gpu_model_runner.py, platforms/cuda.py)
     #: per-layer KV views: "backend" (each backend's ``get_kv_cache_shape``: FlashAttention
-    #: ``[2, B, N, H, D]``, FlashInfer ``[B, 2, N, H, D]``, MLA ``[B, N, D]``) | "bhnc" (generic
-    #: ``[B, H, N, C]`` views of one buffer in a resolved ``KVCacheLayout``)
+    #: ``[2, B, N, H, D]``, FlashInfer ``[B, 2, N, H, D]``, MLA ``[B, N, D]``) | "bhnc"
+    #: (``[B, H, N, C]`` with K and V packed in C: from 0.27 the backends' own shape, NHD/HND
+    #: by stride order; from 0.29 generic views of one buffer in a resolved ``KVCacheLayout``)
     kv_view_shape: str = "backend"
     #: where vLLM decides NHD vs HND: None (always NHD, the runner ignores stride orders) |
     #: "connector-utils" (kv_connector.utils.get_kv_connector_cache_layout: NixlConnector ->
@@ -332,6 +333,10 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        factory_api="create_connector(config, role, kv_cache_config)", min_mooncake_in_tree_store="0.3.9"),
     _c("0.22.0", "vllm §10: store config 'mode'; segment 0 requires mode=standalone-store",
        store_mode_key=True, store_segment_zero_needs_mode=True),
+    _c("0.27.0", "wheel 0.28.0 (and vLLM's public v0.27.1 source; 0.25-0.26 unread): FlashAttention, "
+       "FlashInfer and Triton pack K and V into the content dim, get_kv_cache_shape -> "
+       "(B, H, N, 2*D), NHD/HND still by stride order (backends-utils)",
+       kv_view_shape="bhnc"),
     _c("0.29.0", "vllm §7/§10/§11: DEFAULT_NONE_HASH_SEED -> sha256 deterministic without PYTHONHASHSEED; "
        "tenant_id; wheel: v1/kv_cache_layout.KVCacheLayout resolved by the engine core into "
        "cache_config.kv_cache_layout, generic [B, H, N, C] views; BL.. layouts = cross-layer",

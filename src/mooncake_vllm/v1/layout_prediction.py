@@ -34,7 +34,9 @@ __all__ = [
 #: legacy names vLLM accepts for the generic layouts
 LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
 #: generic layouts per whether memory runs heads before tokens inside a layer's page
-_HEADS_FIRST = {"LBHNC": True, "BLHNC": True, "LBNHC": False, "BLNHC": False}
+_HEADS_FIRST = {"LBHNC": True, "BLHNC": True, "LBNHC": False, "BLNHC": False,
+                # 0.27-0.28: the backends' [B, H, N, 2*D] per layer, NHD/HND by stride order
+                "NHD": False, "HND": True}
 #: generic layouts that split one layer's page of a block into several runs
 SPLIT_PAGE_LAYOUTS = ("BHLNC", "LHBNC")
 
@@ -97,6 +99,8 @@ def predict_block(facts: Any, layout_name: str, *, use_mla: bool, heads: int,
             raise UnsupportedVersionError(
                 f"MooncakeStoreConnector: unknown vLLM KV cache layout {layout_name!r}; "
                 f"known: {', '.join((*_HEADS_FIRST, *SPLIT_PAGE_LAYOUTS))}")
+        if use_mla and facts.kv_layout_source != "cache-config":
+            return "mla", False, (block_size, head_size)  # 0.27-0.28: MLA keeps [B, N, head]
         if use_mla:  # one latent per token: [B, 1, N, head]
             return "hnc", True, (1, block_size, head_size)
         # C = K then V of one head and token; with one head or token the order is moot
