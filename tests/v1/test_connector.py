@@ -27,6 +27,7 @@ from mooncake_vllm.keys import chunk_keys
 from mooncake_vllm.services import LocalStack, start_vllm_server
 from mooncake_vllm.store import StoreClient
 
+from instances import ANNOUNCE
 from instances import announced_namespace as _namespace
 from instances import complete as _complete
 from instances import external_hits as _external_hits
