@@ -391,7 +391,10 @@ def test_interrupted_pytest_session_leaves_nothing_running(tmp_path: Path, sig: 
     env = {**os.environ, "PIDS_FILE": str(pids_file)}
     session = subprocess.Popen([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
                                 str(tmp_path / "test_hold.py")], cwd=tmp_path, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               # a user's pytest has the default Ctrl-C disposition; an ignored
+                               # SIGINT left in this process by earlier tests would be inherited
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not pids_file.exists():
