@@ -7,8 +7,10 @@ save-completion bookkeeping is tested with a controllable fake client.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -314,16 +316,26 @@ def test_background_load_is_reported_received_with_failed_blocks(pool: SharedCli
     assert loader.get_finished(set()) == (set(), set())  # reported once
 
 
-def test_aborted_while_loading_is_freed_only_after_the_load(pool: SharedClient,
-                                                            workers: Any) -> None:
-    loader = WorkerLogic(_ns("abort"), EXPECTED, pool, can_load=True, can_save=False)
+@contextlib.contextmanager
+def _gated_loader(pool: SharedClient, workers: Any, tag: str,
+                  seed: int) -> Iterator[tuple[WorkerLogic, threading.Event, threading.Event]]:
+    """A loading worker whose background loads start (``started``) and then wait for ``gate``."""
+    loader = WorkerLogic(_ns(tag), EXPECTED, pool, can_load=True, can_save=False)
     workers(loader)
-    loader.register_kv_caches(_cache(13))
+    loader.register_kv_caches(_cache(seed))
     client = pool.get()
     gate, started = threading.Event(), threading.Event()
     real_get = client.get_blocks
     client.get_blocks = lambda *a, **k: (started.set(), gate.wait(5), real_get(*a, **k))[2]
     try:
+        yield loader, gate, started
+    finally:
+        del client.get_blocks
+
+
+def test_aborted_while_loading_is_freed_only_after_the_load(pool: SharedClient,
+                                                            workers: Any) -> None:
+    with _gated_loader(pool, workers, "abort", 13) as (loader, gate, started):
         job = BlockJob("x", [f"{0xab:032x}"], [3], background=True)
         loader.start_load_kv(MooncakeConnectorMetadata(loads=[job]))
         assert started.wait(5)
@@ -339,8 +351,6 @@ def test_aborted_while_loading_is_freed_only_after_the_load(pool: SharedClient,
             assert received == set()  # never "received" for a request vLLM finished
             time.sleep(0.01)
         assert freed == {"x"}
-    finally:
-        del client.get_blocks
 
 
 #: MLA's latent cache ``[blocks, 1, block_size, kv_lora_rank + rope]``, one copy per TP rank
@@ -385,14 +395,7 @@ def test_an_idle_step_waits_briefly_for_a_running_load_and_a_busy_one_never(
     loader thread gets the GIL; a step with work never waits there."""
     from mooncake_vllm.v1.worker import IDLE_STEP_WAIT
 
-    loader = WorkerLogic(_ns("idle"), EXPECTED, pool, can_load=True, can_save=False)
-    workers(loader)
-    loader.register_kv_caches(_cache(14))
-    client = pool.get()
-    gate, started = threading.Event(), threading.Event()
-    real_get = client.get_blocks
-    client.get_blocks = lambda *a, **k: (started.set(), gate.wait(5), real_get(*a, **k))[2]
-    try:
+    with _gated_loader(pool, workers, "idle", 14) as (loader, gate, started):
         loader.start_load_kv(MooncakeConnectorMetadata(
             loads=[BlockJob("w", [f"{0xac:032x}"], [3], background=True)]))
         assert started.wait(5)
@@ -414,5 +417,3 @@ def test_an_idle_step_waits_briefly_for_a_running_load_and_a_busy_one_never(
             assert time.monotonic() < deadline
             _, received = loader.get_finished(set())
         assert received == {"w"}
-    finally:
-        del client.get_blocks
