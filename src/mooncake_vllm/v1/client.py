@@ -9,7 +9,6 @@ retries the connection now and then without ever blocking the engine.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,32 +16,15 @@ from collections.abc import Callable
 from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.errors import StoreUnavailableError
 from mooncake_vllm.store import StoreClient
+from mooncake_vllm.v1.placement import off_compute_cores
 
-__all__ = ["SharedClient", "off_compute_cores", "shared_client"]
+__all__ = ["SharedClient", "shared_client"]
 
 log = logging.getLogger(__name__)
 
 _RETRY_SECONDS = 15.0
 _registry: dict[StoreConfig, SharedClient] = {}
 _registry_lock = threading.Lock()
-
-
-def off_compute_cores() -> None:
-    """Move the calling thread to cores vLLM does not compute on (its reserved ones).
-
-    vLLM's CPU backend pins the worker to its compute cores; threads started
-    from there (our save thread, Mooncake's transfer threads) would otherwise
-    steal time from the forward pass.
-    """
-    if os.environ.get("MOONCAKE_VLLM_THREAD_AFFINITY", "on") == "off":
-        return
-    try:
-        compute = os.sched_getaffinity(0)
-        others = set(range(os.cpu_count() or 1)) - compute
-        if others:
-            os.sched_setaffinity(0, others)  # pid 0 = this thread only
-    except (AttributeError, OSError):  # not Linux, or a cpuset forbids it
-        pass
 
 
 class SharedClient:

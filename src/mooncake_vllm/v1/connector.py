@@ -15,8 +15,10 @@ settings come from ``$MOONCAKE_CONFIG_PATH`` (both the V0 and the V1 JSON shapes
 :class:`~mooncake_vllm.settings.ConnectorSettings`, the keys are listed there).
 A ``tenant_id`` in the Mooncake config joins the key namespace.
 
-The save thread and Mooncake's client threads run off vLLM's CPU compute cores
-(``MOONCAKE_VLLM_THREAD_AFFINITY=off`` leaves thread affinity alone).
+The pool's threads (save, load, Mooncake's client threads) run off vLLM's CPU
+compute cores, or below vLLM's priority where they share its cores
+(:mod:`~mooncake_vllm.v1.placement`; ``MOONCAKE_VLLM_THREAD_AFFINITY=off`` leaves
+both alone, ``MOONCAKE_VLLM_THREAD_NICE`` sets how far below).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from mooncake_vllm.logs import follow_vllm_logging
 from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.store.namespaces import clear_namespaces, register_namespaces
 from mooncake_vllm.v1.client import SharedClient, shared_client
+from mooncake_vllm.v1.placement import thread_nice
 from mooncake_vllm.v1.handoff import MarkerWaiter, pool_ready, store_probe
 from mooncake_vllm.v1.kv_groups import check_kv_cache_config, check_kv_caches
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
@@ -106,6 +109,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                  kv_cache_config: Any = None) -> None:
         follow_vllm_logging()
         _require_supported_vllm()
+        thread_nice()  # a bad $MOONCAKE_VLLM_THREAD_NICE is refused at start, not in a thread
         if _BASE_TAKES_KV_CACHE_CONFIG:
             super().__init__(vllm_config, role, kv_cache_config)
         else:  # pragma: no cover - vLLM < 0.11.1

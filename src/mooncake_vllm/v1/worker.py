@@ -37,7 +37,7 @@ from typing import Any
 
 from mooncake_vllm.keys import KeyNamespace, handoff_key
 from mooncake_vllm.layout import BlockLayout
-from mooncake_vllm.v1.client import off_compute_cores
+from mooncake_vllm.v1.placement import off_compute_cores
 from mooncake_vllm.v1.handoff import marker_value
 from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
