@@ -1,0 +1,366 @@
+"""Issue 12's interference and hit TTFT on a GPU: every mode side by side, one run, one GPU.
+
+A decode stream generates 256 tokens alone, then again while another request with an
+8k-token prompt is served (a pool hit, or recomputed with no connector); the stream's
+inter-token latency (ITL) p50/p99/max during that load (from adding the request to its
+first token) vs alone. Then pool hits at 2k/8k (TTFT, tokens from the pool, output
+compared with the recompute). Modes, one fresh vLLM process each (the reader)::
+
+    none       no connector: the 8k prompt is recomputed
+    intree     vLLM's in-tree MooncakeStoreConnector (MOONCAKE_VLLM_DISABLE=1, PYTHONHASHSEED=0)
+    ours       ours, defaults (asynchronous loads, gpu_path auto)
+    ours-sync  ours with "load_async": false (loads before the forward pass)
+    ours-zc    ours with "gpu_path": "zero_copy"
+
+Two writer processes (ours, in-tree: their keys differ) put the readers' pool prompts
+first, each prompt recomputed in a fresh process: that output is the reference every
+reader's is compared with. Every process starts at once (one GPU holds them all: ``--kv-bytes`` each, no
+memory profiling); the readers then measure one at a time, so no two modes share the
+GPU while measured. Readers drive vLLM's in-process engine step by step and stamp every
+token (bench/engine_steps.py, the method of bench_serving.py). Results go to ``--out`` after each mode::
+
+    python3 bench/bench_gpu_interference.py --model /tmp/model --out $OUT/interference.json
+
+The Mooncake pool comes from ``$MOONCAKE_CONFIG_PATH`` (scripts/gpu/mc_up.sh), or
+``--local-stack`` starts one (the CPU dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from engine_steps import EngineProcess, Req, interference, serve
+
+__all__ = ["main"]
+
+MODES = ("ours", "ours-sync", "intree", "none", "ours-zc")  #: measured in this order
+INJECT_AFTER = 32  #: stream tokens before the 8k request arrives
+_EXTRA = {"ours": {}, "ours-sync": {"load_async": False}, "ours-zc": {"gpu_path": "zero_copy"}}
+
+
+def _writer_of(mode: str) -> str | None:
+    return None if mode == "none" else ("intree" if mode == "intree" else "ours")
+
+
+# --------------------------------------------------------------------- inside one vLLM process
+def _serve(engine: Any, reqs: list[Req], inject: tuple[int, Req] | None = None) -> None:
+    serve(engine, reqs, inject=inject, detokenize=False)  # no tokenizer here
+
+
+def _settle(llm: Any, timeout: float) -> float:
+    """Step until every block is free again (saves written), then our workers idle; seconds."""
+    t0 = time.monotonic()
+    while not llm.reset_prefix_cache() and time.monotonic() - t0 < timeout:
+        llm.llm_engine.step()
+        time.sleep(0.01)
+    try:
+        from mooncake_vllm.demo.run import wait_saves_idle
+        wait_saves_idle(max(1.0, timeout - (time.monotonic() - t0)))
+    except ImportError:
+        pass
+    return time.monotonic() - t0
+
+
+def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    engine, pr, p = llm.llm_engine, spec["prompts"], spec["params"]
+    seq = iter(range(1 << 30))
+
+    def req(prompt: list[int], n: int) -> Req:
+        return Req(f"r{next(seq)}", prompt, n)
+
+    def write() -> dict[str, Any]:
+        """Recompute (and so save) every pool prompt; its output is the readers' reference."""
+        t0 = time.perf_counter()
+        _serve(engine, [req(pr["warm_hit"], 1)])
+        load = req(pr["load"], 8)
+        _serve(engine, [load])
+        hits: dict[str, list[list[int]]] = {}
+        for n, prompts in pr["hits"].items():
+            hits[n] = []
+            for prompt in prompts:
+                r = req(prompt, 16)
+                _serve(engine, [r])
+                hits[n].append(r.tokens)
+        served = time.perf_counter() - t0
+        settle = _settle(llm, p["save_timeout"])
+        time.sleep(p["extra_save_wait"])
+        return {"served_s": served, "settle_s": settle, "tokens": {"load": load.tokens, "hits": hits}}
+
+    def measure() -> dict[str, Any]:
+        from mooncake_vllm.demo.run import connector_counters, wait_saves_idle
+
+        warm, warm_hit = req(pr["warm"], 8), req(pr["warm_hit"], 2)
+        _serve(engine, [warm])
+        _serve(engine, [warm_hit])  # a first pool hit: one-time costs out of the measurement
+        n_out = p["stream_tokens"]
+        alone, stream = req(pr["stream_alone"], n_out), req(pr["stream_loaded"], n_out)
+        load = req(pr["load"], 8)
+        res: dict[str, Any] = interference(engine, alone, stream, load, INJECT_AFTER,
+                                           between=wait_saves_idle, detokenize=False)
+        t0, t1 = load.t_add, load.times[0]
+        res.update({
+            "warm_hit": {"ttft_s": warm_hit.ttft(), "cached": warm_hit.cached},
+            "load": {"ttft_s": load.ttft(), "cached": load.cached, "tokens": load.tokens,
+                     "n": len(load.prompt)},
+            "stream_alone_itls": alone.itls(), "stream_loaded_itls": stream.itls(),
+            "load_window": [t0 - stream.times[0], t1 - stream.times[0]]})
+        wait_saves_idle()
+        hits: dict[str, list[dict[str, Any]]] = {}
+        for n, prompts in pr["hits"].items():
+            hits[n] = []
+            for prompt in prompts:
+                r, again = req(prompt, 16), req(prompt, 16)
+                _serve(engine, [r])
+                _serve(engine, [again])  # vLLM's own prefix cache in HBM
+                hits[n].append({"ttft_s": r.ttft(), "cached": r.cached, "tokens": r.tokens,
+                                "again_ttft_s": again.ttft(), "again_tokens": again.tokens})
+        res["hits"] = hits
+        res["connector"] = connector_counters()
+        return res
+
+    return {"write": write, "measure": measure}
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    """One vLLM engine: ``ready`` once built, then one command per stdin line, results as files."""
+    out, rc = Path(spec["dir"]), 0
+    try:
+        import vllm
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        llm = LLM(**spec["engine"], kv_transfer_config=spec["kv_config"])
+        info = {"init_s": time.perf_counter() - t0, "vllm": vllm.__version__}
+        try:
+            info["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+        except AttributeError:
+            pass
+        (out / "ready").write_text(json.dumps(info))
+        commands = _commands(llm, spec)
+        for line in sys.stdin:
+            name = line.strip()
+            if not name:
+                break
+            try:
+                result = commands[name]()
+            except Exception as exc:  # noqa: BLE001 - reported to the driver, which goes on
+                import traceback
+                result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+            (out / f"{name}.tmp").write_text(json.dumps(result))
+            (out / f"{name}.tmp").rename(out / f"{name}.json")
+    except BaseException:  # noqa: BLE001 - the log shows it; the driver sees the exit
+        import traceback
+        traceback.print_exc()
+        rc = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)  # skip vLLM's shutdown: the results are written
+
+
+# --------------------------------------------------------------------- driver
+def _proc(name: str, spec: dict[str, Any], work: Path, env: dict[str, str]) -> EngineProcess:
+    return EngineProcess(name, [sys.executable, __file__, "--worker"], spec, work, env)
+
+
+def _prompts(args: argparse.Namespace) -> dict[str, Any]:
+    rnd = random.Random(12)
+
+    def toks(n: int) -> list[int]:
+        return [rnd.randrange(100, args.vocab_max) for _ in range(n)]
+
+    shared = {"warm_hit": toks(1024), "load": toks(args.load_len),
+              "hits": {str(n): [toks(n) for _ in range(args.hit_reps)] for n in args.lengths}}
+    per_mode = {m: {"warm": toks(64), "stream_alone": toks(64), "stream_loaded": toks(64)}
+                for m in MODES}
+    return {"shared": shared, "per_mode": per_mode}
+
+
+def _mode_config(mode: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    from mooncake_vllm.demo.run import kv_transfer_config
+
+    if mode == "none":
+        return None, {}
+    if mode == "intree":
+        return (kv_transfer_config("kv_both", connector="in-tree"),
+                {"MOONCAKE_VLLM_DISABLE": "1", "PYTHONHASHSEED": "0"})
+    return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), {}
+
+
+def _reference(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The recompute's output: the ours writer's (a fresh process computing every prompt)."""
+    for w in ("ours", "intree"):
+        tokens = report["writers"].get(w, {}).get("write", {}).get("tokens")
+        if tokens:
+            return tokens
+    return None
+
+
+def _derive(report: dict[str, Any]) -> dict[str, Any]:
+    runs, ref = report["runs"], _reference(report)
+    hbm = runs.get("none", {}).get("measure")
+    hbm = hbm if hbm and "error" not in hbm else None
+    table: dict[str, Any] = {}
+    for mode, r in runs.items():
+        m = r.get("measure")
+        if not m or "error" in m:
+            continue
+        a, d = m["alone"], m["during_load"]
+        row: dict[str, Any] = {
+            "alone_ms": [a["p50"] * 1e3, a["p99"] * 1e3, a["max"] * 1e3],
+            "during_ms": [d["p50"] * 1e3, d["p99"] * 1e3, d["max"] * 1e3] if d["n"] else None,
+            "p99_ratio": d["p99"] / a["p99"] if d["n"] else None, "during_n": d["n"],
+            "load_ttft_ms": m["load"]["ttft_s"] * 1e3, "load_cached": m["load"]["cached"],
+            "load_tokens_equal_recompute": (m["load"]["tokens"] == ref["load"]) if ref else None}
+        for n, reps in m["hits"].items():
+            row[f"hit{n}_ttft_ms"] = [x["ttft_s"] * 1e3 for x in reps]
+            row[f"hit{n}_cached"] = [x["cached"] for x in reps]
+            if ref:
+                row[f"hit{n}_tokens_equal_recompute"] = [x["tokens"] == y
+                                                         for x, y in zip(reps, ref["hits"][n])]
+            if hbm:  # the same prompt recomputed, then an in-HBM prefix hit: the same compute path
+                row[f"hit{n}_tokens_equal_inhbm_hit"] = [x["tokens"] == y["again_tokens"]
+                                                         for x, y in zip(reps, hbm["hits"][n])]
+        table[mode] = row
+    toks = [report["writers"].get(w, {}).get("write", {}).get("tokens") for w in ("ours", "intree")]
+    if all(toks):
+        table["writers_tokens_agree"] = toks[0] == toks[1]
+    if "ours" in table and "ours-sync" in table:
+        table["ours_over_sync_hit_ttft"] = {
+            n: sum(table["ours"][f"hit{n}_ttft_ms"]) / sum(table["ours-sync"][f"hit{n}_ttft_ms"])
+            for n in runs["ours"]["measure"]["hits"]}
+    return table
+
+
+def _run(args: argparse.Namespace, work: Path) -> None:
+    prompts = _prompts(args)
+    engine = {"model": args.model, "dtype": args.dtype, "enforce_eager": True, "seed": 0,
+              "max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.kv_bytes,
+              "skip_tokenizer_init": True, "enable_prefix_caching": True,
+              "max_num_seqs": 16, "max_num_batched_tokens": args.max_batched}
+    if args.block_size:
+        engine["block_size"] = args.block_size
+    if args.gpu_mem_util:
+        engine["gpu_memory_utilization"] = args.gpu_mem_util
+    params = {"stream_tokens": args.stream_tokens, "save_timeout": 120.0, "extra_save_wait": 0.0}
+    report: dict[str, Any] = {"args": vars(args), "inject_after": INJECT_AFTER, "engine": engine,
+                              "runs": {}, "writers": {}, "started": time.strftime("%F %T")}
+    out = Path(args.out)
+
+    def dump() -> None:
+        report["table"] = _derive(report)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1, default=str))
+
+    from mooncake_vllm.demo.run import INSTANCE_ENV
+
+    base_env = {**os.environ, **INSTANCE_ENV, "TMPDIR": str(work)}
+    modes = [m for m in MODES if m in args.modes]
+    writers = sorted({w for m in modes if (w := _writer_of(m))})
+    procs: dict[str, EngineProcess] = {}
+    for name in [f"writer-{w}" for w in writers] + modes:
+        mode = name.removeprefix("writer-")
+        kv, env = _mode_config(mode)
+        per = prompts["per_mode"][mode] if mode in prompts["per_mode"] else {}
+        wait = args.intree_save_wait if name == "writer-intree" else 0.0
+        spec = {"engine": engine, "kv_config": kv, "prompts": {**prompts["shared"], **per},
+                "params": {**params, "extra_save_wait": wait}}
+        procs[name] = _proc(name, spec, work, {**base_env, **env})
+    t0 = time.monotonic()
+    started = []
+    for w in writers:  # the pool first (writers in parallel); readers build their engines meanwhile
+        try:
+            report["writers"][w] = {"ready": procs[f"writer-{w}"].wait_file("ready", args.init_timeout)}
+            procs[f"writer-{w}"].send("write")
+            started.append(w)
+        except RuntimeError as exc:
+            report["writers"][w] = {"error": str(exc)}
+    for w in writers:
+        p = procs.pop(f"writer-{w}")
+        try:
+            if w in started:
+                report["writers"][w]["write"] = p.wait_file("write.json", 300.0)
+        except RuntimeError as exc:
+            report["writers"][w] = {"error": str(exc)}
+        p.close()
+        print(f"[bench] writer {w}: {json.dumps(report['writers'][w])[:300]}", flush=True)
+    dump()
+    for mode in modes:  # every reader built before any measures: nothing else runs meanwhile
+        try:
+            ready = procs[mode].wait_file("ready", max(10.0, args.init_timeout - (time.monotonic() - t0)))
+            report["runs"][mode] = {"ready": ready}
+        except RuntimeError as exc:
+            report["runs"][mode] = {"error": str(exc)}
+            procs.pop(mode).close()
+    for mode in modes:
+        if mode not in procs:
+            continue
+        p = procs.pop(mode)
+        try:
+            report["runs"][mode]["measure"] = p.run("measure", args.measure_timeout)
+        except RuntimeError as exc:
+            report["runs"][mode]["error"] = str(exc)
+        p.close()
+        dump()
+        row = report["table"].get(mode)
+        print(f"[bench] {mode}: {json.dumps(row) if row else report['runs'][mode]}"[:1500], flush=True)
+    for p in procs.values():
+        p.close()
+    report["finished"] = time.strftime("%F %T")
+    dump()
+    print(json.dumps(report["table"], indent=1), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="/tmp/model")
+    ap.add_argument("--out", default="interference.json")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--block-size", type=int, default=0, help="0: vLLM's default")
+    ap.add_argument("--kv-bytes", type=int, default=2 << 30, help="KV cache per process")
+    ap.add_argument("--gpu-mem-util", type=float, default=0.1,
+                    help="only vLLM's start check (free memory >= this share); 0: not passed")
+    ap.add_argument("--max-model-len", type=int, default=10240)
+    ap.add_argument("--max-batched", type=int, default=8192)
+    ap.add_argument("--stream-tokens", type=int, default=256)
+    ap.add_argument("--load-len", type=int, default=8000)
+    ap.add_argument("--lengths", default="2048,8000")
+    ap.add_argument("--hit-reps", type=int, default=2)
+    ap.add_argument("--vocab-max", type=int, default=31900)
+    ap.add_argument("--intree-save-wait", type=float, default=3.0)
+    ap.add_argument("--init-timeout", type=float, default=240.0)
+    ap.add_argument("--measure-timeout", type=float, default=120.0)
+    ap.add_argument("--local-stack", action="store_true", help="start a Mooncake stack (CPU dry run)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        _worker(json.loads(Path(args.worker).read_text()))
+        return 0
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.modes = args.modes.split(",")
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-interference-"))
+    if not args.local_stack:
+        _run(args, work)
+        return 0
+    from mooncake_vllm.services import LocalStack
+
+    with LocalStack(work / "stack", segment_size=2 << 30, local_buffer_size=256 << 20) as stack:
+        cfg = work / "mooncake_config.json"  # ours ignores "mode"; the in-tree connector needs it
+        cfg.write_text(json.dumps({**stack.config(), "mode": "standalone-store"}))
+        os.environ.update({**stack.env(), "MOONCAKE_CONFIG_PATH": str(cfg),
+                           "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"})
+        _run(args, work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Drive vLLM's in-process engine step by step and stamp every token (ITL as a client sees it).
+
+Shared by the serving benches: :class:`EngineProcess` runs an engine in its own process,
+driven by commands; ``serve`` runs requests (optionally closed-loop with
+``clients`` clients, optionally adding one more request mid-way), each :class:`Req`
+keeps its add time, one timestamp per token and vLLM's ``num_cached_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EngineProcess", "Req", "interference", "itl_stats", "pct", "serve"]
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    t_add: float = 0.0
+    times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    cached: int = -1  #: vLLM's num_cached_tokens (prefix cache + connector), -1: not reported
+
+    def ttft(self) -> float:
+        return self.times[0] - self.t_add
+
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+def serve(engine: Any, reqs: list[Req], clients: int = 1, inject: tuple[int, Req] | None = None,
+          detokenize: bool = True) -> None:
+    """Closed loop: ``clients`` clients, each sending its next request once its last one ended.
+
+    ``inject=(n, req)`` adds ``req`` (outside the loop) once ``reqs[0]`` has ``n`` tokens;
+    ``detokenize=False`` for engines built with ``skip_tokenizer_init``.
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    todo, live = list(reqs), {}
+
+    def add(r: Req) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
+                                detokenize=detokenize, output_kind=RequestOutputKind.DELTA)
+        r.t_add = time.perf_counter()
+        engine.add_request(r.rid, {"prompt_token_ids": r.prompt}, params)
+        live[r.rid] = r
+
+    while todo and len(live) < clients:
+        add(todo.pop(0))
+    while live:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            r = live.get(out.request_id)
+            if r is None:
+                continue
+            new = list(out.outputs[0].token_ids)
+            r.tokens += new
+            r.times += [now] * len(new)
+            if getattr(out, "num_cached_tokens", None) is not None:
+                r.cached = max(r.cached, out.num_cached_tokens)
+            if out.finished:
+                del live[r.rid]
+                if todo:
+                    add(todo.pop(0))
+        if inject and not inject[1].t_add and len(reqs[0].tokens) >= inject[0]:
+            add(inject[1])
+
+
+def pct(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+def itl_stats(itls: list[float]) -> dict[str, Any]:
+    return {"p50": pct(itls, 0.5), "p99": pct(itls, 0.99), "max": max(itls, default=None),
+            "n": len(itls)}
+
+
+def interference(engine: Any, alone: Req, stream: Req, load: Req, after: int,
+                 between: Callable[[], Any] = lambda: None, detokenize: bool = True) -> dict[str, Any]:
+    """``alone`` decodes by itself; then ``stream`` decodes and ``load`` arrives after ``after`` tokens.
+
+    ITL stats of both streams past their first ``after`` tokens, and of ``stream`` while
+    ``load`` is served (from adding it to its first token). ``between`` runs between the two.
+    """
+    serve(engine, [alone], detokenize=detokenize)
+    between()
+    serve(engine, [stream], inject=(after, load), detokenize=detokenize)
+    t0, t1 = load.t_add, load.times[0]
+    during = [b - a for a, b in zip(stream.times, stream.times[1:]) if b > t0 and a < t1]
+    return {"alone": itl_stats(alone.itls()[after:]), "during_load": itl_stats(during),
+            "whole_stream": itl_stats(stream.itls()[after:]), "load_ttft_s": load.ttft()}
+
+
+class EngineProcess:
+    """One engine in its own process: ``argv + [spec file]``; commands on stdin, results as files.
+
+    The process writes ``<work>/<name>/ready`` once built and ``<command>.json`` per command
+    line; ``close`` ends its stdin (and kills it 30 s later if it is still there).
+    """
+
+    def __init__(self, name: str, argv: list[str], spec: dict[str, Any], work: Path,
+                 env: dict[str, str]) -> None:
+        self.name, self.dir = name, work / name
+        self.dir.mkdir()
+        spec_path = work / f"{name}.spec.json"
+        spec_path.write_text(json.dumps({**spec, "dir": str(self.dir)}))
+        self.log = work / f"{name}.log"
+        with open(self.log, "wb") as fh:
+            self.proc = subprocess.Popen([*argv, str(spec_path)], stdin=subprocess.PIPE, stdout=fh,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                         text=True)
+
+    def wait_file(self, name: str, timeout: float) -> Any:
+        path, deadline = self.dir / name, time.monotonic() + timeout
+        while not path.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                why = "exited" if self.proc.poll() is not None else "timed out"
+                raise RuntimeError(f"{self.name} {why}; log tail:\n"
+                                   + self.log.read_text(errors="replace")[-2500:])
+            time.sleep(0.05)
+        return json.loads(path.read_text())
+
+    def send(self, command: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def run(self, command: str, timeout: float) -> Any:
+        self.send(command)
+        return self.wait_file(f"{command}.json", timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            threading.Timer(30.0, lambda: self.proc.poll() is None and self.proc.kill()).start()
