@@ -45,11 +45,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench_v1_ttft import BYTES_PER_TOKEN, MODEL, _ceiling, _model, pyplot
+from engine_steps import Req, interference, pct, serve
 
 from mooncake_vllm.demo.run import (INSTANCE_ENV, connector_counters, kv_transfer_config,
                                     run_instance, wait_saves_idle)
@@ -60,7 +60,7 @@ __all__ = ["main"]
 MODES = ("none", "intree", "ours", "ours-sync")
 FULL = {"stream_tokens": 256, "load_len": 8000, "lengths": [1000, 4000, 8000], "docs": 8,
         "doc_len": 2048, "question_len": 100, "clients": 16, "requests": 32, "out_tokens": 64,
-        "misses": 4, "miss_len": 1000}
+        "misses": 8, "miss_len": 1000}
 QUICK = {"stream_tokens": 64, "load_len": 2000, "lengths": [1000, 2000], "docs": 4,
          "doc_len": 512, "question_len": 32, "clients": 4, "requests": 8, "out_tokens": 16,
          "misses": 2, "miss_len": 500}
@@ -68,70 +68,6 @@ INJECT_AFTER = 16  #: stream tokens before the interfering prompt arrives
 
 
 # --------------------------------------------------------------------- reader (one vLLM process)
-@dataclass
-class Req:
-    rid: str
-    prompt: list[int]
-    max_tokens: int
-    t_add: float = 0.0
-    times: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-
-    def ttft(self) -> float:
-        return self.times[0] - self.t_add
-
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:])]
-
-
-def _serve(engine: Any, reqs: list[Req], clients: int = 1,
-           inject: tuple[int, Req] | None = None) -> None:
-    """Closed loop: ``clients`` clients, each sending its next request once its last one ended.
-
-    ``inject=(n, req)`` adds ``req`` (outside the loop) once ``reqs[0]`` has ``n`` tokens.
-    """
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    todo, live = list(reqs), {}
-
-    def add(r: Req) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
-        r.t_add = time.perf_counter()
-        engine.add_request(r.rid, {"prompt_token_ids": r.prompt}, params)
-        live[r.rid] = r
-
-    while todo and len(live) < clients:
-        add(todo.pop(0))
-    while live:
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            r = live.get(out.request_id)
-            if r is None:
-                continue
-            new = list(out.outputs[0].token_ids)
-            r.tokens += new
-            r.times += [now] * len(new)
-            if out.finished:
-                del live[r.rid]
-                if todo:
-                    add(todo.pop(0))
-        if inject and not inject[1].t_add and len(reqs[0].tokens) >= inject[0]:
-            add(inject[1])
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
-def _itl_stats(itls: list[float]) -> dict[str, float]:
-    return {"p50": _pct(itls, 0.5), "p99": _pct(itls, 0.99), "max": max(itls, default=float("nan")),
-            "n": len(itls)}
-
-
 def _phases(engine: Any, p: dict[str, Any], prompts: dict[str, Any]) -> dict[str, Any]:
     """The reader's phases by name; each returns its JSON-able result."""
     seq = iter(range(1 << 30))
@@ -140,28 +76,21 @@ def _phases(engine: Any, p: dict[str, Any], prompts: dict[str, Any]) -> dict[str
         return Req(f"r{next(seq)}", prompt, n)
 
     def warmup() -> dict[str, Any]:
-        _serve(engine, [req(prompts["warmup"][0], 4), req(prompts["warmup"][1], 2)])
+        serve(engine, [req(prompts["warmup"][0], 4), req(prompts["warmup"][1], 2)])
         return {}
 
-    def interference() -> dict[str, Any]:
-        alone = req(prompts["stream_alone"], p["stream_tokens"])
-        _serve(engine, [alone])
-        wait_saves_idle()
-        stream, load = req(prompts["stream_loaded"], p["stream_tokens"]), req(prompts["load"], 1)
-        _serve(engine, [stream], inject=(INJECT_AFTER, load))
-        t0, t1 = load.t_add, load.times[0]
-        during = [b - a for a, b in zip(stream.times, stream.times[1:]) if b > t0 and a < t1]
-        return {"alone": _itl_stats(alone.itls()[INJECT_AFTER:]), "during_load": _itl_stats(during),
-                "whole_stream": _itl_stats(stream.itls()[INJECT_AFTER:]),
-                "load_ttft_s": load.ttft()}
+    def interfere() -> dict[str, Any]:
+        return interference(engine, req(prompts["stream_alone"], p["stream_tokens"]),
+                            req(prompts["stream_loaded"], p["stream_tokens"]),
+                            req(prompts["load"], 1), INJECT_AFTER, between=wait_saves_idle)
 
     def hits() -> dict[str, Any]:
         # the same prompt again is a local prefix-cache hit: the engine's own step
         out = {}
         for n, prompt in zip(p["lengths"], prompts["hits"]):
             first, again = req(prompt, 8), req(prompt, 1)
-            _serve(engine, [first])
-            _serve(engine, [again])
+            serve(engine, [first])
+            serve(engine, [again])
             out[str(n)] = {"ttft_s": first.ttft(), "local_ttft_s": again.ttft(),
                            "tokens": first.tokens}
         return out
@@ -169,19 +98,19 @@ def _phases(engine: Any, p: dict[str, Any], prompts: dict[str, Any]) -> dict[str
     def misses() -> dict[str, Any]:
         reqs = [req(m, 1) for m in prompts["misses"]]
         for r in reqs:
-            _serve(engine, [r])
+            serve(engine, [r])
         return {"ttft_s": [r.ttft() for r in reqs]}
 
     def mixed() -> dict[str, Any]:
         reqs = [req(m, p["out_tokens"]) for m in prompts["mixed"]]
-        _serve(engine, reqs, clients=p["clients"])
+        serve(engine, reqs, clients=p["clients"])
         start, end = min(r.t_add for r in reqs), max(r.times[-1] for r in reqs)
         ttfts = [r.ttft() for r in reqs]
         return {"throughput_tok_s": sum(len(r.tokens) for r in reqs) / (end - start),
-                "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
-                "itl_p99_s": _pct([x for r in reqs for x in r.itls()], 0.99), "wall_s": end - start}
+                "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
+                "itl_p99_s": pct([x for r in reqs for x in r.itls()], 0.99), "wall_s": end - start}
 
-    return {"warmup": warmup, "interference": interference, "hits": hits, "misses": misses,
+    return {"warmup": warmup, "interference": interfere, "hits": hits, "misses": misses,
             "mixed": mixed, "connector": connector_counters}
 
 
