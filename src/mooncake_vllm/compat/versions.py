@@ -162,6 +162,10 @@ class VllmFacts:
     #: build_kv_connector_stats: a periodic "KV Transfer metrics" log line) | "prometheus"
     #: (+ build_prom_metrics: the server's /metrics)
     connector_metrics: str = "none"
+    #: the frontend's stat logger asserts that no KV connector exists in its process
+    #: (KVConnectorLogging): false with an in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    #: and a connector, so such an offline LLM cannot start with stats on
+    inprocess_connector_stats_assert: bool = False
     #: worker-side KV events reach vLLM's KV-event publisher (get_kv_connector_kv_cache_events
     #: -> update_connector_output -> take_events): a connector can announce what the pool holds
     connector_kv_events: bool = False
@@ -305,7 +309,9 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        builtin_hash_randomises_strings=False),
     _c("0.11.0", "vllm §2/§3/§7: V0 engine gone; VLLM_USE_V1 still defined, False raises; "
        "+get_kv_connector_stats/build_kv_connector_stats (KVConnectorStats, logged only)",
-       has_v0_engine=False, use_v1_env="v1-required", v0_hash_seed="absent", connector_metrics="log"),
+       has_v0_engine=False, use_v1_env="v1-required", v0_hash_seed="absent", connector_metrics="log",
+       # wheel 0.11.2: v1/metrics.py KVConnectorLogging.__init__ asserts not has_kv_transfer_group()
+       inprocess_connector_stats_assert=True),
     _c("0.11.1", "vllm §3/§6/§7/§8: VLLM_USE_V1 removed; optional kv_cache_config 3rd arg; children get 3 args; "
        "+get_block_ids_with_load_errors (background loads may fail safely); SupportsHMA (hybrid manager "
        "off for other connectors); +build_prom_metrics (connector stats in /metrics; wheel 0.11.2 also "
@@ -326,6 +332,9 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        hash_algorithms=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
        # vllm §7 (+reset_cache, PR #27170); wheels: absent in 0.10.0, present in 0.32.0 and 0.33.0
        connector_reset_hook=True, connector_kv_events=True),
+    _c("0.14.0", "wheel 0.14.1 (0.12-0.13 unread): KVConnectorLogging no longer asserts that the "
+       "frontend process holds no KV connector (in-process engine + connector + stats start)",
+       inprocess_connector_stats_assert=False),
     _c("0.16.0", "vllm §5/§9: ConfigDict(extra='forbid') -> unknown KVTransferConfig keys rejected; "
        "P2P MooncakeConnector needs a proxy-chosen transfer_id and a bootstrap server",
        kv_config_kind="pydantic-forbid", rejects_unknown_kv_keys=True,
