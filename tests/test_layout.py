@@ -47,6 +47,25 @@ def test_cpu_and_gpu_layouts_never_match() -> None:
     assert cpu.fingerprint != gpu.fingerprint and cpu.block_nbytes == gpu.block_nbytes
 
 
+def test_old_cpu_backend_is_k_and_v_apart_heads_first() -> None:
+    # vLLM's CPU backend up to 0.22: [2, num_blocks, kv_heads, block_size, head]
+    kv = _caches((2, 10, 4, 16, 8))
+    lay = BlockLayout.from_kv_caches({f"l{i}": t for i, t in enumerate(kv)}, kind="cpu-hnd",
+                                     variant="cpu")
+    assert (lay.num_blocks, lay.block_size, lay.num_layers, lay.heads_first) == (10, 16, 3, True)
+    assert lay.fingerprint == "hnd:cpu:float32:L3:2x16x4x8"
+    assert _read(lay.segments(7)) == b"".join(t[0, 7].numpy().tobytes() + t[1, 7].numpy().tobytes()
+                                              for t in kv)
+    rows = lay.byte_views()  # the device path gathers the same bytes, no copy
+    assert rows[0].data_ptr() == kv[0].data_ptr()
+    assert bytes(rows[0][0, 7].numpy()) + bytes(rows[0][1, 7].numpy()) == \
+        kv[0][0, 7].numpy().tobytes() + kv[0][1, 7].numpy().tobytes()
+    gpu_hnd = [t.swapaxes(2, 3) for t in kv]  # the same memory as FlashAttention HND
+    assert BlockLayout.from_kv_caches(gpu_hnd).fingerprint == "hnd:float32:L3:2x16x4x8"
+    with pytest.raises(ValueError, match=r"cpu-hnd KV tensor is \[2, num_blocks, kv_heads"):
+        BlockLayout.from_kv_caches(_caches((10, 4, 16, 16)), kind="cpu-hnd")
+
+
 def test_mla_numpy_and_variant() -> None:
     kv = [np.arange(5 * 16 * 8, dtype=np.float32).reshape(5, 16, 8) for _ in range(2)]
     lay = BlockLayout.from_kv_caches(kv, variant="isa-vec")

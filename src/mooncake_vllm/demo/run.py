@@ -115,8 +115,25 @@ def _reset_prefix_cache(llm: Any, timeout: float = 10.0) -> None:
         llm.llm_engine.step()
 
 
+def _tolerate_inprocess_connector_stats() -> None:
+    """vLLM 0.11.x's stat logger asserts that its process holds no KV connector: true with a
+    separate engine process (``vllm serve``), false in our in-process offline instances,
+    where the engine core has built the connector first. Lift only that assertion (its
+    stats aggregation then runs as in the separate-process case); facts say which releases."""
+    from mooncake_vllm.compat import installed_vllm, vllm_facts
+
+    dist = installed_vllm()
+    if dist is None or not vllm_facts(dist.version, strict=False).inprocess_connector_stats_assert:
+        return
+    from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
+
+    metrics.has_kv_transfer_group = lambda: False
+
+
 def _instance(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
+
+    _tolerate_inprocess_connector_stats()
 
     prompts: list[list[int]] = json.loads(Path(args.prompts).read_text())
     kv_cfg = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None

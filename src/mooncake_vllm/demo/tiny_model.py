@@ -24,6 +24,7 @@ __all__ = [
     "build_tiny_model",
     "cached_tiny_model",
     "default_cache_dir",
+    "portable_tokenizer_config",
     "tiny_model_params",
 ]
 
@@ -105,6 +106,7 @@ def _build(out: Path, p: dict[str, Any]) -> None:
 
     tokenizer = _train_tokenizer()
     tokenizer.save_pretrained(out)
+    portable_tokenizer_config(out)
     cfg = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=p["hidden_size"], intermediate_size=p["intermediate_size"],
         num_hidden_layers=p["num_layers"], num_attention_heads=p["num_heads"],
@@ -115,6 +117,27 @@ def _build(out: Path, p: dict[str, Any]) -> None:
     torch.manual_seed(p["seed"])
     model = LlamaForCausalLM(cfg).to(getattr(torch, p["dtype"]))
     model.save_pretrained(out, safe_serialization=True)
+
+
+#: transformers 5 saves a fast tokenizer as ``TokenizersBackend``, a class transformers 4
+#: (the env of vLLM <= 0.11) does not know; both load ``PreTrainedTokenizerFast`` alike.
+_PORTABLE_TOKENIZER = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def portable_tokenizer_config(path: Path) -> None:
+    """Name the tokenizer class in ``path`` by what transformers 4 and 5 both load (idempotent)."""
+    cfg_path = path / "tokenizer_config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError):
+        return
+    name = _PORTABLE_TOKENIZER.get(cfg.get("tokenizer_class"))
+    if name is None:
+        return
+    cfg["tokenizer_class"] = name
+    tmp = cfg_path.with_name(f".{cfg_path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tmp.replace(cfg_path)
 
 
 def _stamp_matches(path: Path, params: dict[str, Any]) -> bool:
@@ -149,6 +172,7 @@ def build_tiny_model(
     _validate(params)
     path = Path(path)
     if _stamp_matches(path, params):
+        portable_tokenizer_config(path)  # a model built before the config was made portable
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:

@@ -99,10 +99,19 @@ def _cpu_isa(vllm_config: Any, block_size: int, head_size: int) -> str:
         return ""
 
 
+def _total_layers(model_config: Any) -> int:
+    """The model's hidden layers over all pipeline stages."""
+    method = getattr(model_config, "get_total_num_hidden_layers", None)
+    if method is not None:
+        return int(method())
+    # vLLM <= 0.11 has no such method; its own get_layers_start_end_indices reads this field
+    return int(getattr(model_config.hf_text_config, "num_hidden_layers", 0))
+
+
 def _layer_count(vllm_config: Any, pp_rank: int) -> int:
     model_config = vllm_config.model_config
     pp_size = vllm_config.parallel_config.pipeline_parallel_size
-    total = model_config.get_total_num_hidden_layers()
+    total = _total_layers(model_config)
     if pp_size == 1:
         return int(total)
     from vllm.distributed.utils import get_pp_indices
@@ -123,9 +132,15 @@ def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
     dtype = _dtype_name(vllm_config)
     heads_first = False
     use_mla = bool(getattr(model_config, "use_mla", False))
-    if _is_cpu_platform() and not use_mla:
+    if _is_cpu_platform() and not use_mla and _installed_facts().cpu_kv_view == "2bhnd":
+        # [2, B, H, N, D]: K and V apart, heads first; "cpu" keeps it apart from a GPU's HND
+        isa = _cpu_isa(vllm_config, block_size, head_size)
+        kind, predicted = "cpu-hnd", "cpu" + (f"-{isa}" if isa else "")
+        heads_first = heads > 1 and block_size > 1
+        shape: tuple[int, ...] = (2, block_size, heads, head_size)
+    elif _is_cpu_platform() and not use_mla:
         kind, predicted = "cpu", _cpu_isa(vllm_config, block_size, head_size)
-        shape: tuple[int, ...] = (heads, block_size, 2 * head_size)
+        shape = (heads, block_size, 2 * head_size)
     else:  # GPU, or MLA anywhere (the CPU MLA backend keeps the generic latent layout)
         facts = _installed_facts()
         name = gpu_layout_name(vllm_config, facts)
