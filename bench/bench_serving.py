@@ -13,6 +13,8 @@ processes)::
     ours-sync  ours with ``"load_async": false`` (the synchronous load path the
              asynchronous one must not be slower than) under its own
              ``cache_prefix``, so that its pool keys are not ``ours``'s
+    ours-nice0 ours with ``MOONCAKE_VLLM_THREAD_NICE=0`` (the pool's threads at vLLM's
+             priority; not in the default set), its own ``cache_prefix``
 
 The reader drives vLLM's engine step by step (``LLMEngine.step``; in-process
 engine) and stamps every token, so inter-token latency (ITL) is what a streaming
@@ -196,6 +198,9 @@ class _Reader:
 def _mode_config(mode: str, env: dict[str, str]) -> tuple[dict[str, Any] | None, dict[str, str]]:
     if mode == "ours":
         return kv_transfer_config("kv_both"), dict(env)
+    if mode == "ours-nice0":
+        return (kv_transfer_config("kv_both", extra={"cache_prefix": "nice0"}),
+                {**env, "MOONCAKE_VLLM_THREAD_NICE": "0"})
     if mode == "ours-sync":
         return (kv_transfer_config("kv_both", extra={"load_async": False, "cache_prefix": "sync"}),
                 dict(env))
