@@ -132,13 +132,14 @@ def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
     dtype = _dtype_name(vllm_config)
     heads_first = False
     use_mla = bool(getattr(model_config, "use_mla", False))
-    if _is_cpu_platform() and not use_mla and _installed_facts().cpu_kv_view == "2bhnd":
+    cpu_kv = _is_cpu_platform() and not use_mla
+    if cpu_kv and _installed_facts().cpu_kv_view == "2bhnd":
         # [2, B, H, N, D]: K and V apart, heads first; "cpu" keeps it apart from a GPU's HND
         isa = _cpu_isa(vllm_config, block_size, head_size)
         kind, predicted = "cpu-hnd", "cpu" + (f"-{isa}" if isa else "")
         heads_first = heads > 1 and block_size > 1
         shape: tuple[int, ...] = (2, block_size, heads, head_size)
-    elif _is_cpu_platform() and not use_mla:
+    elif cpu_kv:
         kind, predicted = "cpu", _cpu_isa(vllm_config, block_size, head_size)
         shape = (heads, block_size, 2 * head_size)
     else:  # GPU, or MLA anywhere (the CPU MLA backend keeps the generic latent layout)
