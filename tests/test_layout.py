@@ -66,6 +66,26 @@ def test_old_cpu_backend_is_k_and_v_apart_heads_first() -> None:
         BlockLayout.from_kv_caches(_caches((10, 4, 16, 16)), kind="cpu-hnd")
 
 
+def test_oldest_cpu_backend_is_one_page_per_block_for_k_and_v() -> None:
+    # vLLM's V1 CPU backend up to 0.11.0: [2, num_blocks, block_size * kv_heads * head]
+    kv = _caches((2, 10, 16 * 4 * 8))
+    lay = BlockLayout.from_kv_caches(kv, kind="cpu-paged", variant="cpu-ipex")
+    assert (lay.num_blocks, lay.num_layers, lay.segs_per_layer) == (10, 3, 2)
+    assert lay.fingerprint == "paged:cpu-ipex:float32:L3:2x512"
+    assert lay.block_nbytes == 3 * 2 * 512 * 4
+    assert _read(lay.segments(7)) == b"".join(t[0, 7].numpy().tobytes() + t[1, 7].numpy().tobytes()
+                                              for t in kv)
+    rows = lay.byte_views()  # the device path gathers the same bytes, no copy
+    assert rows[0].data_ptr() == kv[0].data_ptr()
+    assert bytes(rows[1][1, 7].numpy()) == kv[1][1, 7].numpy().tobytes()
+    # numpy pages too, and the page order (variant) keeps IPEX and PagedAttention apart
+    other = BlockLayout.from_kv_caches([t.numpy() for t in kv], kind="cpu-paged", variant="cpu-paged")
+    assert other.fingerprint == "paged:cpu-paged:float32:L3:2x512"
+    assert _read(other.segments(7)) == _read(lay.segments(7))
+    with pytest.raises(ValueError, match=r"cpu-paged KV tensor is \[2, num_blocks, block_size"):
+        BlockLayout.from_kv_caches(_caches((2, 10, 4, 16, 8)), kind="cpu-paged")
+
+
 def test_mla_numpy_and_variant() -> None:
     kv = [np.arange(5 * 16 * 8, dtype=np.float32).reshape(5, 16, 8) for _ in range(2)]
     lay = BlockLayout.from_kv_caches(kv, variant="isa-vec")

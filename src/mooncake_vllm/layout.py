@@ -12,6 +12,9 @@ Kinds (per-layer tensor shape → segments per block):
 * ``cpu-hnd`` ``[2, num_blocks, kv_heads, block_size, head]`` (vLLM's CPU backend up to
   0.23) → ``kv[0, b]``, ``kv[1, b]``: handled as ``nhd`` stored heads first (bytes ``hnd``;
   the CPU kernels pack K their own way, so the prediction tags it with a ``cpu`` variant)
+* ``cpu-paged`` ``[2, num_blocks, block_size*kv_heads*head]`` (vLLM's V1 CPU backend up to
+  0.11.0: PagedAttention or IPEX pages, whose inner order the variant names) →
+  ``kv[0, b]``, ``kv[1, b]``: handled as ``nhd`` ``[2, B, 1, 1, C]``, bytes ``paged``
 * ``nhd-interleaved`` ``[num_blocks, 2, block_size, kv_heads, head]`` (FlashInfer) →
   ``kv[b]``; byte-identical per block to ``nhd``, so both share one fingerprint
 * ``mla``   ``[num_blocks, block_size, head]`` → ``kv[b]``
@@ -45,8 +48,8 @@ from typing import Any
 
 __all__ = ["KINDS", "BlockLayout", "TensorView", "bytes_kind", "layout_fingerprint"]
 
-KINDS = ("cpu", "cpu-hnd", "nhd", "nhd-interleaved", "mla", "hnc")
-_BYTES_KIND = {"cpu": "cpu", "cpu-hnd": "hnd", "nhd": "nhd", "nhd-interleaved": "nhd", "mla": "mla", "hnd": "hnd",
+KINDS = ("cpu", "cpu-hnd", "cpu-paged", "nhd", "nhd-interleaved", "mla", "hnc")
+_BYTES_KIND = {"cpu": "cpu", "cpu-hnd": "hnd", "cpu-paged": "paged", "nhd": "nhd", "nhd-interleaved": "nhd", "mla": "mla", "hnd": "hnd",
                "hnc": "hnc", "nhc": "nhc"}
 #: 5-dim kinds whose inner ``[block_size, heads, head]`` may be stored heads-first
 _FIVE_DIM = ("nhd", "nhd-interleaved")
@@ -142,6 +145,21 @@ def _as_heads_first_nhd(views: Sequence[TensorView], tensors: Sequence[Any]
     return swapped, [t.swapaxes(2, 3) for t in tensors], "nhd"
 
 
+def _as_flat_nhd(views: Sequence[TensorView], tensors: Sequence[Any]
+                 ) -> tuple[list[TensorView], list[Any], str]:
+    """``cpu-paged`` ``[2, B, C]`` tensors as ``nhd`` ``[2, B, 1, 1, C]`` views (no copy)."""
+    if any(len(v.shape) != 3 or v.shape[0] != 2 for v in views):
+        raise ValueError(f"a cpu-paged KV tensor is [2, num_blocks, block_size*kv_heads*head]; "
+                         f"found shape {list(views[0].shape)}")
+    flat = [TensorView(v.ptr, (2, v.shape[1], 1, 1, v.shape[2]),
+                       (v.strides[0], v.strides[1], v.shape[2] * v.strides[2],
+                        v.shape[2] * v.strides[2], v.strides[2]), v.itemsize, v.dtype, v.device)
+            for v in views]
+    # torch: view() (never a silent copy); numpy: reshape of these C-contiguous pages
+    return flat, [(t.view if hasattr(t, "data_ptr") else t.reshape)(2, t.shape[1], 1, 1, t.shape[2])
+                  for t in tensors], "nhd"
+
+
 def bytes_kind(kind: str, heads_first: bool) -> str:
     """The fingerprint kind of tensor kind ``kind`` stored (or not) heads before tokens."""
     if kind in _FIVE_DIM:
@@ -168,8 +186,13 @@ class BlockLayout:
                  tensors: Sequence[Any] = ()) -> None:
         if not views:
             raise ValueError("no KV cache tensors given")
+        #: fingerprint (kind, block shape) where it is not the handled kind's own
+        named: tuple[str, tuple[int, ...]] | None = None
         if kind == "cpu-hnd":  # the same memory seen as [2, B, N, H, D] stored heads first
             views, tensors, kind = _as_heads_first_nhd(views, tensors)
+        elif kind == "cpu-paged":  # one page per block for K and one for V: [2, B, 1, 1, C]
+            named = ("cpu-paged", (2, views[0].shape[-1]))
+            views, tensors, kind = _as_flat_nhd(views, tensors)
         first = views[0]
         for v in views[1:]:
             if (v.shape, v.strides, v.dtype, v.device) != (first.shape, first.strides,
@@ -215,9 +238,8 @@ class BlockLayout:
         self.seg_nbytes = count * first.itemsize
         self.segs_per_layer = 2 if kind == "nhd" else 1
         self.block_nbytes = self.seg_nbytes * self.segs_per_layer * self.num_layers
-        self.fingerprint = layout_fingerprint(bytes_kind(kind, self.heads_first), self.dtype,
-                                              self.num_layers,
-                                              self.block_shape, variant)
+        fp_kind, fp_shape = named or (bytes_kind(kind, self.heads_first), self.block_shape)
+        self.fingerprint = layout_fingerprint(fp_kind, self.dtype, self.num_layers, fp_shape, variant)
 
     @property
     def on_cuda(self) -> bool:

@@ -172,8 +172,15 @@ def test_pep440_version_orders_releases_and_names_the_field() -> None:
         pep440_version("not-a-version", what="Mooncake version")
 
 
+@pytest.mark.parametrize("release, counter", [("0.10.2", False), ("0.11.0", False),
+                                              ("0.11.2", True), ("0.32.0", True)])
+def test_vllm_counts_connector_hits_itself_from_0_11_1(release: str, counter: bool) -> None:
+    assert vllm_facts(release).external_hit_counter is counter
+
+
 @pytest.mark.parametrize("release, cpu_view, stats_assert, drops_idle", [
-    ("0.10.2", "2bhnd", False, False), ("0.11.2", "2bhnd", True, False),
+    ("0.9.2", "2bflat", False, False), ("0.10.2", "2bflat", False, False),
+    ("0.11.0", "2bflat", True, False), ("0.11.2", "2bhnd", True, False),
     ("0.14.1", "2bhnd", False, False), ("0.16.0", "2bhnd", False, False),
     ("0.17.0", "2bhnd", False, True), ("0.21.0", "2bhnd", False, True),
     ("0.22.0", "2bhnd", False, True), ("0.23.0", "bhnc", False, True),

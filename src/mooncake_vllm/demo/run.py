@@ -70,7 +70,10 @@ def _metric_totals(llm: Any) -> dict[str, float]:
         name = getattr(metric, "name", "")
         if "prefix_cache" in name and hasattr(metric, "value"):
             out[name] = out.get(name, 0.0) + float(metric.value)
-    missing = [name for name in PREFIX_CACHE_METRICS if name not in out]
+    facts = _installed_facts()
+    needed = PREFIX_CACHE_METRICS if facts is None or facts.external_hit_counter \
+        else PREFIX_CACHE_METRICS[:2]  # vLLM <= 0.11.0: no connector counter (results' cached_tokens)
+    missing = [name for name in needed if name not in out]
     if missing:
         raise RuntimeError(f"vLLM reported no {', '.join(missing)} (prefix-cache counters found: "
                            f"{sorted(out) or 'none'}); hit counts would be meaningless")
@@ -190,6 +193,17 @@ def _record_idle_step_stats(llm: Any) -> None:
     core.get_output = get_output_recording_idle_steps
 
 
+def _kv_cache_size(nbytes: int) -> dict[str, int]:
+    """The KV cache size as this vLLM takes it: ``kv_cache_memory_bytes`` where the engine
+    has it, else (vLLM 0.10 and older, CPU) ``VLLM_CPU_KVCACHE_SPACE`` in whole GiB."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "kv_cache_memory_bytes" in EngineArgs.__dataclass_fields__:
+        return {"kv_cache_memory_bytes": nbytes}
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, -(-nbytes // (1 << 30)))))
+    return {}
+
+
 def _instance(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -199,7 +213,7 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
     kv_cfg = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype="float32", block_size=args.block_size,
-              max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_bytes,
+              max_model_len=args.max_model_len, **_kv_cache_size(args.kv_bytes),
               enforce_eager=True, enable_prefix_caching=True, disable_log_stats=False,
               kv_transfer_config=kv_cfg, seed=0)
     init_s = time.perf_counter() - t0
@@ -217,7 +231,7 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
         if args.reset_prefix_cache:
             _reset_prefix_cache(llm)
         t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], first, use_tqdm=False)
+        first_out = llm.generate([{"prompt_token_ids": ids}], first, use_tqdm=False)
         ttft = time.perf_counter() - t
         tokens: list[int] = []
         if not args.ttft_only:
@@ -225,8 +239,10 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
                 _reset_prefix_cache(llm)
             out = llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)
             tokens = list(out[0].outputs[0].token_ids)
+        # vLLM's own count of this prompt's prefix tokens it did not compute (local + pool)
+        cached = getattr(first_out[0], "num_cached_tokens", None)
         results.append({"prompt_len": len(ids), "ttft_s": ttft, "tokens": tokens,
-                        "rss_kb": _rss_kb()})
+                        "cached_tokens": cached, "rss_kb": _rss_kb()})
     wait_saves_idle(llm=llm)
     return {"init_s": init_s, "results": results, "metrics": _metric_totals(llm),
             "connector": connector_counters(llm), "rss_kb": _rss_kb(),

@@ -99,6 +99,19 @@ def _cpu_isa(vllm_config: Any, block_size: int, head_size: int) -> str:
         return ""
 
 
+def _cpu_page_kind() -> str:
+    """How vLLM's CPU backend (up to 0.11.0) orders a block's page: IPEX's
+    ``[H, N, D]`` pages or PagedAttention's (K split in ``x``-wide vectors), as vLLM
+    itself decides (``_use_ipex``)."""
+    for module in ("vllm.v1.attention.backends.cpu_attn", "vllm.attention.ops.ipex_attn"):
+        try:
+            use_ipex = getattr(importlib.import_module(module), "_use_ipex")
+        except (ImportError, AttributeError):
+            continue
+        return "cpu-ipex" if use_ipex else "cpu-paged"
+    return "cpu-ipex"  # 0.9.x: the V1 CPU backend always uses ipex_attn's pages
+
+
 def _total_layers(model_config: Any) -> int:
     """The model's hidden layers over all pipeline stages."""
     method = getattr(model_config, "get_total_num_hidden_layers", None)
@@ -133,13 +146,18 @@ def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
     heads_first = False
     use_mla = bool(getattr(model_config, "use_mla", False))
     cpu_kv = _is_cpu_platform() and not use_mla
-    if cpu_kv and _installed_facts().cpu_kv_view == "2bhnd":
+    cpu_view = _installed_facts().cpu_kv_view if cpu_kv else None
+    if cpu_view == "2bflat":
+        # [2, B, N*H*D]: a K page and a V page per block, ordered as the page kind says
+        kind, predicted = "cpu-paged", _cpu_page_kind()
+        shape = (2, block_size * heads * head_size)
+    elif cpu_view == "2bhnd":
         # [2, B, H, N, D]: K and V apart, heads first; "cpu" keeps it apart from a GPU's HND
         isa = _cpu_isa(vllm_config, block_size, head_size)
         kind, predicted = "cpu-hnd", "cpu" + (f"-{isa}" if isa else "")
         heads_first = heads > 1 and block_size > 1
         shape: tuple[int, ...] = (2, block_size, heads, head_size)
-    elif cpu_kv:
+    elif cpu_kv:  # "bhnc"
         kind, predicted = "cpu", _cpu_isa(vllm_config, block_size, head_size)
         shape = (heads, block_size, 2 * head_size)
     else:  # GPU, or MLA anywhere (the CPU MLA backend keeps the generic latent layout)
