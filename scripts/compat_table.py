@@ -521,7 +521,10 @@ def _render_v0(releases: list[str], by_release: dict[str, list[dict[str, Any]]])
            "(marker `v0`: `tests/v0` and the V0 contract test) that drive our V0 connector through "
            "the real V0 classes of that release in its contract env (`tox -e contract-vllm0100`), "
            "and GPU runs (level `gpu`, recorded with "
-           f"`{COMMAND} record --level gpu ...`, see `{COMMAND} --help`).",
+           f"`{COMMAND} record --level gpu ...`, see `{COMMAND} --help`). The V0 engine has not run "
+           "on the lent GPU machine: every V0 release pins torch <= 2.7, the machine has torch 2.11 "
+           "and no network, and a call carries at most 64 MiB; V0's data path (full blocks and the "
+           "prompt tail) ran there on CUDA KV caches ([gpu.md](gpu.md#what-did-not-run-on-a-gpu)).",
            "",
            "| vLLM | V0 connector-level tests, real classes (contract env) | GPU runs |",
            "|---|---|---|"]
@@ -531,7 +534,7 @@ def _render_v0(releases: list[str], by_release: dict[str, list[dict[str, Any]]])
         tested = sorted(by_release.get(rel, []), key=lambda r: r["env"])
         contract = "<br>".join(_v0_evidence(r) for r in tested if r["level"] != "gpu") or "none recorded"
         gpu = "<br>".join(f"{_result(r)} ({r['env']}, {r.get('device')}, {_commit(r)})"
-                          for r in tested if r["level"] == "gpu") or "none recorded yet"
+                          for r in tested if r["level"] == "gpu") or "none: no V0 engine on the GPU machine (above)"
         out.append(f"| {rel} | {contract} | {gpu} |")
     return out
 
