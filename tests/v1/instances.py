@@ -11,7 +11,8 @@ from typing import Any
 from mooncake_vllm.compat import installed_vllm, vllm_facts
 from mooncake_vllm.keys import KeyNamespace
 
-__all__ = ["announced_namespace", "complete", "external_hits", "hits", "prompt", "tokens"]
+__all__ = ["SERVE_HIT_ARGS", "announced_namespace", "complete", "counts_connector_hits", "external_hits",
+           "hits", "prompt", "tokens"]
 
 ANNOUNCE = re.compile(r"mooncake-vllm \S+: MooncakeStoreConnector on the vLLM V1 engine .* "
                       r"role (\w+), .*namespace (\S+)")
@@ -36,7 +37,7 @@ def hits(result: dict[str, Any]) -> float:
     vLLM <= 0.11.0 has no such counter: there, vLLM's own per-request count of prefix
     tokens it did not compute (``num_cached_tokens`` of each prompt's first request), which
     in a fresh instance serving distinct prompts is exactly what the pool served."""
-    if vllm_facts(installed_vllm().version, strict=False).external_hit_counter:
+    if counts_connector_hits():
         return result["metrics"]["vllm:external_prefix_cache_hits"]
     cached = [r["cached_tokens"] for r in result["results"]]
     assert None not in cached, "vLLM reported no num_cached_tokens: 0 hits would be vacuous"
@@ -58,8 +59,26 @@ def complete(url: str, prompt: list[int]) -> dict:
         return json.loads(resp.read())
 
 
-def external_hits(url: str) -> float:
-    """vLLM's own external (connector) prefix-cache hit tokens, from ``/metrics``."""
+def counts_connector_hits() -> bool:
+    """Whether this vLLM counts a connector's hits itself (0.11.1+, see ``hits``)."""
+    dist = installed_vllm()
+    return dist is None or vllm_facts(dist.version, strict=False).external_hit_counter
+
+
+#: what a ``vllm serve`` needs for :func:`external_hits` to read its count from a response
+#: where vLLM has no connector hit counter (``usage.prompt_tokens_details.cached_tokens``)
+SERVE_HIT_ARGS: tuple[str, ...] = () if counts_connector_hits() else ("--enable-prompt-tokens-details",)
+
+
+def external_hits(url: str, response: dict | None = None) -> float:
+    """vLLM's own external (connector) prefix-cache hit tokens, from ``/metrics``; where vLLM
+    has no such counter (<= 0.11.0), the cached prompt tokens it reported for ``response``
+    (a server started with :data:`SERVE_HIT_ARGS`, fresh, serving distinct prompts)."""
+    if not counts_connector_hits():
+        assert response is not None, "this vLLM has no connector hit counter: pass the response"
+        details = (response.get("usage") or {}).get("prompt_tokens_details")
+        assert details is not None, "no usage.prompt_tokens_details: 0 hits would be vacuous"
+        return float(details.get("cached_tokens") or 0)
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
         text = resp.read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

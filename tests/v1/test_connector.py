@@ -28,7 +28,7 @@ from mooncake_vllm.keys import chunk_keys
 from mooncake_vllm.services import LocalStack, start_vllm_server
 from mooncake_vllm.store import StoreClient
 
-from instances import ANNOUNCE
+from instances import ANNOUNCE, SERVE_HIT_ARGS
 from instances import announced_namespace as _namespace
 from instances import complete as _complete
 from instances import external_hits as _external_hits
@@ -214,17 +214,18 @@ def test_serving_path_with_the_seed_config(tiny_model: Path, stack: LocalStack, 
     answers, hits, logs = [], [], []
     for name in ("serve-a", "serve-b"):
         server = start_vllm_server(tiny_model, None, tmp_path, seed_json, stack.env(),
-                                   extra_args=("--served-model-name", "m"), name=name,
-                                   timeout=600)
+                                   extra_args=("--served-model-name", "m", *SERVE_HIT_ARGS),
+                                   name=name, timeout=600)
         try:
-            answers.append(_complete(server.url, prompt)["choices"][0]["text"])
+            response = _complete(server.url, prompt)
+            answers.append(response["choices"][0]["text"])
             if name == "serve-a":  # saves run off-thread: wait (with a deadline) until the pool has them all
                 keys = chunk_keys(_namespace(server.log_tail(20000)), prompt)[:_claimable(prompt) // BS]
                 deadline = time.monotonic() + 60
                 while not all(client.exists(keys)):
                     assert time.monotonic() < deadline, "A's saves did not reach the pool within 60 s"
                     time.sleep(0.05)
-            hits.append(_external_hits(server.url))
+            hits.append(_external_hits(server.url, response))
         finally:
             server.stop()
         logs.append(server.log_tail(20000))
