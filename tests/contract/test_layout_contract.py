@@ -202,16 +202,23 @@ backend_shapes = pytest.mark.skipif(FACTS.kv_layout_source == "cache-config",
                                     reason=f"vLLM {_DIST.version} allocates generic views")
 
 
-def _config_context():
+def _config_context(monkeypatch):
     """A current (default) vLLM config where the release's layout lookup asks for one
-    (0.27+: the connector's wish is read through it); nothing where it cannot be built."""
+    (0.27+: the connector's wish is read through it). Where a default one cannot be built
+    here (0.9.x: its CPU platform check needs a model), a stand-in with no KV transfer
+    config, which is all the lookup reads (kv_connector.utils.get_kv_connector_cache_layout)."""
     import contextlib
 
     try:
         from vllm.config import VllmConfig, set_current_vllm_config
 
         return set_current_vllm_config(VllmConfig())
-    except Exception:  # noqa: BLE001 - older releases need none
+    except Exception:  # noqa: BLE001
+        import vllm.config
+
+        if hasattr(vllm.config, "_current_vllm_config"):
+            monkeypatch.setattr(vllm.config, "_current_vllm_config",
+                                SimpleNamespace(kv_transfer_config=None, model_config=None))
         return contextlib.nullcontext()
 
 
@@ -224,7 +231,7 @@ def test_vllms_own_layout_decision_matches_ours(monkeypatch, requested) -> None:
     if FACTS.kv_layout_source == "backends-utils":
         from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
-        with _config_context():
+        with _config_context(monkeypatch):
             assert get_kv_cache_layout() == ours
     else:  # no VLLM_KV_CACHE_LAYOUT before 0.9.2: always NHD for our connector
         assert ours == "NHD"
