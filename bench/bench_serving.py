@@ -43,7 +43,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_v1_ttft import BYTES_PER_TOKEN, MODEL, _ceiling, _model, pyplot
-from engine_steps import Req, interference, pct, serve
+from engine_steps import EngineProcess, Req, interference, pct, serve
 
 from mooncake_vllm.demo.run import (INSTANCE_ENV, connector_counters, kv_transfer_config,
                                     run_instance, wait_saves_idle)
@@ -126,8 +125,8 @@ def _reader(spec: dict[str, Any]) -> None:
               enforce_eager=True, enable_prefix_caching=True, seed=0,
               kv_transfer_config=spec["kv_config"], max_num_seqs=max(32, p["clients"] + 2))
     phases = _phases(llm.llm_engine, p, spec["prompts"])
-    out = Path(spec["out"])
-    (out / "ready").write_text("")
+    out = Path(spec["dir"])
+    (out / "ready").write_text("{}")
     for line in sys.stdin:
         name = line.strip()
         if not name:
@@ -150,49 +149,6 @@ def _prompts(p: dict[str, Any], seed: int = 7) -> dict[str, Any]:
             "load": toks(p["load_len"]), "hits": [toks(n) for n in p["lengths"]],
             "misses": [toks(p["miss_len"]) for _ in range(p["misses"])], "docs": docs,
             "mixed": [docs[i % len(docs)] + toks(p["question_len"]) for i in range(p["requests"])]}
-
-
-class _Reader:
-    """One mode's reader process, kept alive so that the modes' phases can alternate."""
-
-    def __init__(self, mode: str, spec: dict[str, Any], work: Path, env: dict[str, str]) -> None:
-        self.mode, self.dir = mode, work / f"{mode}-reader"
-        self.dir.mkdir()
-        spec_path = work / f"{mode}-spec.json"
-        spec_path.write_text(json.dumps({**spec, "out": str(self.dir)}))
-        self.log = work / f"{mode}-reader.log"
-        with open(self.log, "wb") as fh:
-            self.proc = subprocess.Popen([sys.executable, __file__, "--reader", str(spec_path)],
-                                         stdin=subprocess.PIPE, stdout=fh, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True, text=True)
-
-    def _wait_for(self, path: Path, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.mode} reader {'exited' if self.proc.poll() is not None else 'timed out'}"
-                                   f"; log {self.log}:\n{self.log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.2)
-
-    def ready(self, timeout: float = 900.0) -> None:
-        self._wait_for(self.dir / "ready", timeout)
-
-    def run(self, phase: str, timeout: float = 1800.0) -> Any:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(phase + "\n")
-        self.proc.stdin.flush()
-        self._wait_for(self.dir / f"{phase}.json", timeout)
-        return json.loads((self.dir / f"{phase}.json").read_text())
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def _mode_config(mode: str, env: dict[str, str]) -> tuple[dict[str, Any] | None, dict[str, str]]:
@@ -218,7 +174,7 @@ def _run_modes(modes: list[str], base: dict[str, Any], prompts: dict[str, Any], 
                phases: tuple[str, ...] = PHASES) -> tuple[dict[str, Any], dict[str, float]]:
     """Writers first, then every mode's reader alive at once, phase by phase, order rotated."""
     runs: dict[str, Any] = {m: {} for m in modes}
-    readers: dict[str, _Reader] = {}
+    readers: dict[str, EngineProcess] = {}
     ceiling: dict[str, float] = {}
     try:
         for mode in modes:
@@ -231,9 +187,11 @@ def _run_modes(modes: list[str], base: dict[str, Any], prompts: dict[str, Any], 
                                  max_tokens=1, ttft_only=True, block_size=base["block_size"],
                                  kv_bytes=base["kv_bytes"], max_model_len=base["max_model_len"],
                                  timeout=1800.0)
-                readers[mode] = _Reader(mode, {**base, "kv_config": kv_cfg, "prompts": prompts}, work,
-                                        {**os.environ, **INSTANCE_ENV, "TMPDIR": str(work), **mode_env})
-                readers[mode].ready()
+                readers[mode] = EngineProcess(
+                    f"{mode}-reader", [sys.executable, __file__, "--reader"],
+                    {**base, "kv_config": kv_cfg, "prompts": prompts}, work,
+                    {**os.environ, **INSTANCE_ENV, "TMPDIR": str(work), **mode_env})
+                readers[mode].wait_file("ready", 900.0)
             except RuntimeError as exc:
                 runs[mode] = {"error": str(exc)[-2000:]}
                 print(f"[bench] {mode} failed: {str(exc)[-800:]}", flush=True)
@@ -245,7 +203,7 @@ def _run_modes(modes: list[str], base: dict[str, Any], prompts: dict[str, Any], 
             for mode in live[k % len(live):] + live[:k % len(live)] if live else []:
                 print(f"[bench] {mode}: {phase}", flush=True)
                 try:
-                    runs[mode][phase] = readers[mode].run(phase)
+                    runs[mode][phase] = readers[mode].run(phase, 1800.0)
                 except RuntimeError as exc:
                     runs[mode] = {"error": str(exc)[-2000:]}
                     print(f"[bench] {mode} failed: {str(exc)[-800:]}", flush=True)
@@ -312,8 +270,8 @@ def _derive(runs: dict[str, Any], base: dict[str, Any], raw_get_gbps: float | No
 def _from_work(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Base and runs from a work folder's per-phase files (a run cut short)."""
     runs, base = {}, {}
-    for spec_path in sorted(work.glob("*-spec.json")):
-        mode = spec_path.name[:-len("-spec.json")]
+    for spec_path in sorted(work.glob("*-reader.spec.json")):
+        mode = spec_path.name[:-len("-reader.spec.json")]
         base = json.loads(spec_path.read_text())
         runs[mode] = {f.stem: json.loads(f.read_text()) for f in (work / f"{mode}-reader").glob("*.json")}
     return base, runs
