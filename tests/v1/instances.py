@@ -12,7 +12,7 @@ from mooncake_vllm.compat import installed_vllm, vllm_facts
 from mooncake_vllm.keys import KeyNamespace
 
 __all__ = ["SERVE_HIT_ARGS", "announced_namespace", "complete", "counts_connector_hits", "external_hits",
-           "hits", "prompt", "tokens"]
+           "hits", "loads_here", "prompt", "tokens"]
 
 ANNOUNCE = re.compile(r"mooncake-vllm \S+: MooncakeStoreConnector on the vLLM V1 engine .* "
                       r"role (\w+), .*namespace (\S+)")
@@ -57,6 +57,13 @@ def complete(url: str, prompt: list[int]) -> dict:
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
         return json.loads(resp.read())
+
+
+def loads_here() -> bool:
+    """Whether our connector loads on this vLLM: only where vLLM recomputes a block whose
+    load fails (0.11.1+); before, it saves and never loads (a failed load would be wrong KV)."""
+    dist = installed_vllm()
+    return dist is None or vllm_facts(dist.version, strict=False).load_error_reporting
 
 
 def counts_connector_hits() -> bool:

@@ -33,12 +33,16 @@ from instances import announced_namespace as _namespace
 from instances import complete as _complete
 from instances import external_hits as _external_hits
 from instances import hits as _hits
+from instances import loads_here
 from instances import prompt as _prompt
 from instances import tokens as _tokens
 
 pytestmark = pytest.mark.vllm
 
 BS = 32
+#: vLLM < 0.11.1 cannot recompute a block whose load fails: there our connector saves and
+#: never loads, and every test below checks exactly that (0 hits, nothing loaded, same tokens)
+LOADS = loads_here()
 #: bytes of one stored block of the tiny model: layers × kv heads × block × 2·head_dim × fp32
 BLOCK_NBYTES = 2 * 2 * BS * 64 * 4
 def _claimable(prompt: list[int]) -> int:
@@ -95,8 +99,9 @@ def test_cross_instance_hit_is_token_identical(run: Any, saved: dict, reference:
     assert all(client.exists(keys)), "A did not save every full chunk of its prompt"
     b = run("B", [PROMPTS["hit"]])
     assert _tokens(b) == [reference["hit"]]
-    assert _hits(b) == _claimable(PROMPTS["hit"]) == 288  # vLLM's own external-hit counter
-    assert b["connector"]["worker_loaded_blocks"] == 9
+    assert _claimable(PROMPTS["hit"]) == 288
+    assert _hits(b) == (288 if LOADS else 0)  # vLLM's own external-hit counter
+    assert b["connector"]["worker_loaded_blocks"] == (9 if LOADS else 0)
     assert b["connector"]["worker_failed_blocks"] == 0
 
 
@@ -133,6 +138,10 @@ def test_loaded_kv_is_really_used_and_corruption_is_recomputed(
     _upsert(stack, values)
     c = run("C", [PROMPTS["plant"], PROMPTS["corrupt"]])
     planted, corrupt = _tokens(c)
+    if not LOADS:  # nothing is loaded, so nothing planted or corrupt reaches the engine
+        assert [planted, corrupt] == [reference["plant"], reference["corrupt"]]
+        assert c["connector"]["worker_loaded_blocks"] == c["connector"]["worker_failed_blocks"] == 0
+        return
     # valid-framed foreign KV is loaded and changes the output: the engine uses what we load
     assert planted != reference["plant"]
     # bad framing is detected: those blocks are reported failed and recomputed
@@ -152,7 +161,7 @@ def test_producer_never_loads_and_consumer_never_saves(run: Any, saved: dict, re
     assert _tokens(p)[0] == reference["hit"]
     assert all(client.exists(chunk_keys(ns, fresh_p))), "the producer did not save"
     c = run("consumer", [PROMPTS["hit"], fresh_c], role="kv_consumer")
-    assert _hits(c) == _claimable(PROMPTS["hit"])  # it loads...
+    assert _hits(c) == (_claimable(PROMPTS["hit"]) if LOADS else 0)  # it loads...
     assert _tokens(c)[0] == reference["hit"]
     assert c["connector"]["worker_save_jobs"] == 0  # ...but never saves
     assert c["connector"]["store_blocks_put"] == 0
@@ -172,7 +181,10 @@ def test_no_rss_growth_over_300_requests(run: Any, saved: dict) -> None:
     per_request = _claimable(prompts[0]) // BS
     assert per_request == 12
     loaded = m["connector"]["worker_loaded_blocks"]
-    assert loaded >= (total - n_prompts) * per_request, loaded  # every repeat really came from the pool
+    if LOADS:
+        assert loaded >= (total - n_prompts) * per_request, loaded  # every repeat came from the pool
+    else:
+        assert loaded == 0
     leak_all_mb = (total - warm) * per_request * BLOCK_NBYTES / 2**20  # what the window loads
     assert RSS_LIMIT_MB < leak_all_mb / 3  # the test can fail on a per-request leak (not only on a big one)
     growth_mb = (rss[-1] - rss[warm - 1]) / 1024
@@ -201,7 +213,7 @@ def test_pool_dies_between_instances(tiny_model: Path, tmp_path: Path) -> None:
         per_process = Counter(m.group(0) if (m := re.match(r"\(\w+ pid=\d+\)", ln)) else ""
                               for ln in warnings)
         assert warnings and set(per_process.values()) == {1}, "\n".join(warnings) or inst["log"][-3000:]
-    assert _hits(b) == _claimable(prompts[0])  # the first prompt still came from the pool
+    assert _hits(b) == (_claimable(prompts[0]) if LOADS else 0)  # the first prompt still came from the pool
     assert max(r["ttft_s"] for r in c["results"]) < 2.0
     assert max(r["ttft_s"] for r in b["results"][2:]) < 2.0  # no stall once the pool is away
     assert c["init_s"] < 60
@@ -231,7 +243,7 @@ def test_serving_path_with_the_seed_config(tiny_model: Path, stack: LocalStack, 
         logs.append(server.log_tail(20000))
     assert all(ANNOUNCE.search(log) for log in logs), logs[0][-3000:]
     assert answers[0] == answers[1]
-    assert hits == [0.0, float(_claimable(prompt))]
+    assert hits == [0.0, float(_claimable(prompt)) if LOADS else 0.0]
 
 
 def test_kv_transfer_config_helper_uses_module_path() -> None:

