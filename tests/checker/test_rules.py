@@ -90,6 +90,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                  dict(script="mooncake_master --rpc_port 50051 --client_ttl=30 &\nmooncake_master --port 50052 &\n")),
     "MCV-W017": (dict(script=serve() + HOLDER, config=SEG0), dict(script=serve() + HOLDER + HOLDER, config=SEG0)),
     "MCV-W018": (dict(script=serve(OURS), target_vllm="0.10.1"), dict(script=serve(OURS), target_vllm="0.10.2")),
+    "MCV-W019": (dict(script=serve(OURS), target_vllm="0.11.0"), dict(script=serve(OURS), target_vllm="0.11.1")),
     "MCV-W040": (dict(script=serve(OURS), target_vllm="0.10.2"), dict(script=serve(OURS), target_vllm="0.11.1")),
     "MCV-W041": (dict(script=serve(OURS, extra=_EVENTS), target_vllm="0.12.0"),
                  dict(script=serve(OURS, extra=_EVENTS), target_vllm="0.13.0")),

@@ -247,6 +247,16 @@ _ALL: tuple[Rule, ...] = (
          "run decode instances on vLLM >= 0.10.2 (prefill instances may stay older), or accept that XpYd "
          "decodes sometimes recompute",
          "vllm §7 0.10.2; DESIGN.md Hand-off"),
+    Rule("MCV-W019", WARNING, "v1-loads-off",
+         "a V1 MooncakeStoreConnector that should load KV ({role}) on vLLM {target} only saves: it loads "
+         "nothing from the pool",
+         "Before vLLM 0.11.1 nothing tells vLLM that a block the connector promised did not arrive (evicted "
+         "after the lookup, corrupt, the pool gone mid-transfer): vLLM would attend to whatever the block held. "
+         "So on those releases mooncake-vllm's V1 connector saves (the pool stays warm for upgraded instances) "
+         "and never loads; every prompt is recomputed there (one warning line at start says so).",
+         "run instances that should load on vLLM >= 0.11.1 (same pool and keys), or the V0 engine on <= 0.10.0 "
+         "(VLLM_USE_V1=0: V0 recomputes a failed load)",
+         "vllm §7 get_block_ids_with_load_errors 0.11.1; DESIGN.md Loads"),
     Rule("MCV-W040", WARNING, "pool-metrics-not-exported",
          "vLLM {target} has no connector-metrics hooks: the pool's counters are not in this server's /metrics"
          "{logged}",

@@ -176,6 +176,16 @@ def handoff_not_awaited(ctx: Context, rule: Rule) -> Iterable[Finding]:
         if ctx.engine(launch) == "v1" and launch.uses_store() and loads:
             yield ctx.finding(rule, launch.where, role=sorted(loads)[0])
 
+@check("MCV-W019")
+def v1_loads_off(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if ctx.vllm is None or ctx.vllm.load_error_reporting or not ctx.vllm.our_v1_connector:
+        return
+    for launch in ctx.deployment.instances:
+        loads = launch.roles() & {"kv_consumer", "kv_both"}
+        if ctx.engine(launch) == "v1" and launch.uses_store() and loads:
+            yield ctx.finding(rule, launch.where, role=sorted(loads)[0])
+
+
 def _our_v1_instances(ctx: Context) -> Iterable[Launch]:
     """Instances whose MooncakeStoreConnector is mooncake-vllm's, on the V1 engine."""
     if ctx.vllm is None or not ctx.vllm.our_v1_connector:
