@@ -147,7 +147,7 @@ def _reset_prefix_cache(llm: Any, timeout: float = 10.0) -> None:
 
     nudge = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     deadline = time.monotonic() + timeout
-    while not llm.reset_prefix_cache():
+    while not _prefix_cache_reset(llm):
         if time.monotonic() > deadline:
             raise RuntimeError("vLLM's prefix cache could not be reset: blocks still held")
         wait_saves_idle(llm=llm)
@@ -159,6 +159,20 @@ def _installed_facts() -> Any:
 
     dist = installed_vllm()
     return None if dist is None else vllm_facts(dist.version, strict=False)
+
+
+def _prefix_cache_reset(llm: Any) -> bool:
+    """``LLM.reset_prefix_cache()``'s answer; vLLM before 0.14 answers None, so there ask
+    the in-process engine core's scheduler, which says whether the reset happened."""
+    done = llm.reset_prefix_cache()
+    if done is not None:
+        return bool(done)
+    scheduler = getattr(getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None),
+                        "scheduler", None)
+    if scheduler is None:
+        raise RuntimeError("this vLLM does not say whether its prefix cache was reset and its "
+                           "scheduler is not in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    return bool(scheduler.reset_prefix_cache())
 
 
 def _tolerate_inprocess_connector_stats() -> None:
