@@ -212,14 +212,13 @@ def _record_idle_step_stats(llm: Any) -> None:
 
 
 def _kv_cache_size(nbytes: int) -> dict[str, int]:
-    """The KV cache size as this vLLM takes it: ``kv_cache_memory_bytes`` where the engine
-    has it, else (vLLM 0.10 and older, CPU) ``VLLM_CPU_KVCACHE_SPACE`` in whole GiB."""
-    from vllm.engine.arg_utils import EngineArgs
+    """The LLM keyword for a KV cache of ``nbytes`` (or its environment, vLLM <= 0.10 on CPU)."""
+    from mooncake_vllm.services.external import kv_cache_size
 
-    if "kv_cache_memory_bytes" in EngineArgs.__dataclass_fields__:
-        return {"kv_cache_memory_bytes": nbytes}
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, -(-nbytes // (1 << 30)))))
-    return {}
+    kwargs, env = kv_cache_size(nbytes)
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    return kwargs
 
 
 def _instance(args: argparse.Namespace) -> dict[str, Any]:

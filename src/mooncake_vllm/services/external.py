@@ -21,7 +21,18 @@ from mooncake_vllm.services.process import (
     http_probe,
 )
 
-__all__ = ["start_etcd", "start_redis", "start_vllm_server", "vllm_env"]
+__all__ = ["kv_cache_size", "start_etcd", "start_redis", "start_vllm_server", "vllm_env"]
+
+
+def kv_cache_size(nbytes: int) -> tuple[dict[str, int], dict[str, str]]:
+    """How this vLLM takes a KV cache size: ``({"kv_cache_memory_bytes": n}, {})`` where the
+    engine has that option (``--kv-cache-memory-bytes``), else (vLLM 0.10 and older, CPU)
+    ``({}, {"VLLM_CPU_KVCACHE_SPACE": whole GiB})``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "kv_cache_memory_bytes" in EngineArgs.__dataclass_fields__:
+        return {"kv_cache_memory_bytes": nbytes}, {}
+    return {}, {"VLLM_CPU_KVCACHE_SPACE": str(max(1, -(-nbytes // (1 << 30))))}
 
 
 def start_etcd(workdir: str | os.PathLike, *, timeout: float = 30.0) -> ManagedProcess:
@@ -135,13 +146,15 @@ def start_vllm_server(
     ``env`` is added on top of :func:`vllm_env` (e.g. MOONCAKE_CONFIG_PATH).
     """
     wd = Path(workdir)
+    size, size_env = kv_cache_size(64 << 20)
+    size_args = [f"--{k.replace('_', '-')}={v}" for k, v in size.items()]
+    env = {**size_env, **(env or {})}
     wait = timeout if timeout is not None else float(os.environ.get("MOONCAKE_VLLM_SERVER_TIMEOUT", "300"))
 
     def launch(p: int) -> ManagedProcess:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--host", "127.0.0.1", "--port", str(p), "--dtype", "float32", "--block-size", "32",
-                "--max-model-len", "2048", "--kv-cache-memory-bytes", "67108864", "--enforce-eager",
-                *extra_args]
+                "--max-model-len", "2048", *size_args, "--enforce-eager", *extra_args]
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         run_dir = wd / f"{name}-{p}"
