@@ -83,8 +83,9 @@ def external_hits(url: str, response: dict | None = None) -> float:
     (a server started with :data:`SERVE_HIT_ARGS`, fresh, serving distinct prompts)."""
     if not counts_connector_hits():
         assert response is not None, "this vLLM has no connector hit counter: pass the response"
-        details = (response.get("usage") or {}).get("prompt_tokens_details")
-        assert details is not None, "no usage.prompt_tokens_details: 0 hits would be vacuous"
+        # vLLM <= 0.11.0 fills it only when some tokens were cached (0.9.x: chat only), and
+        # loads nothing there anyway (test_connector checks that through the connector's log)
+        details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
         return float(details.get("cached_tokens") or 0)
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
         text = resp.read().decode()

@@ -244,6 +244,7 @@ def test_serving_path_with_the_seed_config(tiny_model: Path, stack: LocalStack, 
     assert all(ANNOUNCE.search(log) for log in logs), logs[0][-3000:]
     assert answers[0] == answers[1]
     assert hits == [0.0, float(_claimable(prompt)) if LOADS else 0.0]
+    assert LOADS or all("loads nothing from it" in log for log in logs)  # said at start, both
 
 
 def test_kv_transfer_config_helper_uses_module_path() -> None:
