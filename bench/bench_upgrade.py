@@ -116,8 +116,11 @@ def _wheels(python: str) -> dict[str, str]:
 
 def _summary(res: dict[str, Any]) -> dict[str, Any]:
     m, c = res["metrics"], res.get("connector", {})
-    return {"hits": int(m["vllm:external_prefix_cache_hits"]),
-            "queries": int(m["vllm:external_prefix_cache_queries"]),
+    if "vllm:external_prefix_cache_hits" in m:
+        hits, queries = int(m["vllm:external_prefix_cache_hits"]), int(m["vllm:external_prefix_cache_queries"])
+    else:  # vLLM <= 0.11.0 counts no connector hits: its own per-request cached prompt tokens
+        hits, queries = sum(int(r["cached_tokens"]) for r in res["results"]), None
+    return {"hits": hits, "queries": queries,
             "loaded_blocks": c.get("worker_loaded_blocks", 0),
             "failed_blocks": c.get("worker_failed_blocks", 0),
             "saved_blocks": c.get("worker_saved_blocks", 0),
