@@ -78,20 +78,9 @@ LEVELS = {
 MARKERS = ("vllm", "contract", "gpu", "v0")
 UNVERIFIED = "unverified (recorded before provenance)"
 #: Runs recorded before provenance existed (no JUnit file kept): sha256 of each entry as
-#: committed. They can only be replaced by a recorded run or removed, never edited.
-LEGACY_RUNS: dict[str, str] = {
-    "contract-vllm0100": "0798f501a9568c732792b5a3e34751db0268d2835c8b193093d6a84838f900b2",
-    "contract-vllm0102": "2dc98e835d5e2b04c00211c514cf3d35cff3baa158558bb0d64215b95d967303",
-    "contract-vllm0112": "40e4dea8ca7e53de1f62525109373109d05295c47372b41f9fcc31cb2606a4e2",
-    "contract-vllm0200": "ee36ef7a8ba752c7a668c8946403a9aca8c90ed8e67a7143c4cf8a60527d805a",
-    "contract-vllm0210": "3124c611e4115bc092d979103968d29dd70c5481096d0e0dcc2ecc240b076e2e",
-    "contract-vllm0330": "126ea028de0210af3ad30a84601437e809476098f0c941a2e750a492ddbbbf3a",
-    "contract-vllm083": "110bef0e668522c6dcd69af89b69dd3a6ef240f8a760e293c0b7ec67179b8a49",
-    "contract-vllm085": "cc15af262a0cdafa3c514245b197d37e15fda8d91029cc45760df0a1d8e0f433",
-    "contract-vllm092": "bc9b63586d3670b77d6cb6558479ad72166535ad01960a427f71b5713026ebb7",
-    "e2e-vllm031": "bd40d13c929dc9b541903dc3f9bd0d4233d72a96ac94fd6e3a568ce553ec31f6",
-    "e2e-vllm032": "7bca069dd2e1126479e06bd59de9aa84d605a1e497b0f651ba477e7964a661d0",
-}
+#: committed. They could only be replaced by a recorded run or removed, never edited; the last
+#: were replaced (or, e2e-vllm031, removed) on 2026-12-01, so any such run now fails the check.
+LEGACY_RUNS: dict[str, str] = {}
 #: Record fields whose values the JUnit file may lack and the command line may supply.
 _GIVABLE = ("commit", "tree", "vllm", "mooncake", "torch", "device")
 _SUITE_RE = re.compile(r"^(?P<dist>vllm(?:-cpu)?)-(?P<version>\d+(?:\.\d+)+)$")
