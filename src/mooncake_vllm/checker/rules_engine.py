@@ -167,23 +167,25 @@ def v0_v1_pools_disjoint(ctx: Context, rule: Rule) -> Iterable[Finding]:
                           what=f"after moving these {len(v0)} V0 instances to vLLM {ctx.vllm.release} (V1)")
 
 
-@check("MCV-W018")
-def handoff_not_awaited(ctx: Context, rule: Rule) -> Iterable[Finding]:
-    if ctx.vllm is None or ctx.vllm.deferred_lookup or not ctx.vllm.our_v1_connector:
+def _loading_v1_findings(ctx: Context, rule: Rule, lacks: bool) -> Iterable[Finding]:
+    """``rule`` for every V1 store instance that loads KV, where the target vLLM ``lacks``
+    what loading needs (and the connector is ours)."""
+    if ctx.vllm is None or not lacks or not ctx.vllm.our_v1_connector:
         return
     for launch in ctx.deployment.instances:
         loads = launch.roles() & {"kv_consumer", "kv_both"}
         if ctx.engine(launch) == "v1" and launch.uses_store() and loads:
             yield ctx.finding(rule, launch.where, role=sorted(loads)[0])
 
+
+@check("MCV-W018")
+def handoff_not_awaited(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    return _loading_v1_findings(ctx, rule, ctx.vllm is not None and not ctx.vllm.deferred_lookup)
+
+
 @check("MCV-W019")
 def v1_loads_off(ctx: Context, rule: Rule) -> Iterable[Finding]:
-    if ctx.vllm is None or ctx.vllm.load_error_reporting or not ctx.vllm.our_v1_connector:
-        return
-    for launch in ctx.deployment.instances:
-        loads = launch.roles() & {"kv_consumer", "kv_both"}
-        if ctx.engine(launch) == "v1" and launch.uses_store() and loads:
-            yield ctx.finding(rule, launch.where, role=sorted(loads)[0])
+    return _loading_v1_findings(ctx, rule, ctx.vllm is not None and not ctx.vllm.load_error_reporting)
 
 
 def _our_v1_instances(ctx: Context) -> Iterable[Launch]:
