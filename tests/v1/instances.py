@@ -59,17 +59,21 @@ def complete(url: str, prompt: list[int]) -> dict:
         return json.loads(resp.read())
 
 
+def _fact(name: str) -> bool:
+    """A boolean fact of the installed vLLM (True without one: the newest behaviour)."""
+    dist = installed_vllm()
+    return dist is None or bool(getattr(vllm_facts(dist.version, strict=False), name))
+
+
 def loads_here() -> bool:
     """Whether our connector loads on this vLLM: only where vLLM recomputes a block whose
     load fails (0.11.1+); before, it saves and never loads (a failed load would be wrong KV)."""
-    dist = installed_vllm()
-    return dist is None or vllm_facts(dist.version, strict=False).load_error_reporting
+    return _fact("load_error_reporting")
 
 
 def counts_connector_hits() -> bool:
     """Whether this vLLM counts a connector's hits itself (0.11.1+, see ``hits``)."""
-    dist = installed_vllm()
-    return dist is None or vllm_facts(dist.version, strict=False).external_hit_counter
+    return _fact("external_hit_counter")
 
 
 #: what a ``vllm serve`` needs for :func:`external_hits` to read its count from a response
