@@ -346,3 +346,65 @@ def test_zero_copy_save_of_a_block_reused_before_the_put_is_removed(fresh: Any) 
     assert c.commit_save(ticket) == 1
     assert c.stats.snapshot()["save_raced"] == 1
     assert c.exists(keys) == [False, True]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_deferred_fence_keeps_the_snapshot_exact_once_ordered(fresh: Any, device: str) -> None:
+    """The V1 worker's capture: vLLM's stream is not held; ordering the fence is enough."""
+    _need(device)
+    c = fresh()
+    src = _caches("flash-nhd", torch.bfloat16, device, 31)
+    layout = BlockLayout.from_kv_caches(src)
+    c.register_layout(layout, gpu_path="staged")
+    keys = _keys(layout, 2)
+    expected = {b: [_block(t, "nhd", b) for t in src] for b in (4, 7)}
+    ticket = c.prepare_save(keys, layout, [4, 7], defer_fence=True)
+    assert ticket.snapshot
+    if device == "cuda":
+        assert ticket.fence is not None and not ticket.fence.ordered
+        ticket.fence.order()  # the blocks are freed: vLLM's later writes come after the copy
+        assert ticket.fence.ordered and ticket.fence.order() is False  # idempotent
+    else:
+        assert ticket.fence is None  # host copies are done on return
+    for t in src:  # vLLM reuses both blocks before the put runs
+        t[:, 4] = 0.5
+        t[:, 7] = -1.0
+    assert c.commit_save(ticket) == 2
+    dst = _caches("flash-nhd", torch.bfloat16, device, 32)
+    dl = BlockLayout.from_kv_caches(dst)
+    c.register_layout(dl, gpu_path="staged")
+    assert c.get_blocks(keys, dl, [1, 2]) == [True, True]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for i, t in enumerate(dst):
+        assert torch.equal(_block(t, "nhd", 1), expected[4][i])
+        assert torch.equal(_block(t, "nhd", 2), expected[7][i])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "at-capture"])
+def test_a_deferred_snapshot_copy_does_not_hold_vllms_stream(fresh: Any, defer: bool) -> None:
+    """With the save stream busy, vLLM's next kernels run at once only with a deferred fence."""
+    _need("cuda")
+    c = fresh()
+    src = _caches("flash-nhd", torch.bfloat16, "cuda", 33)
+    layout = BlockLayout.from_kv_caches(src)
+    c.register_layout(layout, gpu_path="staged")
+    mover = c._paths_for(layout).mover
+    torch.cuda.synchronize()
+    slept = torch.cuda.Event()
+    with torch.cuda.stream(mover.save_stream):
+        torch.cuda._sleep(1 << 30)  # ~0.5 s of GPU time ahead of the gather
+        slept.record(mover.save_stream)
+    ticket = c.prepare_save(_keys(layout, 1), layout, [5], defer_fence=defer)
+    step = torch.cuda.Event()
+    step.record(torch.cuda.current_stream())  # "the next forward pass"
+    step.synchronize()
+    if defer:  # vLLM's stream ran while the save stream was still busy
+        assert not slept.query() and not ticket.ready.query()
+        assert ticket.fence is not None and not ticket.fence.ordered
+    else:  # vLLM's stream waited for the gather, queued behind the sleep
+        assert slept.query() and ticket.fence is None
+    if ticket.fence is not None:
+        assert ticket.fence.order() is True  # still running when freed: vLLM now waits
+    assert c.commit_save(ticket) == 1

@@ -162,7 +162,11 @@ def test_consumer_never_saves_and_never_delays_the_free() -> None:
 def test_preemption_is_forwarded_to_workers() -> None:
     logic = _logic(FakePool())
     meta = logic.build_connector_meta(_output(preempted={"x"}))
-    assert meta.preempted_req_ids == {"x"}
+    assert meta.preempted_req_ids == {"x"} and meta.preemptions_reported
+    old = _output()  # vLLM < 0.14: no preempted_req_ids field at all
+    del old.preempted_req_ids
+    meta = logic.build_connector_meta(old)
+    assert meta.preempted_req_ids == set() and not meta.preemptions_reported
 
 
 def test_prompt_embeds_are_ignored() -> None:

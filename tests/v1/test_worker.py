@@ -53,18 +53,27 @@ class _Source:
 class _GatedClient:
     """Fake pool client whose puts wait for a gate (to observe in-flight saves)."""
 
-    def __init__(self, snapshot: bool = False) -> None:
+    def __init__(self, snapshot: bool = False, copy_running: bool | None = None) -> None:
         self.gate = threading.Event()
         self.started = threading.Event()
         self.snapshot = snapshot
+        self.copy_running = copy_running  # None: host KV (no fence); else a fake CUDA copy
         self.puts: list[list[str]] = []
         self.discarded: list[list[str]] = []
+        self.fences: list[_Fence] = []
+        self.deferred: list[bool] = []
 
     def register_layout(self, layout: Any, gpu_path: str = "auto") -> None:
         pass
 
-    def prepare_save(self, keys: list[str], layout: Any, block_ids: list[int]) -> SaveTicket:
-        return SaveTicket(list(keys), list(block_ids), layout, snapshot=self.snapshot)
+    def prepare_save(self, keys: list[str], layout: Any, block_ids: list[int], *,
+                     defer_fence: bool = False) -> SaveTicket:
+        self.deferred.append(defer_fence)
+        fence = None
+        if self.copy_running is not None and defer_fence:
+            fence = _Fence(self.copy_running)
+            self.fences.append(fence)
+        return SaveTicket(list(keys), list(block_ids), layout, snapshot=self.snapshot, fence=fence)
 
     def commit_save(self, ticket: SaveTicket) -> int:
         self.started.set()
@@ -74,6 +83,17 @@ class _GatedClient:
 
     def discard(self, ticket: SaveTicket) -> None:
         self.discarded.append(list(ticket.keys))
+
+
+class _Fence:
+    """Stands in for a CUDA snapshot's :class:`~mooncake_vllm.store.mover.CopyFence`."""
+
+    def __init__(self, running: bool) -> None:
+        self.running, self.orders = running, 0
+
+    def order(self) -> bool:
+        self.orders += 1
+        return self.running if self.orders == 1 else False
 
 
 class _Clock:
@@ -128,6 +148,63 @@ def test_snapshot_saves_free_the_blocks_at_once(workers: Any) -> None:
     client.gate.set()
     _wait_idle(w)
     assert client.puts == [[f"{w.prefix}/{b:032x}" for b in (1, 2)]]
+
+
+def _fenced_meta(req_id: str, blocks: list[int], preempted: set[str] | None = None,
+                 reported: bool = True) -> MooncakeConnectorMetadata:
+    meta = _save_meta(req_id, blocks)
+    meta.preempted_req_ids, meta.preemptions_reported = set(preempted or ()), reported
+    return meta
+
+
+@contextlib.contextmanager
+def _fenced_worker(tag: str, workers: Any, copy_running: bool) -> Iterator[tuple[WorkerLogic,
+                                                                                 _GatedClient]]:
+    """A worker over a client whose CUDA snapshot copies are fake fences; saves drained after."""
+    client = _GatedClient(snapshot=True, copy_running=copy_running)
+    w = WorkerLogic(_ns(tag), EXPECTED, _Source(client), can_load=True, can_save=True)
+    workers(w)
+    w.register_kv_caches(_cache(0))
+    yield w, client
+    client.gate.set()
+    _wait_idle(w)
+
+
+def test_cuda_snapshot_copies_are_fenced_only_when_vllm_may_reuse_the_blocks(workers: Any) -> None:
+    with _fenced_worker("fence", workers, copy_running=True) as (w, client):
+        _fences_ordered_on_free_and_preemption(w, client)
+
+
+def _fences_ordered_on_free_and_preemption(w: WorkerLogic, client: _GatedClient) -> None:
+    w.wait_for_save(_fenced_meta("f", [1, 2]))
+    w.wait_for_save(_fenced_meta("g", [3]))
+    f, g = client.fences
+    assert client.deferred == [True, True] and (f.orders, g.orders) == (0, 0)
+    assert w.get_finished(set())[0] == set()  # both still running: nothing ordered
+    assert (f.orders, g.orders) == (0, 0)
+    assert w.get_finished({"f"})[0] == {"f"}  # f's blocks are freed: vLLM waits for its copy
+    assert (f.orders, g.orders) == (1, 0)
+    w.handle_preemptions({"g"})  # g's blocks go back to vLLM before this step's forward
+    assert g.orders == 1
+    w.start_load_kv(_fenced_meta("h", [], preempted={"g"}))  # already ordered: not again
+    assert g.orders == 1
+    assert w.counters["copy_fences"] == 2 and w.counters["copy_fences_waited"] == 2
+
+
+def test_without_reported_preemptions_the_copy_is_fenced_at_capture(workers: Any) -> None:
+    with _fenced_worker("fence-old", workers, copy_running=True) as (w, client):
+        w.wait_for_save(_fenced_meta("o", [1], reported=False))  # vLLM < 0.14: no preempted ids
+        assert client.deferred == [False] and client.fences == []
+        assert w.counters["copy_fences"] == 0
+
+
+def test_a_preempted_requests_copy_is_fenced_before_the_next_forward(workers: Any) -> None:
+    """Releases that call no ``handle_preemptions`` still start each forward with the loads."""
+    with _fenced_worker("fence-pre", workers, copy_running=False) as (w, client):
+        w.wait_for_save(_fenced_meta("p", [4]))
+        w.start_load_kv(_fenced_meta("q", [], preempted={"p"}))
+        assert client.fences[0].orders == 1
+        assert w.counters["copy_fences_waited"] == 0  # the copy was done: vLLM did not wait
 
 
 def test_preemption_cancels_queued_saves_and_waits_bounded(workers: Any) -> None:

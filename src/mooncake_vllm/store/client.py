@@ -259,8 +259,13 @@ class StoreClient:
 
     # ------------------------------------------------------------------ saves
     def prepare_save(self, keys: Sequence[str], layout: BlockLayout,
-                     block_ids: Sequence[int]) -> SaveTicket:
-        """Capture a save now (no pool call): a snapshot, or checksums of host blocks."""
+                     block_ids: Sequence[int], *, defer_fence: bool = False) -> SaveTicket:
+        """Capture a save now (no pool call): a snapshot, or checksums of the blocks.
+
+        ``defer_fence`` (a caller that keeps the blocks until it frees them): a CUDA
+        snapshot's read of the blocks is not waited for by vLLM's stream; the caller
+        must ``ticket.fence.order()`` before vLLM may reuse them.
+        """
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
         paths = self._paths_for(layout)
@@ -268,7 +273,7 @@ class StoreClient:
             if keys:
                 self.stats.add("saves_skipped", len(keys))
             return SaveTicket([], [], layout, snapshot=True)
-        ticket = paths.capture(list(keys), list(block_ids))
+        ticket = paths.capture(list(keys), list(block_ids), defer_fence=defer_fence)
         if ticket.dropped:
             self.stats.add("saves_dropped_no_slot", ticket.dropped)
             self.failures.warn("slots", f"mooncake-vllm: {ticket.dropped} block save(s) dropped: "

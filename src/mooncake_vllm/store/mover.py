@@ -9,9 +9,11 @@ runs on) without ever synchronising the device:
 
 * **save**: the gather runs on our save stream after an event recorded on vLLM's
   stream (so it reads the KV the forward wrote), into a device staging buffer,
-  then device→host into pinned slots; vLLM's stream then waits for the gather
-  (so a later step cannot overwrite those blocks before they are copied). The
-  blocks are free for reuse as soon as the snapshot is queued.
+  then device→host into pinned slots. A :class:`CopyFence` says when vLLM's
+  blocks have been read: ordered at once (vLLM's stream waits for the gather,
+  the blocks are free for reuse as soon as the snapshot is queued), or — for a
+  caller that keeps the blocks until it frees them (the V1 worker) — ordered
+  only then, so the forward pass never waits for a save's copy.
 * **load**: host→device and the scatter run on our load stream after an event on
   vLLM's stream (earlier kernels may still use those blocks); vLLM's stream then
   waits for the scatter, so no layer reads a block before it is loaded.
@@ -31,7 +33,7 @@ from mooncake_vllm.codec import HEADER_SIZE
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.store.slots import Run, SlotPool
 
-__all__ = ["BlockMover", "DEVICE_STAGE_BYTES"]
+__all__ = ["BlockMover", "CopyFence", "DEVICE_STAGE_BYTES"]
 
 #: device staging per direction (each copy is cut into pieces of this size)
 DEVICE_STAGE_BYTES = 256 << 20
@@ -62,6 +64,29 @@ def _copy_by_runs(runs: Sequence[tuple[int, int, int]], n: int, shape: tuple[int
     """Whether run-by-run slice copies beat one fancy-indexed copy (Python loop cost)."""
     _layers, segs, seg_nbytes = shape
     return bool(runs) and (segs * seg_nbytes >= _RUN_COPY_BYTES or len(runs) * 4 <= n)
+
+
+class CopyFence:
+    """A queued copy that reads vLLM's blocks: whoever reuses them must come after it.
+
+    :meth:`order` makes vLLM's stream wait for the copy (later kernels only, the host
+    never waits); it is idempotent, and says whether the copy was still running.
+    """
+
+    __slots__ = ("event", "stream", "ordered")
+
+    def __init__(self, event: Any, stream: Any) -> None:
+        self.event, self.stream, self.ordered = event, stream, False
+
+    def order(self) -> bool:
+        """Order vLLM's later work after the copy; whether the copy was still running."""
+        if self.ordered:
+            return False
+        self.ordered = True
+        running = not self.event.query()
+        if running:
+            self.stream.wait_event(self.event)
+        return running
 
 
 class BlockMover:
@@ -154,34 +179,44 @@ class BlockMover:
         return out
 
     # ------------------------------------------------------------------ save
-    def gather(self, pool: SlotPool, runs: list[Run], block_ids: Sequence[int]) -> Any:
-        """Copy ``block_ids`` (in ``runs`` order) into their slots; the completion event.
+    def gather(self, pool: SlotPool, runs: list[Run], block_ids: Sequence[int], *,
+               defer_fence: bool = False) -> tuple[Any, CopyFence | None]:
+        """Copy ``block_ids`` (in ``runs`` order) into their slots: ``(done, fence)``.
 
-        Host: done on return (``None``). CUDA: queued; the returned event completes
-        when the bytes are in the slots.
+        Host: done on return (``(None, None)``). CUDA: queued; ``done`` completes when
+        the bytes are in the slots. The fence (the read of vLLM's blocks) is ordered
+        here, unless ``defer_fence``: then it is returned, and the caller must
+        :meth:`~CopyFence.order` it before vLLM may reuse the blocks.
         """
         if not self.cuda:
             for start, k, pos in self._pieces(runs, pool.count):
                 self._gather_into(pool.rows[start:start + k], block_ids[pos:pos + k])
-            return None
+            return None, None
         torch = self._torch
         vllm_stream = torch.cuda.current_stream(self.device)
         written = torch.cuda.Event()
         written.record(vllm_stream)
-        gathered = torch.cuda.Event()
+        fence = CopyFence(torch.cuda.Event(), vllm_stream)
         done = torch.cuda.Event()
         pieces = self._pieces(runs, self.save_stage.shape[0])
-        with torch.cuda.stream(self.save_stream):
-            self.save_stream.wait_event(written)
-            for n, (start, k, pos) in enumerate(pieces):
-                stage = self.save_stage[:k]
-                self._gather_into(stage, block_ids[pos:pos + k])
-                if n == len(pieces) - 1:
-                    gathered.record(self.save_stream)
-                pool.rows[start:start + k].copy_(stage, non_blocking=True)
-            done.record(self.save_stream)
-        vllm_stream.wait_event(gathered)  # later steps may reuse the blocks only after this
-        return done
+        try:
+            with torch.cuda.stream(self.save_stream):
+                self.save_stream.wait_event(written)
+                for n, (start, k, pos) in enumerate(pieces):
+                    stage = self.save_stage[:k]
+                    self._gather_into(stage, block_ids[pos:pos + k])
+                    if n == len(pieces) - 1:
+                        fence.event.record(self.save_stream)
+                    pool.rows[start:start + k].copy_(stage, non_blocking=True)
+                done.record(self.save_stream)
+        except BaseException:
+            fence.event.record(self.save_stream)  # whatever was queued: vLLM comes after it
+            fence.order()
+            raise
+        if not defer_fence:
+            fence.order()  # later steps may reuse the blocks only after this
+            return done, None
+        return done, fence
 
     # ------------------------------------------------------------------ load
     def scatter(self, pool: SlotPool, runs: list[Run], ok: Sequence[bool],

@@ -33,7 +33,7 @@ from typing import Any
 from mooncake_vllm import codec
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.settings import GPU_PATHS
-from mooncake_vllm.store.mover import BlockMover
+from mooncake_vllm.store.mover import BlockMover, CopyFence
 from mooncake_vllm.store.slots import Run, SlotPool, slots_of
 
 __all__ = ["COALESCE_BELOW", "GPU_PATHS", "LayoutPaths", "SaveTicket", "StagingSizes",
@@ -101,6 +101,8 @@ class SaveTicket:
     sums: Any = None  #: GPU zero-copy: pinned checksums, valid once ``ready`` completes
     runs: list[Run] = field(default_factory=list)  #: snapshot: slots, ``keys`` order
     ready: Any = None  #: snapshot on CUDA: event completing when slots hold the bytes
+    #: CUDA snapshot captured with ``defer_fence``: order it before vLLM reuses the blocks
+    fence: CopyFence | None = None
     dropped: int = 0  #: blocks not captured (no free slot): future misses
     pool: SlotPool | None = None
     done: bool = False
@@ -140,8 +142,12 @@ class LayoutPaths:
         return all(p.registered for p in pools)
 
     # ------------------------------------------------------------------ capture
-    def capture(self, keys: list[str], block_ids: list[int]) -> SaveTicket:
-        """Take what a later put needs, now, while the blocks hold the keys' bytes."""
+    def capture(self, keys: list[str], block_ids: list[int], *,
+                defer_fence: bool = False) -> SaveTicket:
+        """Take what a later put needs, now, while the blocks hold the keys' bytes.
+
+        ``defer_fence``: see :meth:`BlockMover.gather` (CUDA snapshots only).
+        """
         if self.gpu_zero_copy:
             host, ready = self.mover.checksums(block_ids)
             return SaveTicket(keys, block_ids, self.layout, snapshot=False, sums=host,
@@ -153,9 +159,10 @@ class LayoutPaths:
         assert pool is not None
         runs = pool.take(len(keys))
         n = len(slots_of(runs))
-        ready = self.mover.gather(pool, runs, block_ids[:n]) if n else None
+        ready, fence = (self.mover.gather(pool, runs, block_ids[:n], defer_fence=defer_fence)
+                        if n else (None, None))
         return SaveTicket(keys[:n], block_ids[:n], self.layout, snapshot=True, runs=runs,
-                          ready=ready, dropped=len(keys) - n, pool=pool)
+                          ready=ready, fence=fence, dropped=len(keys) - n, pool=pool)
 
     def frame_snapshot(self, ticket: SaveTicket, keep: Sequence[int]) -> tuple[list[int], list[int]]:
         """Checksum the slots at ``keep`` (positions) and write their headers.

@@ -40,6 +40,9 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockJob] = field(default_factory=list)
     saves: list[BlockJob] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    #: the release reports preemptions (vLLM >= 0.14): a CUDA snapshot's copy may
+    #: outlive the forward pass, since the workers hear before any block is reused
+    preemptions_reported: bool = False
     #: finished while their background load ran: vLLM keeps their blocks until the
     #: workers report them (finished-sending) once the load is over
     delayed_loads: set[str] = field(default_factory=set)

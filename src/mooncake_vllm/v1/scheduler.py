@@ -167,6 +167,7 @@ class SchedulerLogic:
         self._loads, self._delayed_loads = [], set()
         meta.idle_step = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         meta.preempted_req_ids = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        meta.preemptions_reported = hasattr(scheduler_output, "preempted_req_ids")
         for req_id in meta.preempted_req_ids:
             st = self.requests.get(req_id)
             if st is not None:

@@ -23,6 +23,12 @@
   present and publishes the marker the decode instance waits for.
 * **Preemption** never waits for the pool: queued zero-copy saves of a
   preempted request are cancelled, one in flight gets ``preempt_wait`` seconds.
+* **CUDA snapshots never stall the forward pass**: where the release reports
+  preemptions, the copy out of vLLM's blocks runs beside the next steps; its
+  :class:`~mooncake_vllm.store.mover.CopyFence` is ordered (vLLM's stream waits
+  for the copy, the host never does) when vLLM may reuse the blocks: when the
+  request's blocks are freed (``get_finished``) or it is preempted. Elsewhere
+  the fence is ordered at capture, as V0 does.
 """
 
 from __future__ import annotations
@@ -95,7 +101,11 @@ class WorkerLogic:
         self._loading: dict[str, int] = {}  # req_id -> background loads not yet over
         self._received: set[str] = set()  # background loads over, not yet reported
         self._loads: BackgroundLoads | None = None
+        self._fences: dict[str, list[Any]] = {}  # req_id -> CopyFences not yet ordered
+        self._defer_fences = False  # this step's meta: preemptions are reported
         self.counters = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
+                         "copy_fences": 0,  # snapshot copies vLLM's stream did not wait for
+                         "copy_fences_waited": 0,  # ... still running when the blocks were freed
                          "save_jobs": 0, "dropped_jobs": 0, "cancelled_jobs": 0,
                          "dropped_blocks": 0,  # planned saves that never reached the pool
                          "holds_expired": 0, "handoff_markers": 0, "handoff_markers_failed": 0}
@@ -122,6 +132,7 @@ class WorkerLogic:
         self._idle_step = meta is not None and meta.idle_step
         if meta is None:
             return
+        self._order_fences(meta.preempted_req_ids)  # before this forward may write them
         if meta.delayed_loads:
             with self._cond:
                 self._tracked |= meta.delayed_loads
@@ -195,6 +206,7 @@ class WorkerLogic:
         if meta is None or not (meta.saves or meta.handoffs):
             return
         client = self.source.get() if self.can_save and self.layout is not None else None
+        self._defer_fences = meta.preemptions_reported
         self._queue_saves(meta.saves, client)
         if self.can_save and self._thread is not None:
             for req_id, (handoff_id, digests) in meta.handoffs.items():
@@ -209,11 +221,16 @@ class WorkerLogic:
                 self.counters["dropped_blocks"] += len(job.block_ids)
                 continue
             try:
-                ticket = client.prepare_save(self.keys(job.digests), self.layout, job.block_ids)
+                ticket = client.prepare_save(self.keys(job.digests), self.layout, job.block_ids,
+                                             defer_fence=self._defer_fences)
             except Exception as exc:  # noqa: BLE001 - a failed capture is a future miss
                 log.warning("mooncake-vllm: capturing %d blocks for saving failed: %s",
                             len(job.block_ids), exc)
                 continue
+            if ticket.fence is not None:
+                with self._cond:
+                    self._fences.setdefault(job.req_id, []).append(ticket.fence)
+                    self.counters["copy_fences"] += 1
             if not ticket.keys:
                 continue
             if not ticket.snapshot:
@@ -276,6 +293,15 @@ class WorkerLogic:
                 log.warning("mooncake-vllm: publishing hand-off marker failed: %s", exc)
         self.counters["handoff_markers" if ok else "handoff_markers_failed"] += 1
 
+    def _order_fences(self, req_ids: Iterable[str]) -> None:
+        """vLLM may reuse these requests' blocks: its stream waits for our copies of them."""
+        with self._cond:
+            fences = [f for r in req_ids for f in self._fences.pop(r, ())]
+        waited = sum(fence.order() for fence in fences)
+        if waited:
+            with self._cond:
+                self.counters["copy_fences_waited"] += waited
+
     def _job_done(self, req_id: str) -> None:
         with self._cond:
             left = self._pending.get(req_id, 1) - 1
@@ -295,6 +321,7 @@ class WorkerLogic:
         wanted = set(preempted)
         if not wanted:
             return
+        self._order_fences(wanted)
         deadline = self._clock() + self._preempt_wait
         with self._cond:
             self._cancelled |= wanted
@@ -332,6 +359,7 @@ class WorkerLogic:
             self._cancelled |= expired
             received = self._received - finished - self._finished - done
             self._received -= received | done | finished
+        self._order_fences(done)
         if expired:
             self.counters["holds_expired"] += len(expired)
             log.warning("mooncake-vllm: released the blocks of %d finished request(s) whose "
