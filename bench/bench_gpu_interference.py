@@ -4,7 +4,10 @@ A decode stream generates 256 tokens alone, then again while another request wit
 8k-token prompt is served (a pool hit, or recomputed with no connector); the stream's
 inter-token latency (ITL) p50/p99/max during that load (from adding the request to its
 first token) vs alone. Then pool hits at 2k/8k (TTFT, tokens from the pool, output
-compared with the recompute). Modes, one fresh vLLM process each (the reader)::
+compared with the recompute); mixed serving (``--clients`` closed-loop clients, one of
+``--docs`` shared documents the writer put in the pool + a unique question each:
+throughput, TTFT p50/p99, ITL p99); misses (unique prompts, TTFT vs no connector: what
+saving every block costs). Modes, one fresh vLLM process each (the reader)::
 
     none       no connector: the 8k prompt is recomputed
     intree     vLLM's in-tree MooncakeStoreConnector (MOONCAKE_VLLM_DISABLE=1, PYTHONHASHSEED=0)
@@ -31,13 +34,14 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from engine_steps import EngineProcess, Req, interference, serve
+from engine_steps import EngineProcess, Req, closed_loop_stats, interference, serve
 
 __all__ = ["main"]
 
@@ -80,6 +84,8 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         """Recompute (and so save) every pool prompt; its output is the readers' reference."""
         t0 = time.perf_counter()
         _serve(engine, [req(pr["warm_hit"], 1)])
+        for doc in pr["docs"]:  # the mixed phase's shared documents
+            _serve(engine, [req(doc, 1)])
         load = req(pr["load"], 8)
         _serve(engine, [load])
         hits: dict[str, list[list[int]]] = {}
@@ -126,7 +132,35 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         res["connector"] = connector_counters()
         return res
 
-    return {"write": write, "measure": measure}
+    def mixed() -> dict[str, Any]:
+        from mooncake_vllm.demo.run import wait_saves_idle
+
+        wait_saves_idle()
+        docs = pr["docs"]
+        reqs = [req(docs[i % len(docs)] + q, p["out_tokens"]) for i, q in enumerate(pr["questions"])]
+        _serve_closed_loop(engine, reqs, p["clients"])
+        return {**closed_loop_stats(reqs), "cached": [r.cached for r in reqs]}
+
+    def misses() -> dict[str, Any]:
+        """Prompts nobody stored, back to back (each save runs beside the next prefill)."""
+        from mooncake_vllm.demo.run import connector_counters, wait_saves_idle
+
+        wait_saves_idle()
+        out: dict[str, Any] = {}
+        for n, prompts in pr["misses"].items():
+            reqs = [req(prompt, 1) for prompt in prompts]
+            for r in reqs:
+                _serve(engine, [r])
+            out[n] = {"ttft_s": [r.ttft() for r in reqs], "cached": [r.cached for r in reqs]}
+        wait_saves_idle()
+        out["connector"] = connector_counters()
+        return out
+
+    return {"write": write, "measure": measure, "mixed": mixed, "misses": misses}
+
+
+def _serve_closed_loop(engine: Any, reqs: list[Req], clients: int) -> None:
+    serve(engine, reqs, clients=clients, detokenize=False)
 
 
 def _worker(spec: dict[str, Any]) -> None:
@@ -178,8 +212,12 @@ def _prompts(args: argparse.Namespace) -> dict[str, Any]:
         return [rnd.randrange(100, args.vocab_max) for _ in range(n)]
 
     shared = {"warm_hit": toks(1024), "load": toks(args.load_len),
-              "hits": {str(n): [toks(n) for _ in range(args.hit_reps)] for n in args.lengths}}
-    per_mode = {m: {"warm": toks(64), "stream_alone": toks(64), "stream_loaded": toks(64)}
+              "hits": {str(n): [toks(n) for _ in range(args.hit_reps)] for n in args.lengths},
+              "docs": [toks(args.doc_len) for _ in range(args.docs)]}
+    per_mode = {m: {"warm": toks(64), "stream_alone": toks(64), "stream_loaded": toks(64),
+                    "questions": [toks(args.question_len) for _ in range(args.requests)],
+                    "misses": {str(n): [toks(n) for _ in range(args.miss_reps)]
+                               for n in args.miss_lengths}}
                 for m in MODES}
     return {"shared": shared, "per_mode": per_mode}
 
@@ -229,7 +267,9 @@ def _derive(report: dict[str, Any]) -> dict[str, Any]:
             if hbm:  # the same prompt recomputed, then an in-HBM prefix hit: the same compute path
                 row[f"hit{n}_tokens_equal_inhbm_hit"] = [x["tokens"] == y["again_tokens"]
                                                          for x, y in zip(reps, hbm["hits"][n])]
+        _serving_columns(row, r)
         table[mode] = row
+    _serving_ratios(table)
     toks = [report["writers"].get(w, {}).get("write", {}).get("tokens") for w in ("ours", "intree")]
     if all(toks):
         table["writers_tokens_agree"] = toks[0] == toks[1]
@@ -238,6 +278,37 @@ def _derive(report: dict[str, Any]) -> dict[str, Any]:
             n: sum(table["ours"][f"hit{n}_ttft_ms"]) / sum(table["ours-sync"][f"hit{n}_ttft_ms"])
             for n in runs["ours"]["measure"]["hits"]}
     return table
+
+
+def _serving_columns(row: dict[str, Any], run: dict[str, Any]) -> None:
+    """Mixed serving and miss TTFT (ms, medians over each length's prompts)."""
+    mixed, misses = run.get("mixed"), run.get("misses")
+    if mixed and "error" not in mixed:
+        row["mixed"] = {"throughput_tok_s": mixed["throughput_tok_s"],
+                        "ttft_p50_ms": mixed["ttft_p50_s"] * 1e3,
+                        "ttft_p99_ms": mixed["ttft_p99_s"] * 1e3,
+                        "itl_p99_ms": mixed["itl_p99_s"] * 1e3}
+    if misses and "error" not in misses:
+        row["miss_ttft_ms"] = {n: statistics.median(m["ttft_s"]) * 1e3
+                               for n, m in misses.items() if n != "connector"}
+        counters = misses.get("connector") or {}
+        row["copy_fences"] = [counters.get("worker_copy_fences"),
+                              counters.get("worker_copy_fences_waited")]
+
+
+def _serving_ratios(table: dict[str, Any]) -> None:
+    """Issue 12's targets 3 and 4: ours vs in-tree (mixed), ours vs no connector (misses)."""
+    ours, intree, none = table.get("ours", {}), table.get("intree", {}), table.get("none", {})
+    if "mixed" in ours and "mixed" in intree:
+        o, t = ours["mixed"], intree["mixed"]
+        table["mixed_ours_over_intree"] = {"throughput": o["throughput_tok_s"] / t["throughput_tok_s"],
+                                           "ttft_p99": o["ttft_p99_ms"] / t["ttft_p99_ms"]}
+    if "miss_ttft_ms" in none:
+        table["miss_overhead"] = {
+            mode: {n: row["miss_ttft_ms"][n] / none["miss_ttft_ms"][n] - 1
+                   for n in none["miss_ttft_ms"] if n in row.get("miss_ttft_ms", {})}
+            for mode, row in table.items() if isinstance(row, dict) and "miss_ttft_ms" in row
+            and mode != "none"}
 
 
 def _run(args: argparse.Namespace, work: Path) -> None:
@@ -250,7 +321,8 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         engine["block_size"] = args.block_size
     if args.gpu_mem_util:
         engine["gpu_memory_utilization"] = args.gpu_mem_util
-    params = {"stream_tokens": args.stream_tokens, "save_timeout": 120.0, "extra_save_wait": 0.0}
+    params = {"stream_tokens": args.stream_tokens, "save_timeout": 120.0, "extra_save_wait": 0.0,
+              "out_tokens": args.out_tokens, "clients": args.clients}
     report: dict[str, Any] = {"args": vars(args), "inject_after": INJECT_AFTER, "engine": engine,
                               "runs": {}, "writers": {}, "started": time.strftime("%F %T")}
     out = Path(args.out)
@@ -304,10 +376,12 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         if mode not in procs:
             continue
         p = procs.pop(mode)
-        try:
-            report["runs"][mode]["measure"] = p.run("measure", args.measure_timeout)
-        except RuntimeError as exc:
-            report["runs"][mode]["error"] = str(exc)
+        for phase in ("measure", "mixed", "misses"):  # a phase that hangs ends this mode
+            try:
+                report["runs"][mode][phase] = p.run(phase, args.measure_timeout)
+            except RuntimeError as exc:
+                report["runs"][mode]["error"] = f"{phase}: {exc}"
+                break
         p.close()
         dump()
         row = report["table"].get(mode)
@@ -336,6 +410,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="2048,8000")
     ap.add_argument("--hit-reps", type=int, default=2)
     ap.add_argument("--vocab-max", type=int, default=31900)
+    ap.add_argument("--docs", type=int, default=8, help="mixed: shared documents (in the pool)")
+    ap.add_argument("--doc-len", type=int, default=2048)
+    ap.add_argument("--question-len", type=int, default=100)
+    ap.add_argument("--requests", type=int, default=64, help="mixed: requests (one question each)")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--out-tokens", type=int, default=64)
+    ap.add_argument("--miss-lengths", default="1024,8000")
+    ap.add_argument("--miss-reps", type=int, default=4)
     ap.add_argument("--intree-save-wait", type=float, default=3.0)
     ap.add_argument("--init-timeout", type=float, default=240.0)
     ap.add_argument("--measure-timeout", type=float, default=120.0)
@@ -346,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         _worker(json.loads(Path(args.worker).read_text()))
         return 0
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.miss_lengths = [int(x) for x in args.miss_lengths.split(",")]
     args.modes = args.modes.split(",")
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-interference-"))
     if not args.local_stack:

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_v1_ttft import BYTES_PER_TOKEN, MODEL, _ceiling, _model, pyplot
-from engine_steps import EngineProcess, Req, interference, pct, serve
+from engine_steps import EngineProcess, Req, closed_loop_stats, interference, serve
 
 from mooncake_vllm.demo.run import (INSTANCE_ENV, connector_counters, kv_transfer_config,
                                     run_instance, wait_saves_idle)
@@ -105,11 +105,7 @@ def _phases(engine: Any, p: dict[str, Any], prompts: dict[str, Any]) -> dict[str
     def mixed() -> dict[str, Any]:
         reqs = [req(m, p["out_tokens"]) for m in prompts["mixed"]]
         serve(engine, reqs, clients=p["clients"])
-        start, end = min(r.t_add for r in reqs), max(r.times[-1] for r in reqs)
-        ttfts = [r.ttft() for r in reqs]
-        return {"throughput_tok_s": sum(len(r.tokens) for r in reqs) / (end - start),
-                "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
-                "itl_p99_s": pct([x for r in reqs for x in r.itls()], 0.99), "wall_s": end - start}
+        return closed_loop_stats(reqs)
 
     return {"warmup": warmup, "interference": interfere, "hits": hits, "misses": misses,
             "mixed": mixed, "connector": connector_counters}

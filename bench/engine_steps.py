@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineProcess", "Req", "interference", "itl_stats", "pct", "serve"]
+__all__ = ["EngineProcess", "Req", "closed_loop_stats", "interference", "itl_stats", "pct",
+           "serve"]
 
 
 @dataclass
@@ -86,6 +87,15 @@ def pct(values: list[float], q: float) -> float | None:
 def itl_stats(itls: list[float]) -> dict[str, Any]:
     return {"p50": pct(itls, 0.5), "p99": pct(itls, 0.99), "max": max(itls, default=None),
             "n": len(itls)}
+
+
+def closed_loop_stats(reqs: list[Req]) -> dict[str, Any]:
+    """Output tokens/s over the whole run, TTFT p50/p99, ITL p99 (mixed serving)."""
+    start, end = min(r.t_add for r in reqs), max(r.times[-1] for r in reqs)
+    ttfts = [r.ttft() for r in reqs]
+    return {"throughput_tok_s": sum(len(r.tokens) for r in reqs) / (end - start),
+            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
+            "itl_p99_s": pct([x for r in reqs for x in r.itls()], 0.99), "wall_s": end - start}
 
 
 def interference(engine: Any, alone: Req, stream: Req, load: Req, after: int,
