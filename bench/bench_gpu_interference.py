@@ -14,6 +14,8 @@ saving every block costs). Modes, one fresh vLLM process each (the reader)::
     ours       ours, defaults (asynchronous loads, gpu_path auto)
     ours-sync  ours with "load_async": false (loads before the forward pass)
     ours-zc    ours with "gpu_path": "zero_copy"
+    ours-prev  ours from another build of the package (``--prev-site``: a directory it was
+               installed into, put first on that process's PYTHONPATH): A/B of a change
 
 Two writer processes (ours, in-tree: their keys differ) put the readers' pool prompts
 first, each prompt recomputed in a fresh process: that output is the reference every
@@ -45,9 +47,10 @@ from engine_steps import EngineProcess, Req, closed_loop_stats, interference, se
 
 __all__ = ["main"]
 
-MODES = ("ours", "ours-sync", "intree", "none", "ours-zc")  #: measured in this order
+MODES = ("ours", "ours-prev", "ours-sync", "none", "ours-zc", "intree")  #: measured in this order
 INJECT_AFTER = 32  #: stream tokens before the 8k request arrives
-_EXTRA = {"ours": {}, "ours-sync": {"load_async": False}, "ours-zc": {"gpu_path": "zero_copy"}}
+_EXTRA = {"ours": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
+          "ours-zc": {"gpu_path": "zero_copy"}}
 
 
 def _writer_of(mode: str) -> str | None:
@@ -172,7 +175,10 @@ def _worker(spec: dict[str, Any]) -> None:
 
         t0 = time.perf_counter()
         llm = LLM(**spec["engine"], kv_transfer_config=spec["kv_config"])
-        info = {"init_s": time.perf_counter() - t0, "vllm": vllm.__version__}
+        import mooncake_vllm
+
+        info = {"init_s": time.perf_counter() - t0, "vllm": vllm.__version__,
+                "mooncake_vllm": str(Path(mooncake_vllm.__file__).parent)}
         try:
             info["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
         except AttributeError:
@@ -222,7 +228,7 @@ def _prompts(args: argparse.Namespace) -> dict[str, Any]:
     return {"shared": shared, "per_mode": per_mode}
 
 
-def _mode_config(mode: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
+def _mode_config(mode: str, prev_site: str = "") -> tuple[dict[str, Any] | None, dict[str, str]]:
     from mooncake_vllm.demo.run import kv_transfer_config
 
     if mode == "none":
@@ -230,7 +236,12 @@ def _mode_config(mode: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
     if mode == "intree":
         return (kv_transfer_config("kv_both", connector="in-tree"),
                 {"MOONCAKE_VLLM_DISABLE": "1", "PYTHONHASHSEED": "0"})
-    return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), {}
+    env = {}
+    if mode == "ours-prev":
+        if not prev_site:
+            raise SystemExit("mode ours-prev needs --prev-site")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (prev_site, os.environ.get("PYTHONPATH")) if p)
+    return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), env
 
 
 def _reference(report: dict[str, Any]) -> dict[str, Any] | None:
@@ -340,7 +351,7 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     procs: dict[str, EngineProcess] = {}
     for name in [f"writer-{w}" for w in writers] + modes:
         mode = name.removeprefix("writer-")
-        kv, env = _mode_config(mode)
+        kv, env = _mode_config(mode, args.prev_site)
         per = prompts["per_mode"][mode] if mode in prompts["per_mode"] else {}
         wait = args.intree_save_wait if name == "writer-intree" else 0.0
         spec = {"engine": engine, "kv_config": kv, "prompts": {**prompts["shared"], **per},
@@ -397,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="/tmp/model")
     ap.add_argument("--out", default="interference.json")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(m for m in MODES if m != "ours-prev"))
+    ap.add_argument("--prev-site", default="", help="ours-prev: where the other build is installed")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--block-size", type=int, default=0, help="0: vLLM's default")
     ap.add_argument("--kv-bytes", type=int, default=2 << 30, help="KV cache per process")
