@@ -23,8 +23,8 @@ kw = dict(model=model, enforce_eager=True, gpu_memory_utilization=0.25, max_mode
           skip_tokenizer_init=True, dtype="bfloat16", disable_log_stats=False, seed=0)
 if mode == "ours":
     kw["kv_transfer_config"] = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
-if preempt:
-    kw["num_gpu_blocks_override"] = PREEMPT_BLOCKS
+if preempt:  # vLLM checks one max_model_len request fits: 150 blocks of 16 tokens do
+    kw.update(num_gpu_blocks_override=PREEMPT_BLOCKS, max_model_len=2048)
 llm = LLM(**kw)
 sp = SamplingParams(max_tokens=PREEMPT_TOKENS if preempt else 12, temperature=0.0,
                     ignore_eos=True, detokenize=False)
