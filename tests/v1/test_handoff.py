@@ -156,6 +156,17 @@ def test_an_asked_prefill_declares_after_its_last_full_chunk_and_offers_it(chunk
     assert meta.saves and meta.saves[-1].digests[-1] == digests[-1]
 
 
+def test_an_asked_prefill_saves_its_local_prefix_hits_too() -> None:
+    """The decode reads every chunk from the pool: vLLM's own prefix hits are saved again."""
+    pre = _prefill(Pool())
+    req = _request("p", ask_params())
+    pre.get_num_new_matched_tokens(req, 8)  # chunks 0-1 from vLLM's prefix cache
+    pre.update_state_after_alloc(req, Blocks(), 0)
+    meta = _step(pre, [_new("p", 18, computed=8)], scheduled={"p": 10})
+    assert [j.block_ids for j in meta.saves] == [[10, 11, 12, 13]]
+    assert pre.counters["local_hit_chunks_not_saved"] == 0 and meta.handoffs
+
+
 def test_a_prefill_not_asked_offers_nothing_and_declares_nothing() -> None:
     pre = _prefill(Pool())
     req = _request("p", None)

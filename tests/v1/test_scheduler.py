@@ -149,6 +149,19 @@ def test_saves_follow_chunked_prefill_and_delay_the_free() -> None:
     assert "r" not in logic.requests
 
 
+@pytest.mark.parametrize("load", [True, False], ids=["kv_both", "kv_producer"])
+def test_vllms_own_prefix_hits_are_not_captured_again(load: bool) -> None:
+    logic = _logic(FakePool(), load=load)
+    req = _request("r", TOKENS)
+    assert logic.get_num_new_matched_tokens(req, 8) == (0, False)  # chunks 0-1: vLLM's cache
+    logic.update_state_after_alloc(req, Blocks([3, 4, 5, 6, 7]), 0)
+    new = SimpleNamespace(req_id="r", block_ids=([3, 4, 5, 6, 7],), num_computed_tokens=8)
+    meta = logic.build_connector_meta(_output([new], scheduled={"r": 10}))  # tokens 8..17
+    assert [j.block_ids for j in meta.saves] == [[5, 6]]
+    assert logic.counters["local_hit_chunks_not_saved"] == 2
+    assert logic.request_finished(req) == (True, None)
+
+
 def test_consumer_never_saves_and_never_delays_the_free() -> None:
     logic = _logic(FakePool(), save=False)
     req = _request("r", TOKENS)

@@ -303,6 +303,10 @@ class Handoffs:
         if self.offer and asks_for_handoff(getattr(request, "kv_transfer_params", None)):
             self._ids[request.request_id] = uuid.uuid4().hex
 
+    def asked(self, req_id: str) -> bool:
+        """Whether this prefill request asked for a hand-off (its chunks must reach the pool)."""
+        return req_id in self._ids
+
     def declare(self, req_id: str, covered: int, digests: Sequence[str]) -> tuple[str, list[str]] | None:
         """``(id, digests)`` once chunks ``[0, covered)`` cover every full chunk of an asked
         request (its saves are all with the workers): the workers publish the marker."""

@@ -54,6 +54,9 @@ class RequestState:
     pending_load: tuple[int, int, int] | None = None
     loaded_upto: int = 0  # chunks [0, loaded_upto) came from (so are in) the pool
     saved_upto: int = 0  # chunks [0, saved_upto) were handed to the workers to save
+    #: chunks [0, local_upto) are vLLM's own prefix-cache hits: this instance saved them
+    #: when it computed them (or loaded them from the pool), so they are not captured again
+    local_upto: int = 0
     has_saves: bool = False
     #: tokens computed once the planned load lands; cleared when vLLM schedules them
     promised: int = 0
@@ -80,7 +83,8 @@ class SchedulerLogic:
         self.requests: dict[str, RequestState] = {}
         self._loads: list[BlockJob] = []
         self._delayed_loads: set[str] = set()
-        self.counters = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "save_jobs": 0}
+        self.counters = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "save_jobs": 0,
+                         "local_hit_chunks_not_saved": 0}
         self.handoffs = Handoffs([ns.prefix() for ns in namespaces.namespaces], block_size,
                                  self.counters, offer=can_save,
                                  waiter=waiter if can_load else None,
@@ -107,10 +111,11 @@ class SchedulerLogic:
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` the pool can supply; ``(None, False)`` =
         ask again later (a hand-off still on its way)."""
-        if not self.can_load:
-            return 0, False
-        st = self._state(request)
+        st = self._state(request) if self.can_load or self.can_save else None
         if st is None:
+            return 0, False
+        self._note_local_hits(st, num_computed_tokens)
+        if not self.can_load:
             return 0, False
         st.pending_load = None
         if st.promised and num_computed_tokens < st.promised:
@@ -136,6 +141,14 @@ class SchedulerLogic:
             return 0, False
         st.pending_load = (start, hits, num_computed_tokens)
         return (start + hits) * bs - num_computed_tokens, self.load_async
+
+    def _note_local_hits(self, st: RequestState, num_computed_tokens: int) -> None:
+        """Blocks vLLM serves from its own prefix cache need no second save (a 2k-token hit
+        was 16-128 blocks gathered and looked up again for nothing), except for a hand-off:
+        the decode instance reads every chunk from the pool, so they are saved (existing
+        keys are skipped by the put)."""
+        if not self.handoffs.asked(st.req_id):
+            st.local_upto = num_computed_tokens // self.block_size
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Turn an accepted lookup into a load job for the blocks vLLM allocated."""
@@ -224,6 +237,10 @@ class SchedulerLogic:
                    block_state: Any) -> None:
         end = min(done_tokens, st.prompt_len) // self.block_size
         begin = max(st.saved_upto, st.loaded_upto)
+        local = min(st.local_upto, end) - begin  # vLLM's own prefix-cache hits: saved before
+        if local > 0:
+            self.counters["local_hit_chunks_not_saved"] += local
+            begin = st.saved_upto = begin + local
         if end <= begin:
             return
         block_ids: Sequence[int] = st.block_ids
