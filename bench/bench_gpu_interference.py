@@ -43,7 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_steps import EngineProcess, Req, closed_loop_stats, interference, serve
+from engine_steps import (EngineProcess, Req, closed_loop_stats, interference,
+                          other_build_env, serve)
 
 __all__ = ["main"]
 
@@ -236,11 +237,7 @@ def _mode_config(mode: str, prev_site: str = "") -> tuple[dict[str, Any] | None,
     if mode == "intree":
         return (kv_transfer_config("kv_both", connector="in-tree"),
                 {"MOONCAKE_VLLM_DISABLE": "1", "PYTHONHASHSEED": "0"})
-    env = {}
-    if mode == "ours-prev":
-        if not prev_site:
-            raise SystemExit("mode ours-prev needs --prev-site")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (prev_site, os.environ.get("PYTHONPATH")) if p)
+    env = other_build_env(prev_site) if mode == "ours-prev" else {}
     return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), env
 
 

@@ -15,6 +15,8 @@ processes)::
              ``cache_prefix``, so that its pool keys are not ``ours``'s
     ours-nice0 ours with ``MOONCAKE_VLLM_THREAD_NICE=0`` (the pool's threads at vLLM's
              priority; not in the default set), its own ``cache_prefix``
+    ours-prev  ours from another build of the package (``--prev-site``, not in the default
+             set): the A/B of a change, same keys as ``ours``
 
 The reader drives vLLM's engine step by step (``LLMEngine.step``; in-process
 engine) and stamps every token, so inter-token latency (ITL) is what a streaming
@@ -50,7 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from bench_v1_ttft import BYTES_PER_TOKEN, MODEL, _ceiling, _model, pyplot
-from engine_steps import EngineProcess, Req, closed_loop_stats, interference, serve
+from engine_steps import (EngineProcess, Req, closed_loop_stats, interference,
+                          other_build_env, serve)
 
 from mooncake_vllm.demo.run import (INSTANCE_ENV, connector_counters, kv_transfer_config,
                                     run_instance, wait_saves_idle)
@@ -61,7 +64,7 @@ __all__ = ["main"]
 MODES = ("none", "intree", "ours", "ours-sync")
 FULL = {"stream_tokens": 256, "load_len": 8000, "lengths": [1000, 4000, 8000], "docs": 8,
         "doc_len": 2048, "question_len": 100, "clients": 16, "requests": 32, "out_tokens": 64,
-        "misses": 8, "miss_len": 1000}
+        "misses": 12, "miss_len": 1000}
 QUICK = {"stream_tokens": 64, "load_len": 2000, "lengths": [1000, 2000], "docs": 4,
          "doc_len": 512, "question_len": 32, "clients": 4, "requests": 8, "out_tokens": 16,
          "misses": 2, "miss_len": 500}
@@ -147,9 +150,12 @@ def _prompts(p: dict[str, Any], seed: int = 7) -> dict[str, Any]:
             "mixed": [docs[i % len(docs)] + toks(p["question_len"]) for i in range(p["requests"])]}
 
 
-def _mode_config(mode: str, env: dict[str, str]) -> tuple[dict[str, Any] | None, dict[str, str]]:
+def _mode_config(mode: str, env: dict[str, str],
+                 prev_site: str = "") -> tuple[dict[str, Any] | None, dict[str, str]]:
     if mode == "ours":
         return kv_transfer_config("kv_both"), dict(env)
+    if mode == "ours-prev":
+        return kv_transfer_config("kv_both"), {**env, **other_build_env(prev_site)}
     if mode == "ours-nice0":
         return (kv_transfer_config("kv_both", extra={"cache_prefix": "nice0"}),
                 {**env, "MOONCAKE_VLLM_THREAD_NICE": "0"})
@@ -174,7 +180,7 @@ def _run_modes(modes: list[str], base: dict[str, Any], prompts: dict[str, Any], 
     ceiling: dict[str, float] = {}
     try:
         for mode in modes:
-            kv_cfg, mode_env = _mode_config(mode, env)
+            kv_cfg, mode_env = _mode_config(mode, env, base.get("prev_site", ""))
             try:
                 if kv_cfg is not None:  # the writer: put the reader's hit prompts into the pool
                     print(f"[bench] {mode}: writer", flush=True)
@@ -351,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", default=",".join(PHASES),
                         help="a subset of the reader's phases, in this order (warmup first)")
     parser.add_argument("--from-work", help="report from a cut-short run's work folder (no floor)")
+    parser.add_argument("--prev-site", default="", help="mode ours-prev: where the other build is installed")
     parser.add_argument("--reader", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reader:
@@ -363,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     params = QUICK if args.quick else FULL
     max_len = max(params["load_len"], *params["lengths"], params["doc_len"] + params["question_len"])
     base = {"model": str(_model()), "block_size": args.block_size, "params": params,
-            "max_model_len": max_len + 256, "kv_bytes": (512 << 20) if args.quick else (1 << 30)}
+            "max_model_len": max_len + 256, "kv_bytes": (512 << 20) if args.quick else (1 << 30),
+            "prev_site": args.prev_site}
     prompts = _prompts(params)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ keeps its add time, one timestamp per token and vLLM's ``num_cached_tokens``.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -17,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineProcess", "Req", "closed_loop_stats", "interference", "itl_stats", "pct",
-           "serve"]
+__all__ = ["EngineProcess", "Req", "closed_loop_stats", "interference", "itl_stats",
+           "other_build_env", "pct", "serve"]
 
 
 @dataclass
@@ -77,6 +78,14 @@ def serve(engine: Any, reqs: list[Req], clients: int = 1, inject: tuple[int, Req
                     add(todo.pop(0))
         if inject and not inject[1].t_add and len(reqs[0].tokens) >= inject[0]:
             add(inject[1])
+
+
+def other_build_env(site: str) -> dict[str, str]:
+    """Environment of an engine that runs another build of this package (an A/B of a change):
+    ``site`` is a directory it was installed into (``pip install --no-deps --target``)."""
+    if not site or not Path(site, "mooncake_vllm").is_dir():
+        raise SystemExit(f"--prev-site {site!r}: no mooncake_vllm package installed there")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)}
 
 
 def pct(values: list[float], q: float) -> float | None:
