@@ -16,7 +16,7 @@ processes)::
     ours-nice0 ours with ``MOONCAKE_VLLM_THREAD_NICE=0`` (the pool's threads at vLLM's
              priority; not in the default set), its own ``cache_prefix``
     ours-prev  ours from another build of the package (``--prev-site``, not in the default
-             set): the A/B of a change, same keys as ``ours``
+             set): the A/B of a change, its own ``cache_prefix``
 
 The reader drives vLLM's engine step by step (``LLMEngine.step``; in-process
 engine) and stamps every token, so inter-token latency (ITL) is what a streaming
@@ -154,8 +154,9 @@ def _mode_config(mode: str, env: dict[str, str],
                  prev_site: str = "") -> tuple[dict[str, Any] | None, dict[str, str]]:
     if mode == "ours":
         return kv_transfer_config("kv_both"), dict(env)
-    if mode == "ours-prev":
-        return kv_transfer_config("kv_both"), {**env, **other_build_env(prev_site)}
+    if mode == "ours-prev":  # its own keys: the prompts are shared, the pool must not be
+        return (kv_transfer_config("kv_both", extra={"cache_prefix": "prev"}),
+                {**env, **other_build_env(prev_site)})
     if mode == "ours-nice0":
         return (kv_transfer_config("kv_both", extra={"cache_prefix": "nice0"}),
                 {**env, "MOONCAKE_VLLM_THREAD_NICE": "0"})
