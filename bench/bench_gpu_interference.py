@@ -59,8 +59,8 @@ def _writer_of(mode: str) -> str | None:
 
 
 # --------------------------------------------------------------------- inside one vLLM process
-def _serve(engine: Any, reqs: list[Req], inject: tuple[int, Req] | None = None) -> None:
-    serve(engine, reqs, inject=inject, detokenize=False)  # no tokenizer here
+def _serve(engine: Any, reqs: list[Req], clients: int = 1) -> None:
+    serve(engine, reqs, clients=clients, detokenize=False)  # no tokenizer here
 
 
 def _settle(llm: Any, timeout: float) -> float:
@@ -142,7 +142,7 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         wait_saves_idle()
         docs = pr["docs"]
         reqs = [req(docs[i % len(docs)] + q, p["out_tokens"]) for i, q in enumerate(pr["questions"])]
-        _serve_closed_loop(engine, reqs, p["clients"])
+        _serve(engine, reqs, p["clients"])
         return {**closed_loop_stats(reqs), "cached": [r.cached for r in reqs]}
 
     def misses() -> dict[str, Any]:
@@ -161,10 +161,6 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         return out
 
     return {"write": write, "measure": measure, "mixed": mixed, "misses": misses}
-
-
-def _serve_closed_loop(engine: Any, reqs: list[Req], clients: int) -> None:
-    serve(engine, reqs, clients=clients, detokenize=False)
 
 
 def _worker(spec: dict[str, Any]) -> None:

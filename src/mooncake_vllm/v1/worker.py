@@ -102,7 +102,6 @@ class WorkerLogic:
         self._received: set[str] = set()  # background loads over, not yet reported
         self._loads: BackgroundLoads | None = None
         self._fences: dict[str, list[Any]] = {}  # req_id -> CopyFences not yet ordered
-        self._defer_fences = False  # this step's meta: preemptions are reported
         self.counters = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
                          "copy_fences": 0,  # snapshot copies vLLM's stream did not wait for
                          "copy_fences_waited": 0,  # ... still running when the blocks were freed
@@ -206,13 +205,13 @@ class WorkerLogic:
         if meta is None or not (meta.saves or meta.handoffs):
             return
         client = self.source.get() if self.can_save and self.layout is not None else None
-        self._defer_fences = meta.preemptions_reported
-        self._queue_saves(meta.saves, client)
+        # vLLM tells the workers of preemptions: a CUDA copy's fence may wait until the free
+        self._queue_saves(meta.saves, client, defer_fences=meta.preemptions_reported)
         if self.can_save and self._thread is not None:
             for req_id, (handoff_id, digests) in meta.handoffs.items():
                 self._queue.put_nowait(_Marker(req_id, handoff_id, digests))
 
-    def _queue_saves(self, saves: list[BlockJob], client: Any) -> None:
+    def _queue_saves(self, saves: list[BlockJob], client: Any, *, defer_fences: bool) -> None:
         for job in saves:
             with self._cond:
                 self._tracked.add(job.req_id)
@@ -222,7 +221,7 @@ class WorkerLogic:
                 continue
             try:
                 ticket = client.prepare_save(self.keys(job.digests), self.layout, job.block_ids,
-                                             defer_fence=self._defer_fences)
+                                             defer_fence=defer_fences)
             except Exception as exc:  # noqa: BLE001 - a failed capture is a future miss
                 log.warning("mooncake-vllm: capturing %d blocks for saving failed: %s",
                             len(job.block_ids), exc)
