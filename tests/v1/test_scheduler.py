@@ -13,7 +13,8 @@ import pytest
 
 from mooncake_vllm.keys import KeyNamespace, RequestExtras, chunk_keys
 from mooncake_vllm.v1.namespace import RankNamespaces
-from mooncake_vllm.v1.scheduler import SchedulerLogic
+from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
+from mooncake_vllm.v1.scheduler import MAX_SHARED_WAIT, SchedulerLogic, step_work
 
 BS = 4
 
@@ -249,3 +250,84 @@ def test_a_failed_load_is_never_offered_again_but_a_delivered_one_is() -> None:
     logic.build_connector_meta(_output(new=[SimpleNamespace(
         req_id="d", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=16)], scheduled={"d": 2}))
     assert logic.get_num_new_matched_tokens(ok, 0) == (16, True)
+
+
+# -- claims and one load per block ------------------------------------------------------
+class _Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _measured(policy: str, load_seconds: float, clock: _Clock) -> ClaimAdvisor:
+    """An advisor fed steps where 16 tokens cost 1 s, and loads of 16 tokens in ``load_seconds``."""
+    a = ClaimAdvisor(ClaimRules(policy, explore_every=1e9), clock=clock, background=False)
+    a.observe(steps=[(16.0, 16 * 8.0, 1.0), (8.0, 8 * 4.0, 0.5), (4.0, 4 * 2.0, 0.25)],
+              loads=[(16.0, load_seconds)] * 4)
+    return a
+
+
+def test_a_slow_pool_is_not_claimed_and_the_decline_is_counted() -> None:
+    clock = _Clock()
+    pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
+    slow = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                          claims=_measured("auto", 5.0, clock), clock=clock)
+    assert slow.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (0, False)
+    assert slow.counters["claims_declined_slow_pool"] == 1 and slow.counters["declined_tokens"] == 16
+    fast = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                          claims=_measured("auto", 0.1, clock), clock=clock)
+    assert fast.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (16, False)
+    assert fast.counters["declined_tokens"] == 0
+    never = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           claims=_measured("never", 0.1, clock), clock=clock)
+    assert never.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (0, False)
+    assert never.counters["claims_declined_never"] == 1
+
+
+def test_a_second_request_waits_for_the_first_ones_load_of_the_same_blocks() -> None:
+    clock = _Clock()
+    pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           load_async=True, can_defer=True, clock=clock)
+    first, second = _request("a", TOKENS), _request("b", TOKENS[:12] + [9, 9, 9, 9, 9, 9])
+    assert logic.get_num_new_matched_tokens(first, 0) == (16, True)
+    logic.update_state_after_alloc(first, Blocks([0, 1, 2, 3, 4]), 16)
+    assert logic.get_num_new_matched_tokens(second, 0) == (None, False)  # a's load brings them
+    assert logic.counters["waits_for_shared_load"] == 1 and len(pool.calls) == 1
+    clock.now += 0.5
+    assert logic.get_num_new_matched_tokens(second, 0) == (None, False)
+    logic.loads_over({"a"})
+    # vLLM now has the 3 shared chunks in its own prefix cache: the lookup starts after them
+    assert logic.get_num_new_matched_tokens(second, 12) == (0, False)
+    assert logic.counters["waits_for_shared_load"] == 1
+    # an unrelated prompt never waits
+    assert logic.get_num_new_matched_tokens(_request("c", list(range(500, 518))), 0) == (0, False)
+
+
+def test_a_shared_wait_is_bounded() -> None:
+    clock = _Clock()
+    pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           load_async=True, can_defer=True, clock=clock)
+    logic.get_num_new_matched_tokens(_request("a", TOKENS), 0)
+    logic.update_state_after_alloc(_request("a", TOKENS), Blocks([0, 1, 2, 3, 4]), 16)
+    b = _request("b", TOKENS)
+    assert logic.get_num_new_matched_tokens(b, 0) == (None, False)
+    clock.now += MAX_SHARED_WAIT + 1
+    assert logic.get_num_new_matched_tokens(b, 0) == (16, True)  # gave up waiting: loads itself
+    without = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                             load_async=True, can_defer=False, clock=clock)
+    without.get_num_new_matched_tokens(_request("a", TOKENS), 0)
+    without.update_state_after_alloc(_request("a", TOKENS), Blocks([0, 1, 2, 3, 4]), 16)
+    assert without.get_num_new_matched_tokens(b, 0) == (16, True)  # release cannot defer
+
+
+def test_step_work_names_tokens_and_attention_work() -> None:
+    new = SimpleNamespace(req_id="n", num_computed_tokens=8, block_ids=([0, 1, 2],))
+    cached = SimpleNamespace(req_ids=["c"], resumed_req_ids=set(), new_block_ids=[None],
+                             num_computed_tokens=[100])
+    out = _output(new=[new], cached=cached, scheduled={"n": 4, "c": 1})
+    assert step_work(out) == (5.0, 4 * (8 + 2) + 1 * (100 + 0.5))
+    logic = _logic(FakePool())
+    assert logic.build_connector_meta(out).step_work == step_work(out)

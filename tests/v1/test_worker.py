@@ -63,7 +63,7 @@ class _GatedClient:
         self.fences: list[_Fence] = []
         self.deferred: list[bool] = []
 
-    def register_layout(self, layout: Any, gpu_path: str = "auto") -> None:
+    def register_layout(self, layout: Any, gpu_path: str = "auto", clients: int = 1) -> None:
         pass
 
     def prepare_save(self, keys: list[str], layout: Any, block_ids: list[int], *,

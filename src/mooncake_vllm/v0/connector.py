@@ -65,6 +65,7 @@ class MooncakeStoreConnector(KVConnectorBase):
         self.model_id = settings.model_id
         self.variant = settings.layout_variant or ""
         self.gpu_path = settings.gpu_path
+        self.store_clients = settings.clients_for_worker()
         # the same two sources as the V1 connector: extra_config's path, else $MOONCAKE_CONFIG_PATH
         self.store = store if store is not None else StoreClient.connect(
             load_store_config(settings.mooncake_config_path), timeout=settings.connect_timeout)
@@ -90,7 +91,7 @@ class MooncakeStoreConnector(KVConnectorBase):
         if layout.block_size != self.block_size:
             self._skip(f"KV block size {layout.block_size} != cache_config.block_size {self.block_size}")
             return None
-        self.store.register_layout(layout, self.gpu_path)
+        self.store.register_layout(layout, self.gpu_path, clients=self.store_clients)
         self._layout, self._layout_key = layout, key
         self.namespace = KeyNamespace(model_id=self.model_id, dtype=layout.dtype,
                                       layout=layout.fingerprint, block_size=layout.block_size,

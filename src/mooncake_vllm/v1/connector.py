@@ -39,6 +39,7 @@ from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.logs import follow_vllm_logging
 from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.store.namespaces import clear_namespaces, register_namespaces
+from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.client import SharedClient, shared_client
 from mooncake_vllm.v1.placement import thread_nice
 from mooncake_vllm.v1.handoff import MarkerWaiter, pool_ready, store_probe
@@ -156,16 +157,19 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                 # The scheduler reads this right after building us: a pool miss is never fatal.
                 ktc.kv_load_failure_policy = "recompute"
             waits = self.can_load and _installed_fact("deferred_lookup")
+            load_async = settings.load_async and _installed_fact("load_error_reporting")
             self.scheduler = SchedulerLogic(rank_namespaces(vllm_config, settings, tenant=tenant),
                                             block_size,
                                             self._lookup, can_load=self.can_load,
                                             can_save=self.can_save,
-                                            load_async=settings.load_async
-                                            and _installed_fact("load_error_reporting"),
+                                            load_async=load_async,
                                             waiter=MarkerWaiter(store_probe(self.shared))
                                             if waits else None,
                                             handoff_timeout=settings.handoff_timeout,
-                                            pool_ready=pool_ready(self.shared))
+                                            pool_ready=pool_ready(self.shared),
+                                            claims=ClaimAdvisor(ClaimRules(settings.load_policy),
+                                                                background=load_async),
+                                            can_defer=_installed_fact("deferred_lookup"))
             self._announce(self.scheduler.namespaces.namespaces[0])
             namespaces = self.scheduler.namespaces.namespaces
             self.shared.on_connect(lambda client: register_namespaces(client, namespaces,
@@ -179,7 +183,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                       self.shared, can_load=self.can_load,
                                       can_save=self.can_save,
                                       queue_size=settings.save_queue_size,
-                                      gpu_path=settings.gpu_path)
+                                      gpu_path=settings.gpu_path,
+                                      store_clients=settings.clients_for_worker())
         self.telemetry = Telemetry(self, vllm_config, kv_cache_config)
         self.shared.start()
         INSTANCES.add(self)

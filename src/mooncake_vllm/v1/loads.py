@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ class LoadOrder:
     client: Any
     layout: Any
     after: Any  #: event on vLLM's stream taken when the load was issued (CUDA), or None
+    seconds: float = 0.0  #: the transfer's duration (not its wait in the queue), once done
 
 
 class BackgroundLoads:
@@ -55,9 +57,11 @@ class BackgroundLoads:
             order = self._queue.get()
             if order is _STOP:
                 return
+            started = time.perf_counter()
             try:
                 ok = order.client.get_blocks(order.keys, order.layout, order.job.block_ids,
                                              after=order.after, background=True)
+                order.seconds = time.perf_counter() - started
             except Exception as exc:  # noqa: BLE001 - a failed load is recomputed
                 log.warning("mooncake-vllm: loading %d blocks failed (%s); vLLM recomputes "
                             "them", len(order.job.block_ids), exc)

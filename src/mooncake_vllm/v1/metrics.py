@@ -54,6 +54,14 @@ COUNTERS: Mapping[str, str] = {
     "saved_bytes": "KV bytes newly stored in the pool (block payloads).",
     "dropped_blocks": "KV blocks planned for saving that never reached the pool (queue full, "
                       "preempted, no staging slot, timed out or pool away).",
+    "declined_tokens": "Pool-hit prompt tokens not claimed: load_policy auto predicted their load "
+                       "slower than recomputing them (or load_policy never).",
+    "claims_declined_slow_pool": "Lookups whose hit was not claimed: the pool measured slower "
+                                 "than recompute (load_policy auto).",
+    "claims_declined_never": "Lookups whose hit was not claimed: load_policy never.",
+    "claim_probes": "Partial claims made while declining, to measure the pool again.",
+    "waits_for_shared_load": "Requests deferred while another request's load brought their "
+                             "blocks (one load per block).",
 }
 #: timed operation -> help text of its latency histogram
 OPS: Mapping[str, str] = {
@@ -81,7 +89,7 @@ class PoolStats(_StatsBase):
         self.data = {"counters": {}, "latency": {}, "pool_up": {}}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(part) for part in ("counters", "latency", "pool_up"))
+        return not any(self.data.get(part) for part in ("counters", "latency", "pool_up", "perf"))
 
     def aggregate(self, other: Any) -> PoolStats:
         """Add ``other``'s counters, append its samples, take its pool-up values."""
@@ -96,6 +104,8 @@ class PoolStats(_StatsBase):
         for op, samples in data.get("latency", {}).items():
             latency.setdefault(op, []).extend(samples)
         mine.setdefault("pool_up", {}).update(data.get("pool_up", {}))
+        for kind, samples in data.get("perf", {}).items():  # the claim policy's timings
+            mine.setdefault("perf", {}).setdefault(kind, []).extend(samples)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -163,9 +173,14 @@ class Meter:
         return PoolStats(data={"counters": deltas, "latency": samples, "pool_up": ups})
 
 
+#: scheduler-side counters exported under their own names
+_SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declined_slow_pool",
+                      "claims_declined_never", "claim_probes", "waits_for_shared_load")
+
+
 def scheduler_counters(scheduler: Any) -> dict[str, int]:
     """The scheduler side's cumulative counters, by exported name."""
-    return {"lookups": scheduler.counters["lookups"], "hit_tokens": scheduler.counters["hit_tokens"]}
+    return {name: scheduler.counters[name] for name in _SCHEDULER_EXPORTS}
 
 
 def worker_counters(worker: Any, client: Any) -> dict[str, int]:

@@ -20,6 +20,12 @@ query), so it is unit-testable without vLLM or Mooncake.
 * Saves: every prompt chunk completed by a step is handed to the workers after
   that step's forward; a request with saves in flight keeps its blocks after it
   finishes (``request_finished`` → True) until the workers report them written.
+* Claims (:mod:`~mooncake_vllm.v1.claims`): a lookup's hit is claimed only as far
+  as loading it is predicted to beat recomputing it (``load_policy``), from the
+  step and load timings the workers report (``observe_perf``).
+* One load per block: while a background load of this instance brings chunks in,
+  another request wanting any of them is deferred (``None``, where the release
+  can) until that load is over; vLLM then serves them from its own prefix cache.
 * Hand-offs (the store flow's prefill → decode, :mod:`~mooncake_vllm.v1.handoff`):
   a prefill request that asks gets an offer in ``request_finished``'s
   ``kv_transfer_params`` and its workers publish a marker after its saves; a
@@ -29,18 +35,27 @@ query), so it is unit-testable without vLLM or Mooncake.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_vllm.keys import RequestExtras, chunk_digests
+from mooncake_vllm.store.health import FailureLog
+from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, request_extras
 
-__all__ = ["RequestState", "SchedulerLogic"]
+__all__ = ["MAX_SHARED_WAIT", "RequestState", "SchedulerLogic", "step_work"]
 
 Lookup = Callable[[Sequence[str]], Sequence[bool]]
+
+log = logging.getLogger(__name__)
+
+#: longest a request waits for another request's load of its chunks (then it looks up)
+MAX_SHARED_WAIT = 30.0
 
 
 @dataclass
@@ -63,6 +78,8 @@ class RequestState:
     #: a load of this request failed: never offer it the pool again (the values that
     #: failed are likely still there, and a retry would fail the same way, forever)
     refuse_loads: bool = False
+    #: when it was first deferred for another request's load of its chunks
+    shared_wait_since: float | None = None
     block_ids: list[int] = field(default_factory=list)  # mirror for engines without block state
     request: Any = None  #: vLLM's request (its block hashes name the pool's blocks in KV events)
 
@@ -73,7 +90,9 @@ class SchedulerLogic:
     def __init__(self, namespaces: RankNamespaces, block_size: int, lookup: Lookup, *,
                  can_load: bool, can_save: bool, load_async: bool = False,
                  waiter: MarkerWaiter | None = None, handoff_timeout: float = 5.0,
-                 pool_ready: Callable[[], bool] = lambda: True) -> None:
+                 pool_ready: Callable[[], bool] = lambda: True,
+                 claims: ClaimAdvisor | None = None, can_defer: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.namespaces = namespaces
         self.block_size = block_size
         self.lookup = lookup
@@ -84,7 +103,16 @@ class SchedulerLogic:
         self._loads: list[BlockJob] = []
         self._delayed_loads: set[str] = set()
         self.counters = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "save_jobs": 0,
-                         "local_hit_chunks_not_saved": 0}
+                         "local_hit_chunks_not_saved": 0, "declined_tokens": 0,
+                         "claims_declined_slow_pool": 0, "claims_declined_never": 0,
+                         "claim_probes": 0, "waits_for_shared_load": 0}
+        self.claims = claims or ClaimAdvisor(ClaimRules("always"))
+        #: the release answers ``None`` = ask again later (fact deferred_lookup)
+        self.can_defer = can_defer
+        self._clock = clock
+        self._inflight: dict[str, str] = {}  # chunk digest -> request whose load brings it
+        self._inflight_tokens: dict[str, tuple[int, float]] = {}  # req -> (tokens, since)
+        self._declines = FailureLog()
         self.handoffs = Handoffs([ns.prefix() for ns in namespaces.namespaces], block_size,
                                  self.counters, offer=can_save,
                                  waiter=waiter if can_load else None,
@@ -133,14 +161,72 @@ class SchedulerLogic:
         if start >= claimable:
             return 0, False
         wanted = st.digests[start:claimable]
+        if self._waits_for_shared_load(st, wanted):
+            return None, False
         self.counters["lookups"] += 1
         present = self.lookup(self.namespaces.keys_for(wanted))
         hits = self.namespaces.prefix_hits(present, len(wanted))
         self.handoffs.after_lookup(st.req_id, start + hits)
         if hits == 0:
             return 0, False
+        hits = self._claim(start, hits)
+        if hits == 0:
+            return 0, False
         st.pending_load = (start, hits, num_computed_tokens)
         return (start + hits) * bs - num_computed_tokens, self.load_async
+
+    def _waits_for_shared_load(self, st: RequestState, wanted: Sequence[str]) -> bool:
+        """Another request's background load brings some of ``wanted``: wait for it (once
+        over, vLLM's own prefix cache has them), at most :data:`MAX_SHARED_WAIT` s."""
+        self._expire_inflight()
+        if not self.can_defer or not self._inflight or \
+                not any(self._inflight.get(d, st.req_id) != st.req_id for d in wanted):
+            st.shared_wait_since = None
+            return False
+        now = self._clock()
+        if st.shared_wait_since is None:
+            st.shared_wait_since = now
+            self.counters["waits_for_shared_load"] += 1
+        return now - st.shared_wait_since < MAX_SHARED_WAIT
+
+    def _claim(self, start: int, hits: int) -> int:
+        """How many of ``hits`` chunks from chunk ``start`` to claim (:mod:`.claims`)."""
+        bs = self.block_size
+        backlog = sum(tokens for tokens, _ in self._inflight_tokens.values())
+        decision = self.claims.decide(start * bs, hits * bs, bs, backlog)
+        if decision.reason == "explore":
+            self.counters["claim_probes"] += 1
+        declined = hits - decision.tokens // bs
+        if declined > 0 and decision.reason in ("slow_pool", "never"):
+            self.counters[f"claims_declined_{decision.reason}"] += 1
+            self.counters["declined_tokens"] += declined * bs
+            if decision.reason == "slow_pool":
+                self._declines.warn("slow_pool", (
+                    f"mooncake-vllm: pool claims declined (load_policy auto): loading "
+                    f"{hits * bs} tokens was predicted at {decision.predicted_load:.3f} s against "
+                    f"{decision.predicted_recompute:.3f} s to recompute them, so vLLM recomputes; "
+                    f"the pool is measured again every {self.claims.rules.explore_every:.0f} s "
+                    "(more holders and store_clients make it faster; load_policy always claims "
+                    "regardless)"))
+        return decision.tokens // bs
+
+    def observe_perf(self, perf: Any) -> None:
+        """Step and load timings the workers measured (``PoolStats.data["perf"]``)."""
+        if isinstance(perf, dict):
+            self.claims.observe(steps=perf.get("steps", ()), loads=perf.get("loads", ()))
+
+    def loads_over(self, req_ids: Iterable[str]) -> None:
+        """The workers report these requests' background loads over: their chunks are free."""
+        for req_id in req_ids:
+            if self._inflight_tokens.pop(req_id, None) is not None:
+                self._inflight = {d: r for d, r in self._inflight.items() if r != req_id}
+
+    def _expire_inflight(self) -> None:
+        now = self._clock()
+        stale = [r for r, (_, since) in self._inflight_tokens.items()
+                 if now - since > 4 * MAX_SHARED_WAIT]
+        if stale:
+            self.loads_over(stale)
 
     def _note_local_hits(self, st: RequestState, num_computed_tokens: int) -> None:
         """Blocks vLLM serves from its own prefix cache need no second save (a 2k-token hit
@@ -167,6 +253,10 @@ class SchedulerLogic:
             return
         self._loads.append(BlockJob(st.req_id, st.digests[start:end], block_ids[start:end],
                                     background=self.load_async))
+        if self.load_async:
+            for digest in st.digests[start:end]:
+                self._inflight.setdefault(digest, st.req_id)
+            self._inflight_tokens[st.req_id] = ((end - start) * self.block_size, self._clock())
         st.loaded_upto = max(st.loaded_upto, end)
         st.promised = end * self.block_size
         self.counters["load_jobs"] += 1
@@ -186,6 +276,7 @@ class SchedulerLogic:
             if st is not None:
                 st.block_ids = []
         self._keep_promises(scheduler_output)
+        meta.step_work = step_work(scheduler_output)
         if not self.can_save:
             return meta
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
@@ -278,6 +369,20 @@ class SchedulerLogic:
         """Stop the hand-off waiter's thread."""
         if self.handoffs.waiter is not None:
             self.handoffs.waiter.close()
+
+
+def step_work(scheduler_output: Any) -> tuple[float, float]:
+    """``(Σm, Σm·(p + m/2))`` over the step's requests (``m`` tokens scheduled from ``p``)."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    cached = scheduler_output.scheduled_cached_reqs
+    pairs = [(new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs]
+    pairs += list(zip(cached.req_ids, cached.num_computed_tokens))
+    tokens = work = 0.0
+    for req_id, computed in pairs:
+        m = scheduled.get(req_id, 0)
+        tokens += m
+        work += m * (computed + m / 2)
+    return tokens, work
 
 
 def _waiting_for_remote_kvs(request: Any) -> bool:

@@ -54,7 +54,12 @@ class Telemetry:
         if self.scheduler is not None:
             return self.meter.take(scheduler_counters(self.scheduler), pool_up(self.shared))
         client = self.source.raw()
-        return self.meter.take(worker_counters(self.worker, client), pool_up(self.shared))
+        stats = self.meter.take(worker_counters(self.worker, client), pool_up(self.shared))
+        perf = self.worker.timer.take()
+        if perf is not None:  # for the scheduler's claim policy, not for the metrics
+            stats = stats or PoolStats()
+            stats.data["perf"] = perf
+        return stats
 
     # ------------------------------------------------------------------ events
     def take_worker_events(self) -> PoolKVEvents | None:
@@ -66,6 +71,15 @@ class Telemetry:
             self.scheduler_events.planned(meta, self.scheduler.requests)
 
     def received(self, connector_output: Any) -> None:
+        if self.scheduler is not None:
+            stats = getattr(connector_output, "kv_connector_stats", None)
+            perf = getattr(stats, "data", {}).get("perf") if stats is not None else None
+            if perf:
+                self.scheduler.observe_perf(perf)
+            over = set(getattr(connector_output, "finished_recving", None) or ())
+            over |= set(getattr(connector_output, "finished_sending", None) or ())
+            if over:
+                self.scheduler.loads_over(over)
         if self.scheduler_events is not None:
             self.scheduler_events.received(getattr(connector_output, "kv_cache_events", None))
 

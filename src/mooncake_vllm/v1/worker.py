@@ -48,6 +48,7 @@ from mooncake_vllm.v1.handoff import marker_value
 from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
+from mooncake_vllm.v1.perf import StepTimer
 
 __all__ = ["WorkerLogic"]
 
@@ -75,7 +76,8 @@ class WorkerLogic:
     def __init__(self, namespace: KeyNamespace, expected: ExpectedLayout, client_source: Any, *,
                  can_load: bool, can_save: bool, queue_size: int = 64,
                  save_deadline: float = 30.0, preempt_wait: float = 1.0,
-                 clock: Any = time.monotonic, gpu_path: str = "auto") -> None:
+                 clock: Any = time.monotonic, gpu_path: str = "auto",
+                 store_clients: int = 1) -> None:
         self.namespace = namespace
         self.prefix = namespace.prefix()
         self.expected = expected
@@ -83,7 +85,10 @@ class WorkerLogic:
         self.can_load = can_load
         self.can_save = can_save and namespace.stores  # MLA: only TP rank 0 puts
         self.gpu_path = gpu_path
+        self.store_clients = store_clients
         self.layout: BlockLayout | None = None
+        #: times steps and loads for the scheduler's claim policy (set at registration)
+        self.timer = StepTimer()
         self._save_deadline = save_deadline
         self._preempt_wait = preempt_wait
         self._clock = clock
@@ -117,7 +122,10 @@ class WorkerLogic:
                                             variant=self.expected.variant)
         check_layout(self.expected, layout)
         self.layout = layout
-        self.source.on_connect(lambda client: client.register_layout(layout, self.gpu_path))
+        if layout.on_cuda:
+            self.timer = StepTimer(cuda_device=layout.device)
+        self.source.on_connect(lambda client: client.register_layout(
+            layout, self.gpu_path, clients=self.store_clients))
         if self.can_save and self._thread is None:
             self._thread = threading.Thread(target=self._save_loop, name="mcv-save", daemon=True)
             self._thread.start()
@@ -131,6 +139,7 @@ class WorkerLogic:
         self._idle_step = meta is not None and meta.idle_step
         if meta is None:
             return
+        self.timer.step_began(meta.step_work)
         self._order_fences(meta.preempted_req_ids)  # before this forward may write them
         if meta.delayed_loads:
             with self._cond:
@@ -149,8 +158,11 @@ class WorkerLogic:
             self._fail(block_ids)
             return
         keys = [k for job in jobs for k in self.keys(job.digests)]
+        started = time.perf_counter()
         try:
             ok = client.get_blocks(keys, self.layout, block_ids)
+            bs = self.namespace.block_size
+            self.timer.load_done(len(block_ids) * bs, time.perf_counter() - started, sum(ok) * bs)
         except Exception as exc:  # noqa: BLE001 - never let a load kill the engine
             log.warning("mooncake-vllm: loading %d blocks failed (%s); vLLM recomputes them",
                         len(block_ids), exc)
@@ -174,6 +186,9 @@ class WorkerLogic:
         self._loads.submit(order)
 
     def _loaded(self, order: LoadOrder, ok: list[bool]) -> None:
+        if order.seconds > 0:
+            bs = self.namespace.block_size
+            self.timer.load_done(len(order.job.block_ids) * bs, order.seconds, sum(ok) * bs)
         failed = [b for b, good in zip(order.job.block_ids, ok) if not good]
         req = order.job.req_id
         with self._cond:
@@ -202,6 +217,7 @@ class WorkerLogic:
     def wait_for_save(self, meta: MooncakeConnectorMetadata | None) -> None:
         """Capture this step's saves (the forward pass has written their KV) and queue them,
         then the hand-off markers declared this step (after their requests' saves)."""
+        self.timer.step_ended()
         if meta is None or not (meta.saves or meta.handoffs):
             return
         client = self.source.get() if self.can_save and self.layout is not None else None

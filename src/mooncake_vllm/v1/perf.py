@@ -1,0 +1,91 @@
+"""What the claim policy learns from a worker: how long its forward steps and loads took.
+
+The scheduler names each step's work in the metadata (``step_work``: scheduled
+tokens ``Σm`` and attention work ``Σm·(p + m/2)``); the worker times the step
+from ``start_load_kv`` to ``wait_for_save`` — on CUDA with events on vLLM's
+stream (GPU time, read once the events completed, never waited for), on the host
+with the clock — and each load's transfer. Samples go to the scheduler with the
+connector stats (``PoolStats.data["perf"]``), where
+:class:`~mooncake_vllm.v1.claims.ClaimAdvisor` fits its models.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["MAX_PENDING", "SLOW_FAILURE", "StepTimer"]
+
+#: samples kept between two reports (a stalled front end never grows us unbounded)
+MAX_PENDING = 256
+#: a failed load that took at least this long (seconds) is a sample of a slow pool
+SLOW_FAILURE = 1.0
+
+
+class StepTimer:
+    """Times forward steps and loads of one worker; :meth:`take` hands the samples over."""
+
+    def __init__(self, *, cuda_device: Any = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._device = cuda_device
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._open: tuple[float, float, Any] | None = None  # tokens, work, start mark
+        self._unread: deque[tuple[float, float, Any, Any]] = deque(maxlen=MAX_PENDING)
+        self._steps: list[list[float]] = []
+        self._loads: list[list[float]] = []
+
+    def _mark(self) -> Any:
+        if self._device is None:
+            return self._clock()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def step_began(self, work: tuple[float, float] | None) -> None:
+        """``start_load_kv``: the forward of a step with this work follows."""
+        self._open = (work[0], work[1], self._mark()) if work and work[0] > 0 else None
+
+    def step_ended(self) -> None:
+        """``wait_for_save``: the forward pass of the open step has been issued (or ran)."""
+        if self._open is None:
+            return
+        tokens, work, start = self._open
+        self._open = None
+        end = self._mark()
+        with self._lock:
+            self._unread.append((tokens, work, start, end))
+
+    def load_done(self, tokens: int, seconds: float, loaded: int | None = None) -> None:
+        """One load's transfer (loader thread or ``start_load_kv``) of ``tokens``, of which
+        ``loaded`` arrived (default all). A partly failed load says nothing of the pool's
+        speed (missing values fail fast) and is left out, unless it took long: then it
+        was slow (deadlines passed) and counts as such."""
+        if loaded is not None and loaded < tokens and seconds < SLOW_FAILURE:
+            return
+        if tokens > 0 and seconds > 0:
+            with self._lock:
+                if len(self._loads) < MAX_PENDING:
+                    self._loads.append([float(tokens), float(seconds)])
+
+    def take(self) -> dict[str, list[list[float]]] | None:
+        """Steps whose timing is known (CUDA: events completed) and loads since the last call."""
+        with self._lock:
+            while self._unread:
+                tokens, work, start, end = self._unread[0]
+                if self._device is None:
+                    seconds = end - start
+                elif end.query():
+                    seconds = start.elapsed_time(end) / 1e3
+                else:
+                    break  # still running on the GPU: next time
+                self._unread.popleft()
+                if len(self._steps) < MAX_PENDING:
+                    self._steps.append([tokens, work, seconds])
+            steps, loads, self._steps, self._loads = self._steps, self._loads, [], []
+        return {"steps": steps, "loads": loads} if steps or loads else None
