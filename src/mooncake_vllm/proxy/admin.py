@@ -16,8 +16,8 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from mooncake_vllm.errors import ConfigError, UnsupportedVersionError
-from mooncake_vllm.httpsafe import JsonBodyError, describe_exc, loads_json, read_body
+from mooncake_vllm.errors import ConfigError, JsonBodyError, UnsupportedVersionError
+from mooncake_vllm.httpsafe import describe_exc, loads_json, read_body
 from mooncake_vllm.proxy import flows
 from mooncake_vllm.proxy.instances import KINDS, Endpoint, Instance, InstancePool, parse_endpoint
 
