@@ -1,7 +1,7 @@
 """The only place that knows vLLM and Mooncake versions.
 
 ``versions`` holds the facts as data, ``detect`` reads installed versions from
-package metadata. Importing this package never imports ``vllm`` or ``mooncake``
+package metadata, ``facts.installed_facts`` is the installed vLLM's facts (cached). Importing this package never imports ``vllm`` or ``mooncake``
 (the ``vllm.general_plugins`` entry point loads ``compat.registration`` through
 it inside every vLLM process).
 """
@@ -15,6 +15,7 @@ from mooncake_vllm.compat.detect import (
     installed_mooncake,
     installed_vllm,
 )
+from mooncake_vllm.compat.facts import installed_facts
 from mooncake_vllm.compat.versions import (
     KNOWN_MOONCAKE_RELEASES,
     KNOWN_VLLM_RELEASES,
@@ -37,6 +38,7 @@ __all__ = [
     "VllmFacts",
     "check_mooncake_for_vllm",
     "detect_engine",
+    "installed_facts",
     "installed_mooncake",
     "installed_vllm",
     "mooncake_facts",
