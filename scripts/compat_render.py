@@ -12,12 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compat_record import COMMAND, LEVELS, MARKERS, REPO, UNVERIFIED, facts_summary  # noqa: E402
 
-from mooncake_vllm.compat.versions import (  # noqa: E402
-    KNOWN_VLLM_RELEASES,
-    LAST_V0_RELEASE,
-    MIN_SUPPORTED_VLLM,
-    pep440_version,
-)
+from mooncake_vllm.compat.facts_table import KNOWN_VLLM_RELEASES, LAST_V0_RELEASE, MIN_SUPPORTED_VLLM  # noqa: E402
+from mooncake_vllm.compat.versions import pep440_version  # noqa: E402
 
 __all__ = ["UPGRADES", "commit_text", "load_upgrades", "render", "result_text"]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_vllm.compat.versions import KNOWN_VLLM_RELEASES, vllm_facts
+from mooncake_vllm.compat.facts_table import KNOWN_VLLM_RELEASES
+from mooncake_vllm.compat.versions import vllm_facts
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("compat_table", ROOT / "scripts" / "compat_table.py")
