@@ -60,7 +60,7 @@ def main() -> None:
     res: dict = {"blocks": nb, "tokens": nb * BS, "device": torch.cuda.get_device_name()}
     config = load_store_config()
     client = StoreClient.connect(config, staging=StagingSizes(save_cuda=2 << 30, load=1 << 30))
-    store = client._store
+    store = client.store
     kv = [torch.randn(2, total, BS, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(L)]
     layout = BlockLayout.from_kv_caches(kv)
     client.register_layout(layout, gpu_path="staged")
@@ -98,11 +98,11 @@ def main() -> None:
         return [[p for p, _ in x] for x in sl], [[n for _, n in x] for x in sl]
     def raw_gpu_put(r: int) -> None:
         ptrs, sizes = segs(gsrc)
-        codes = zc._store.batch_put_from_multi_buffers([f"rawg/{r}/{i}" for i in range(nb)], ptrs, sizes)
+        codes = zc.store.batch_put_from_multi_buffers([f"rawg/{r}/{i}" for i in range(nb)], ptrs, sizes)
         assert all(c == 0 for c in codes), set(codes)
     def raw_gpu_get(r: int) -> None:
         ptrs, sizes = segs(gdst)
-        codes = zc._store.batch_get_into_multi_buffers([f"rawg/{r}/{i}" for i in range(nb)], ptrs, sizes)
+        codes = zc.store.batch_get_into_multi_buffers([f"rawg/{r}/{i}" for i in range(nb)], ptrs, sizes)
         assert all(c >= 0 for c in codes), set(codes)
         res["raw_gpu_get_code"] = int(codes[0])
     if res["zero_copy_path"] == "zero_copy":

@@ -48,7 +48,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 def _bench_size(client: StoreClient, block_bytes: int, batch_bytes: int, reps: int) -> dict:
-    store = client._store  # the raw MooncakeDistributedStore, for the raw baseline
+    store = client.store  # the raw MooncakeDistributedStore, for the raw baseline
     n = max(1, batch_bytes // block_bytes)
     per_layer = block_bytes // LAYERS // 4  # float32 elements per layer block
     kv = [_aligned((n, 1, 1, per_layer), seed=i) for i in range(LAYERS)]

@@ -37,6 +37,8 @@ TEST_CLIENT_TTL = 2
 #: Pool sizes used by the fixtures (memory is touched lazily; keep them modest).
 TEST_SEGMENT = 256 << 20
 TEST_LOCAL_BUFFER = 64 << 20
+#: holders of the stack fixtures: every test's pool is spread over several processes
+TEST_HOLDERS = 2
 
 
 def _fail_setup(exc: BaseException) -> NoReturn:
@@ -95,7 +97,7 @@ def pool_holder(workdir: Path, mooncake_master: ManagedProcess, metadata_url: st
 
 def _stack(workdir: Path) -> Iterator[LocalStack]:
     stack = _start(LocalStack(workdir, segment_size=TEST_SEGMENT, local_buffer_size=TEST_LOCAL_BUFFER,
-                              client_ttl=TEST_CLIENT_TTL).start)
+                              client_ttl=TEST_CLIENT_TTL, holders=TEST_HOLDERS).start)
     try:
         yield stack
     finally:
@@ -104,7 +106,8 @@ def _stack(workdir: Path) -> Iterator[LocalStack]:
 
 @pytest.fixture
 def local_stack(workdir: Path) -> Iterator[LocalStack]:
-    """master + Mooncake HTTP metadata + holder, with ``.config_path`` (V1 mooncake_config.json)."""
+    """master + Mooncake HTTP metadata + TEST_HOLDERS holders, with ``.config_path`` (V1
+    mooncake_config.json)."""
     yield from _stack(workdir)
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.conftest import TEST_HOLDERS
+
 from mooncake_vllm.services import (
     SETUP_HINT,
     LocalStack,
@@ -401,7 +403,7 @@ def test_interrupted_pytest_session_leaves_nothing_running(tmp_path: Path, sig: 
             assert session.poll() is None and time.monotonic() < deadline, session.stdout.read()
             time.sleep(0.1)
         pids = json.loads(pids_file.read_text())
-        assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+        assert len(pids) == 2 + TEST_HOLDERS and all(psutil.pid_exists(p) for p in pids)
         session.send_signal(sig)
         session.communicate(timeout=60)
 

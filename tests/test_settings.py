@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from mooncake_vllm.errors import ConfigError
-from mooncake_vllm.settings import EXTRA_KEYS, ConnectorSettings
+from mooncake_vllm.settings import EXTRA_KEYS, ConnectorSettings, auto_store_clients
 
 
 def _vllm_config(role: str = "kv_both", model: str = "/models/org/tiny-llama/", **extra: object):
@@ -30,16 +30,19 @@ def test_every_documented_key_is_read() -> None:
     s = ConnectorSettings.from_vllm_config(_vllm_config(
         "kv_consumer", model_id="shared", mooncake_config_path="/etc/mc.json",
         load_failure_policy="fail", save_queue_size=8, connect_timeout=2, layout_variant="amx",
-        load_async=False, gpu_path="zero_copy", handoff_timeout=0, cache_prefix="weights-v2"))
+        load_async=False, gpu_path="zero_copy", handoff_timeout=0, cache_prefix="weights-v2",
+        load_policy="never", store_clients=3))
     assert s == ConnectorSettings(kv_role="kv_consumer", model_id="shared",
                                   mooncake_config_path="/etc/mc.json", load_failure_policy="fail",
                                   save_queue_size=8, connect_timeout=2.0, layout_variant="amx",
                                   load_async=False, gpu_path="zero_copy", handoff_timeout=0.0,
-                                  cache_prefix="weights-v2")
+                                  cache_prefix="weights-v2", load_policy="never",
+                                  store_clients=3)
+    assert s.clients_for_worker() == 3
     assert sorted(EXTRA_KEYS) == sorted(
         ["model_id", "mooncake_config_path", "load_failure_policy", "save_queue_size",
          "connect_timeout", "layout_variant", "load_async", "gpu_path", "handoff_timeout",
-         "cache_prefix"])
+         "cache_prefix", "load_policy", "store_clients"])
     assert ConnectorSettings.from_vllm_config(_vllm_config()).handoff_timeout == 5.0
     with pytest.raises(AttributeError):
         s.kv_role = "kv_both"  # type: ignore[misc]  # frozen
@@ -79,3 +82,26 @@ def test_bad_cache_prefix_is_refused_naming_the_field(bad: object) -> None:
         ConnectorSettings.from_vllm_config(_vllm_config(cache_prefix=bad))
     assert info.value.fields == ["kv_connector_extra_config.cache_prefix"]
     assert "weights-v2" in str(info.value)  # the fix names a usable value
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("load_policy", "sometimes", '"auto"'),
+    ("load_policy", None, '"always" or "never"'),
+    ("store_clients", 0, "from 1 to 16"),
+    ("store_clients", 17, "from 1 to 16"),
+    ("store_clients", True, "whole number"),
+    ("store_clients", 2.0, "whole number"),
+    ("store_clients", "4", "whole number"),
+])
+def test_striping_and_claim_settings_refuse_bad_values(key: str, value: object, says: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        ConnectorSettings.from_vllm_config(_vllm_config(**{key: value}))
+    assert info.value.fields == [f"kv_connector_extra_config.{key}"]
+    assert says in str(info.value) and repr(value) in str(info.value)
+
+
+def test_store_clients_auto_is_one_per_four_cores() -> None:
+    s = ConnectorSettings.from_vllm_config(_vllm_config())
+    assert (s.load_policy, s.store_clients) == ("auto", 0)
+    assert [auto_store_clients(c) for c in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 4]
+    assert s.clients_for_worker() == auto_store_clients()

@@ -92,9 +92,9 @@ def test_corrupt_truncated_and_foreign_values_are_misses(client: StoreClient) ->
     kv[1][2] = 3.5
     keys = _keys(layout, list(range(900, 900 + 32 * 4)))
     assert client.put_blocks(keys, layout, [2, 2, 2, 2]) == 4
-    raw = client._store.get(keys[0])
+    raw = client.store.get(keys[0])
     assert len(raw) == codec.HEADER_SIZE + layout.block_nbytes
-    store = client._store
+    store = client.store
     # same key, valid header, one payload bit flipped
     assert store.upsert(keys[1], raw[:200] + bytes([raw[200] ^ 1]) + raw[201:]) == 0
     # same key, truncated
@@ -117,8 +117,8 @@ def test_small_values_round_trip_and_detect_damage(client: StoreClient) -> None:
     assert client.put_value("mcv-test/value", b"tail bytes")
     assert client.get_value("mcv-test/value") == b"tail bytes"
     assert client.get_value("mcv-test/absent") is None
-    raw = client._store.get("mcv-test/value")
-    client._store.upsert("mcv-test/value", raw[:-1] + b"X")
+    raw = client.store.get("mcv-test/value")
+    client.store.upsert("mcv-test/value", raw[:-1] + b"X")
     assert client.get_value("mcv-test/value") is None
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "CallRejected",
+    "CallTimedOut",
     "ConfigError",
     "ConfigProblem",
     "JsonBodyError",
@@ -128,3 +130,11 @@ class UnsupportedVersionError(RuntimeError):
 class UnsupportedModelError(RuntimeError):
     """The model's KV cache is of a kind the connector cannot store or load safely
     (a hybrid model's sliding-window or Mamba groups); raised at start."""
+
+
+class CallTimedOut(TimeoutError):
+    """A Mooncake call did not return within its deadline (it keeps its worker until it does)."""
+
+
+class CallRejected(ConnectionError):
+    """A Mooncake call was refused: every worker of its box is busy with unanswered calls."""

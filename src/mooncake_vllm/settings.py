@@ -31,10 +31,18 @@ key or value one engine rejects, the other rejects too, with one
                            instance named in ``kv_transfer_params`` (the proxy's store
                            flow) before it recomputes (default 5, 0 = never wait, at most
                            600; V1 >= 0.10.2 only)
+``load_policy``            ``"auto"`` (default): claim pool tokens only when this engine's
+                           measured pool rate loads them faster than its measured prefill
+                           recomputes them; ``"always"``: claim every hit; ``"never"``:
+                           save only (V1 >= 0.11.1; elsewhere every hit is claimed)
+``store_clients``          store clients (Mooncake transfer engines) a worker stripes its
+                           loads and saves over: ``"auto"`` (default: one per 4 cores, 1
+                           to 4) or 1 to 16
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +50,13 @@ from typing import Any
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.keys import model_id as _model_id
 
-__all__ = ["EXTRA_KEYS", "GPU_PATHS", "MAX_HANDOFF_TIMEOUT", "ROLES", "ConnectorSettings"]
+__all__ = ["EXTRA_KEYS", "GPU_PATHS", "LOAD_POLICIES", "MAX_HANDOFF_TIMEOUT", "MAX_STORE_CLIENTS",
+           "ROLES", "ConnectorSettings", "auto_store_clients"]
 
 #: every key ``kv_connector_extra_config`` may hold
 EXTRA_KEYS = ("cache_prefix", "connect_timeout", "gpu_path", "handoff_timeout", "layout_variant",
-              "load_async", "load_failure_policy", "model_id", "mooncake_config_path",
-              "save_queue_size")
+              "load_async", "load_failure_policy", "load_policy", "model_id",
+              "mooncake_config_path", "save_queue_size", "store_clients")
 #: the longest ``handoff_timeout`` accepted (seconds): longer is a typo, not a bound
 MAX_HANDOFF_TIMEOUT = 600.0
 #: vLLM's ``kv_role`` values and what each lets the connector do: (save, load)
@@ -55,6 +64,10 @@ ROLES = {"kv_both": (True, True), "kv_producer": (True, False), "kv_consumer": (
 _POLICIES = ("recompute", "fail")
 #: ``gpu_path`` values (store.paths.choose_gpu_path picks the path)
 GPU_PATHS = ("auto", "staged", "zero_copy")
+#: ``load_policy`` values (v1.claims decides what ``auto`` claims)
+LOAD_POLICIES = ("auto", "always", "never")
+#: the most store clients one worker opens (each is a transfer engine with its own threads)
+MAX_STORE_CLIENTS = 16
 _FIELD = "kv_connector_extra_config"
 
 
@@ -73,6 +86,9 @@ class ConnectorSettings:
     gpu_path: str = "auto"
     handoff_timeout: float = 5.0
     cache_prefix: str = ""
+    load_policy: str = "auto"
+    #: store clients a worker stripes transfers over; 0 = ``"auto"`` (:func:`auto_store_clients`)
+    store_clients: int = 0
 
     @property
     def can_save(self) -> bool:
@@ -133,6 +149,18 @@ class ConnectorSettings:
                                           f"must be a number of seconds from 0 to "
                                           f"{MAX_HANDOFF_TIMEOUT:.0f}, found {handoff!r}",
                                           "omit it (5 s) or set e.g. 5; 0 never waits"))
+        load_policy = extra.get("load_policy", "auto")
+        if load_policy not in LOAD_POLICIES:
+            problems.append(ConfigProblem(f"{_FIELD}.load_policy", f"found {load_policy!r}",
+                                          'use "auto" (claim what loads faster than it '
+                                          'recomputes), "always" or "never"'))
+        clients = extra.get("store_clients", "auto")
+        if clients != "auto" and (isinstance(clients, bool) or not isinstance(clients, int)
+                                  or not 1 <= clients <= MAX_STORE_CLIENTS):
+            problems.append(ConfigProblem(f"{_FIELD}.store_clients",
+                                          f"must be \"auto\" or a whole number from 1 to "
+                                          f"{MAX_STORE_CLIENTS}, found {clients!r}",
+                                          'omit it ("auto": one per 4 cores) or set e.g. 4'))
         texts = {name: None if extra.get(name) is None else str(extra[name])
                  for name in ("model_id", "mooncake_config_path", "layout_variant")}
         cache_prefix = extra.get("cache_prefix", "")
@@ -153,4 +181,20 @@ class ConnectorSettings:
                    connect_timeout=float(numbers["connect_timeout"]),
                    layout_variant=texts["layout_variant"], load_async=bool(load_async),
                    gpu_path=str(gpu_path), handoff_timeout=float(handoff),
-                   cache_prefix=str(cache_prefix))
+                   cache_prefix=str(cache_prefix), load_policy=str(load_policy),
+                   store_clients=0 if clients == "auto" else int(clients))
+
+    def clients_for_worker(self) -> int:
+        """How many store clients a worker opens (``"auto"`` resolved on this host)."""
+        return self.store_clients or auto_store_clients()
+
+
+def auto_store_clients(cores: int | None = None) -> int:
+    """One store client per 4 cores, 1 to 4: on a 16-core H200 host four clients over four
+    holders moved 10.3 GB/s, one 2.8-3.2 and eight no more than four (docs/gpu.md)."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+    return max(1, min(4, cores // 4))

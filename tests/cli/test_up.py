@@ -97,11 +97,15 @@ def ports() -> list[str]:
 ])
 def test_up_serves_then_stops_everything(workdir: Path, sig: int, metadata: str) -> None:
     args = ports()
-    run = Up(workdir, "--metadata", metadata, "--segment-size", "128MB", "--local-buffer", "32MB", *args)
+    run = Up(workdir, "--metadata", metadata, "--segment-size", "128MB", "--local-buffer", "32MB",
+             "--holders", "2", *args)
     try:
         run.wait_ready()
         kids = run.children()
-        assert len(kids) >= 2 + (metadata != "p2p"), alive(kids)
+        assert len(kids) >= 3 + (metadata != "p2p"), alive(kids)
+        holders = [p for p in kids if "mooncake_client" in " ".join(p.cmdline())]
+        assert len(holders) == 2 and all(f"--global_segment_size={64 << 20}" in p.cmdline()
+                                         for p in holders), [p.cmdline() for p in holders]
         master_port = int(args[1])
         assert tcp_probe(master_port)()
         config_path = workdir / "mooncake_config.json"
@@ -165,6 +169,17 @@ def test_taken_port_is_a_clear_error(workdir: Path) -> None:
 def test_bad_size_names_the_option(workdir: Path) -> None:
     rc, _, stderr = Up(workdir, "--segment-size", "lots").finish()
     assert rc == 2 and "--segment-size" in stderr and "'lots'" in stderr
+    rc, _, stderr = Up(workdir, "--holders", "0").finish()
+    assert rc == 2 and "--holders must be auto or 1 to 64" in stderr and "'0'" in stderr
+
+
+def test_holders_auto_is_one_per_four_cores() -> None:
+    from mooncake_vllm.cli.up import parse_holders
+    from mooncake_vllm.settings import auto_store_clients
+
+    assert parse_holders("auto") == auto_store_clients() and parse_holders("3") == 3
+    with pytest.raises(ValueError, match="--holders"):
+        parse_holders("many")
 
 
 def test_taken_default_port_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:

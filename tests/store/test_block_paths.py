@@ -155,8 +155,8 @@ def test_planted_corrupt_and_foreign_values_are_misses(client: StoreClient,
     layout = layout_of(src, client)
     keys = _keys(layout, 4)
     assert client.put_blocks(keys[:1], layout, [3]) == 1
-    raw = client._store.get(keys[0])
-    store = client._store
+    raw = client.store.get(keys[0])
+    store = client.store
     assert store.upsert(keys[1], raw[:300] + bytes([raw[300] ^ 4]) + raw[301:]) == 0  # bit flip
     assert store.upsert(keys[2], raw[: len(raw) - 7]) == 0  # truncated
     assert store.upsert(keys[3], raw) == 0  # another key's value
@@ -282,7 +282,7 @@ def test_zero_copy_and_staged_read_each_others_values(fresh: Any, name: str, dty
             assert torch.equal(_block(d, a.kind, db), _block(s, a.kind, sb))
         for untouched in (0, 2, 6, 7, 8, 9, 10):
             assert torch.equal(_block(d, a.kind, untouched), _block(old, a.kind, untouched))
-    raw = w._store.get(keys[0])
+    raw = w.store.get(keys[0])
     assert codec.unpack_header(raw).checksum_kind == codec.WSUM64  # CUDA KV: wsum64
 
 
@@ -313,7 +313,7 @@ def _zero_copy_source(fresh: Any, dtype: torch.dtype, seed: int,
 def test_zero_copy_loads_refuse_corrupt_foreign_and_unverifiable_values(fresh: Any) -> None:
     c, src, layout, keys = _zero_copy_source(fresh, torch.float16, 80, 5)
     assert c.put_blocks(keys[:1], layout, [3]) == 1
-    store = c._store
+    store = c.store
     raw = store.get(keys[0])
     assert store.upsert(keys[1], raw[:300] + bytes([raw[300] ^ 4]) + raw[301:]) == 0
     assert store.upsert(keys[2], raw[: len(raw) - 7]) == 0  # truncated

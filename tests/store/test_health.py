@@ -135,7 +135,7 @@ def test_a_dead_holder_is_named_once_and_its_blocks_are_misses(
         client.register_layout(layout)
         keys = _keys(layout, 50_000, 3)
         assert client.put_blocks(keys, layout, [1, 2, 3]) == 3
-        segment = (client._store.get_replica_desc(keys[0])[0]
+        segment = (client.store.get_replica_desc(keys[0])[0]
                    .get_memory_descriptor().buffer_descriptor.transport_endpoint)
         caplog.set_level(logging.WARNING, logger="mooncake_vllm")
         stack.holder.kill()

@@ -110,7 +110,7 @@ def test_worker_reports_what_the_pool_holds_and_what_it_lost(module_local_stack:
         assert len(stats.data["latency"]["save"]) == 1
 
         gone = f"{ns.prefix()}/{digests[1]}"
-        pool.get()._remove(gone)  # the pool lost one block (evicted, or another tenant's clear)
+        pool.get().transport.remove(gone)  # the pool lost one block (evicted, or another tenant's clear)
         worker.start_load_kv(MooncakeConnectorMetadata(loads=[BlockJob("l", digests, [5, 6, 7])]))
         assert worker.take_load_errors() == {6}
         taken = seen.take()

@@ -85,6 +85,7 @@ def summarize(a: dict[str, Any], b: dict[str, Any], prompt_len: int) -> tuple[st
 def run(args: argparse.Namespace) -> int:
     from mooncake_vllm.demo.run import run_instance
     from mooncake_vllm.services import LocalStack, ServiceError
+    from mooncake_vllm.settings import auto_store_clients
 
     tmp = None
     if args.workdir:
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         kw = dict(max_tokens=args.max_tokens, warmup=1, max_model_len=args.prompt_tokens + 64,
                   kv_bytes=512 << 20, block_size=128)
         with LocalStack(work / "stack", segment_size=1 << 30, local_buffer_size=128 << 20,
-                        progress=progress) as stack:
+                        progress=progress, holders=auto_store_clients()) as stack:
             _say(f"config: {stack.config_path} (global_segment_size \"0\": vLLM holds no pool memory)")
             _say("instance A: computing the prompt and saving its KV to the pool ...")
             a = run_instance(model, [prompt], work, env=stack.env(), name="instance-A", **kw)

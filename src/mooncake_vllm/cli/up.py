@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PORTS", "READY_LINE", "configure", "run", "vllm_serve_lines"]
+__all__ = ["DEFAULT_PORTS", "READY_LINE", "configure", "parse_holders", "run", "vllm_serve_lines"]
 
 #: Printed (and flushed) once everything is up; scripts and tests wait for it.
 READY_LINE = "mooncake-vllm up: ready"
@@ -37,7 +37,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metadata-backend", default="memory",
                         help="storage of the embedded metadata server: memory (default), "
                              "redis://h:p or etcd://h:p")
-    parser.add_argument("--segment-size", default="1GB", help="pool memory held by the holder (default 1GB)")
+    parser.add_argument("--segment-size", default="1GB",
+                        help="pool memory, split evenly over the holders (default 1GB)")
+    parser.add_argument("--holders", default="auto",
+                        help="holder processes the pool memory is spread over: 1 to 64, or auto "
+                             "(default: one per 4 cores, 1 to 4 — as many as each vLLM worker opens "
+                             "store clients; one client reads one holder at ~3 GB/s over TCP)")
     parser.add_argument("--local-buffer", default="256MB",
                         help="local_buffer_size written for vLLM clients and used by the holder (default 256MB)")
     parser.add_argument("--master-port", type=int, default=None,
@@ -85,6 +90,21 @@ def vllm_serve_lines(config_path: str | os.PathLike, model: str = SEED_MODEL) ->
             "kv_consumer": line("kv_consumer", "8200")}
 
 
+def parse_holders(value: str | int) -> int:
+    """``--holders``: ``auto`` (one per 4 cores, 1 to 4) or 1 to 64; ValueError names the flag."""
+    from mooncake_vllm.settings import auto_store_clients
+
+    if str(value) == "auto":
+        return auto_store_clients()
+    try:
+        count = int(str(value))
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 64:
+        raise ValueError(f"--holders must be auto or 1 to 64, found {value!r}")
+    return count
+
+
 class _Stop(Exception):
     """Raised in the main thread by SIGTERM, SIGINT (Ctrl-C) or SIGHUP (terminal closed)."""
 
@@ -108,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
                              f"{args.segment_size!r} and {args.local_buffer!r}")
         if args.client_ttl <= 0:
             raise ValueError(f"--client-ttl must be > 0 seconds, found {args.client_ttl}")
+        holders = parse_holders(args.holders)
     except ValueError as exc:
         print(f"mooncake-vllm up: {exc}", file=sys.stderr)
         return 2
@@ -116,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, _raise_stop) for sig in stop_signals}
     workdir = Path(args.workdir).resolve()
     steps = {"master": 1, "metadata": 2, "holder": 3}
+    say(f"mooncake-vllm up: {holders} holder(s) of {segment // holders} bytes each")
 
     def progress(component: str, state: str, detail: str) -> None:
         if state == "stopped":
@@ -132,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         stack = LocalStack(workdir, metadata=args.metadata, segment_size=segment, local_buffer_size=buffer,
                            client_ttl=args.client_ttl, master_port=ports["master"],
                            metadata_port=ports["metadata"], holder_port=ports["holder"], holder=args.holder,
-                           metadata_backend=args.metadata_backend, progress=progress)
+                           metadata_backend=args.metadata_backend, progress=progress,
+                           holders=holders)
         try:
             stack.start()
         except (ServiceError, ValueError) as exc:

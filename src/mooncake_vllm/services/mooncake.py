@@ -304,11 +304,14 @@ def start_holder(
 
 # -- the local stack ------------------------------------------------------------------
 class LocalStack:
-    """mooncake_master + metadata + pool holder on loopback, and a ready ``mooncake_config.json``.
+    """mooncake_master + metadata + pool holders on loopback, and a ready ``mooncake_config.json``.
 
     Use as a context manager, or call ``start()`` / ``stop()``. The config has the
     seed's V1 shape: vLLM instances are pure clients (``global_segment_size "0"``),
-    the pool's memory lives in the holder.
+    the pool's memory lives in ``holders`` holder processes that split
+    ``segment_size`` evenly (values spread over them; a client striping its
+    transfers over several store clients reads several holders at once, and one
+    holder's death costs only its share).
     """
 
     def __init__(
@@ -325,6 +328,7 @@ class LocalStack:
         holder: str = "auto",
         metadata_backend: str = "memory",
         progress: Progress | None = None,
+        holders: int = 1,
     ) -> None:
         if metadata not in METADATA_KINDS:
             raise ValueError(f"metadata: got {metadata!r}, expected one of {', '.join(METADATA_KINDS)}")
@@ -334,6 +338,11 @@ class LocalStack:
             raise ValueError(f"segment_size: got {segment_size}, expected > 0 bytes (the holder's pool memory)")
         if holder not in HOLDER_KINDS:
             raise ValueError(f"holder: got {holder!r}, expected one of {', '.join(HOLDER_KINDS)}")
+        if isinstance(holders, bool) or not isinstance(holders, int) or not 1 <= holders <= 64:
+            raise ValueError(f"holders: got {holders!r}, expected 1 to 64 holder processes")
+        if segment_size // holders < 16 << 20:
+            raise ValueError(f"segment_size: {segment_size} bytes split over {holders} holders is "
+                             f"under 16 MiB each; give more memory or fewer holders")
         self.workdir = Path(workdir)
         self.metadata_kind = metadata
         self.segment_size = segment_size
@@ -341,11 +350,12 @@ class LocalStack:
         self.client_ttl = client_ttl
         self.ports = {"master": master_port, "metadata": metadata_port, "holder": holder_port}
         self.holder_kind = holder
+        self.holder_count = holders
+        self.holders: list[ManagedProcess] = []
         self.metadata_backend = metadata_backend
         self.progress = progress or (lambda component, state, detail: None)
         self.master: ManagedProcess | None = None
         self.metadata_server: ManagedProcess | None = None
-        self.holder: ManagedProcess | None = None
         self.config_path = self.workdir / "mooncake_config.json"
         self._written: str | None = None  # the config text start() wrote, removed again by stop()
 
@@ -364,8 +374,13 @@ class LocalStack:
         return self.metadata_server.url
 
     @property
+    def holder(self) -> ManagedProcess | None:
+        """The first holder (``None`` before start)."""
+        return self.holders[0] if self.holders else None
+
+    @property
     def processes(self) -> list[ManagedProcess]:
-        return [p for p in (self.master, self.metadata_server, self.holder) if p is not None]
+        return [p for p in (self.master, self.metadata_server) if p is not None] + self.holders
 
     def config(self) -> dict[str, str]:
         """The V1 ``mooncake_config.json`` content for pure clients of this stack."""
@@ -403,9 +418,14 @@ class LocalStack:
                     self.workdir, self.metadata_kind, self.metadata_backend, port=self.ports["metadata"]))
             else:
                 self.progress("metadata", "ready", "P2PHANDSHAKE (no server needed)")
-            self.holder = self._step("holder", lambda: start_holder(
-                self.workdir, self.master_address, self.metadata_url, self.segment_size,
-                self.local_buffer_size, kind=self.holder_kind, port=self.ports["holder"]))
+            self.holders = []
+            each = self.segment_size // self.holder_count
+            for i in range(self.holder_count):
+                name = "pool_holder" if i == 0 else f"pool_holder{i}"
+                port = self.ports["holder"] if i == 0 else None
+                self.holders.append(self._step("holder", lambda: start_holder(
+                    self.workdir, self.master_address, self.metadata_url, each,
+                    self.local_buffer_size, kind=self.holder_kind, port=port, name=name)))
         except BaseException:
             self.stop()
             raise
@@ -419,11 +439,11 @@ class LocalStack:
     def stop(self) -> None:
         """Stop holder, metadata and master (in that order), then remove the config this stack wrote
         (it would point at dead ports); idempotent. A config someone changed since is left alone."""
-        for attr in ("holder", "metadata_server", "master"):
-            proc = getattr(self, attr)
+        for component, proc in ([("holder", h) for h in reversed(self.holders)]
+                                + [("metadata", self.metadata_server), ("master", self.master)]):
             if proc is not None and not proc.stopped:
                 proc.stop()
-                self.progress(attr.split("_")[0], "stopped", f"exit code {proc.returncode}")
+                self.progress(component, "stopped", f"exit code {proc.returncode}")
         written, self._written = self._written, None
         if written is not None:
             try:

@@ -12,14 +12,15 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.addresses import MetadataURL
 from mooncake_vllm.errors import StoreUnavailableError
 from mooncake_vllm.store.codes import call
 
-__all__ = ["CLIENT_ENV_DEFAULTS", "open_store", "pick_local_hostname", "tcp_reachable"]
+__all__ = ["CLIENT_ENV_DEFAULTS", "OpenedStore", "open_store", "pick_local_hostname",
+           "tcp_reachable"]
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +90,36 @@ def _preflight(config: StoreConfig, metadata: str, timeout: float) -> None:
                 f"metadata_server in {config.source}")
 
 
+class OpenedStore(NamedTuple):
+    """A set-up store, the cleanup to run at close, and the metadata URL it used."""
+
+    store: Any
+    cleanup: Callable[[], None] | None
+    metadata: str
+
+
 def open_store(config: StoreConfig, *, timeout: float,
                store_factory: Callable[[], Any] | None = None,
-               ) -> tuple[Any, Callable[[], None] | None]:
-    """A set-up ``MooncakeDistributedStore`` and the cleanup to run at close."""
+               metadata: str | None = None) -> OpenedStore:
+    """A set-up ``MooncakeDistributedStore``, or :class:`StoreUnavailableError` in ``timeout``.
+
+    ``metadata``: an already resolved metadata URL (another store client of this
+    process bridged it), used as it is."""
     for name, value in CLIENT_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
-    metadata, cleanup = _resolve_metadata(config)
+    cleanup = None
+    if metadata is None:
+        metadata, cleanup = _resolve_metadata(config)
+    try:
+        return OpenedStore(_setup(config, metadata, timeout, store_factory), cleanup, metadata)
+    except BaseException:
+        if cleanup is not None:
+            cleanup()
+        raise
+
+
+def _setup(config: StoreConfig, metadata: str, timeout: float,
+           store_factory: Callable[[], Any] | None) -> Any:
     host, _port = config.master_host_port
     hostname = config.local_hostname or pick_local_hostname(host)
     _preflight(config, metadata, timeout)
@@ -122,4 +146,4 @@ def open_store(config: StoreConfig, *, timeout: float,
             f"{config.protocol}; check that master and client are the same Mooncake "
             f"release and that local_hostname {hostname!r} is an address of this host")
     log.debug("connected to Mooncake master %s as %s", config.master_server_address, hostname)
-    return store, cleanup
+    return store

@@ -1,9 +1,11 @@
-"""Staged loads: pipelined ``batch_get_into`` through registered slots, verified on the host.
+"""Staged loads: gets into registered slots, striped over the lanes, verified, scattered.
 
-A load is cut into about :data:`LOAD_PIECES` fetches, two in flight: verifying one
-overlaps the transfer of the next (the checksum holds the GIL, Mooncake's call does
-not). Only verified slots are scattered into the KV cache; a fetch abandoned at its
-deadline keeps its slots until Mooncake returns.
+A load is cut into fetches of at least :data:`MIN_FETCH` blocks, two in flight per
+lane (:class:`~mooncake_vllm.store.transport.Lane`), so the transfers of several
+Mooncake clients overlap. Each fetch gets its values AND verifies them (header and
+checksum, on the host) on its lane's worker, so checksums run in parallel too; the
+calling thread collects fetches in order and scatters only verified slots into the
+KV cache. A fetch abandoned at its deadline keeps its slots until Mooncake returns.
 """
 
 from __future__ import annotations
@@ -14,26 +16,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mooncake_vllm.errors import CallRejected, CallTimedOut
 from mooncake_vllm.store.codes import Code
 from mooncake_vllm.store.slots import Run, slots_of
-from mooncake_vllm.store.timebox import CallRejected, CallTimedOut, LateRelease
+from mooncake_vllm.store.timebox import LateRelease
 
 if TYPE_CHECKING:
-    from mooncake_vllm.store.client import StoreClient
     from mooncake_vllm.store.paths import LayoutPaths
+    from mooncake_vllm.store.transport import Lane, Transport
 
-__all__ = ["MAX_BATCH", "Fetch", "count_failed_get", "finish_fetch", "get_staged", "name_lost_segment",
-           "start_fetch"]
+__all__ = ["LOAD_PIECES", "MAX_BATCH", "MIN_FETCH", "Fetch", "count_failed_get", "get_staged",
+           "name_lost_segment"]
 
+#: a load of one lane is cut into about this many fetches (two in flight)
 LOAD_PIECES = 4
-_MIN_FETCH = 16
+#: the fewest blocks one fetch asks for (a smaller get costs more per byte)
+MIN_FETCH = 16
 #: keys per Mooncake batch call (puts and gets)
 MAX_BATCH = 256
 
 
 @dataclass
 class Fetch:
-    """One ``batch_get_into`` in flight: ``keys`` from position ``pos`` into ``runs``."""
+    """One ``batch_get_into`` (+ verification) in flight: ``keys`` from ``pos`` into ``runs``."""
 
     pos: int
     keys: list[str]
@@ -41,41 +46,51 @@ class Fetch:
     future: Any
     late: LateRelease
     started: float
+    lane: Lane
 
 
-def count_failed_get(client: StoreClient, code: Any) -> None:
+def count_failed_get(transport: Transport, code: Any) -> None:
     """Count one value a get did not deliver whole: a miss, a value of another size, an error."""
     if code in (Code.OBJECT_NOT_FOUND, Code.LEASE_EXPIRED, 0):
-        client.stats.add("misses")
+        transport.stats.add("misses")
     elif isinstance(code, int) and (code > 0 or code == Code.INVALID_PARAMS):
-        client.stats.add("corrupt")  # a value of another size
+        transport.stats.add("corrupt")  # a value of another size
     else:
-        client.stats.add("errors")
+        transport.stats.add("errors")
 
 
-def get_staged(client: StoreClient, paths: LayoutPaths, keys: Sequence[str],
+def fetch_size(count: int, slots: int, lanes: int) -> int:
+    """Blocks per fetch: about :data:`LOAD_PIECES` per lane, two in flight per lane."""
+    depth = 2 * lanes
+    return max(1, min(MAX_BATCH, slots // depth,
+                      max(MIN_FETCH, -(-count // (LOAD_PIECES * lanes)))))
+
+
+def get_staged(transport: Transport, paths: LayoutPaths, keys: Sequence[str],
                block_ids: Sequence[int], after: Any, background: bool) -> list[bool]:
     """Load ``keys`` into ``block_ids`` through the load slots; ``True`` where verified."""
-    pool, n = paths.load_pool, len(keys)
-    step = max(1, min(MAX_BATCH, pool.count // 2, max(_MIN_FETCH, -(-n // LOAD_PIECES))))
+    pool, n, lanes = paths.load_pool, len(keys), transport.lanes
+    step = fetch_size(n, pool.count, len(lanes))
     out = [False] * n
     inflight: deque[Fetch] = deque()
-    pos, broken = 0, False
+    pos, started, broken = 0, 0, False
     while pos < n or inflight:
-        while not broken and pos < n and len(inflight) < 2:
-            fetch = start_fetch(client, paths, pos, list(keys[pos:pos + step]))
+        while not broken and pos < n and len(inflight) < 2 * len(lanes):
+            lane = lanes[started % len(lanes)]
+            fetch = _start(transport, lane, paths, pos, list(keys[pos:pos + step]))
             if fetch is None and not inflight:
                 pool.settle()  # slots waiting on finished device copies
-                fetch = start_fetch(client, paths, pos, list(keys[pos:pos + step]))
+                fetch = _start(transport, lane, paths, pos, list(keys[pos:pos + step]))
             if fetch is None:
                 broken = not inflight
                 break
             inflight.append(fetch)
             pos += len(fetch.keys)
+            started += 1
         if not inflight:
             break
         fetch = inflight.popleft()
-        got = finish_fetch(client, paths, fetch, block_ids, after, background)
+        got = _finish(transport, paths, fetch, block_ids, after, background)
         if got is None:  # timed out or failed: the rest is a miss, slots come back late
             for rest in inflight:
                 rest.late.timed_out()
@@ -86,10 +101,21 @@ def get_staged(client: StoreClient, paths: LayoutPaths, keys: Sequence[str],
     return out
 
 
-def start_fetch(client: StoreClient, paths: LayoutPaths, pos: int,
-                keys: list[str]) -> Fetch | None:
-    """Start one ``batch_get_into`` of ``keys`` into free load slots (``None``: none free / refused)."""
-    if client._closed or not client.health.admit():
+def _get_verified(store: Any, paths: LayoutPaths, keys: list[str],
+                  slots: list[int]) -> tuple[list[Any], list[str | None]]:
+    """On the lane's worker: get into ``slots``, then why each delivered value is bad."""
+    size = paths.slot_nbytes
+    codes = list(store.batch_get_into(keys, [paths.load_pool.address(s) for s in slots],
+                                      [size] * len(keys)))
+    reasons = [paths.verify_slot(slot, key) if code == size else None
+               for key, slot, code in zip(keys, slots, codes)]
+    return codes, reasons
+
+
+def _start(transport: Transport, lane: Lane, paths: LayoutPaths, pos: int,
+           keys: list[str]) -> Fetch | None:
+    """Start one fetch into free load slots (``None``: none free / refused)."""
+    if not transport.admits():
         return None
     pool = paths.load_pool
     runs = pool.take(len(keys))
@@ -99,75 +125,69 @@ def start_fetch(client: StoreClient, paths: LayoutPaths, pos: int,
     keys = keys[:len(slots)]
     late = LateRelease(lambda: pool.release(runs))
     try:
-        future = client._transfers.submit(
-            client._store.batch_get_into, keys, [pool.address(s) for s in slots],
-            [paths.slot_nbytes] * len(keys), on_done=late.returned, wait=client._lookup_timeout)
+        future = lane.transfers.submit(_get_verified, lane.store, paths, keys, slots,
+                                       on_done=late.returned, wait=transport.lookup_timeout)
     except CallRejected as exc:
         pool.release(runs)
-        client.stats.add("rejected")
-        client.health.failed(str(exc))
+        transport.rejected(exc)
         return None
-    return Fetch(pos, keys, runs, future, late, time.perf_counter())
+    return Fetch(pos, keys, runs, future, late, time.perf_counter(), lane)
 
-def finish_fetch(client: StoreClient, paths: LayoutPaths, fetch: Fetch,
-                 block_ids: Sequence[int],
-             after: Any, background: bool) -> list[bool] | None:
-    """Collect one fetch, verify each slot on the host, scatter the good ones (``None``: failed)."""
+
+def _finish(transport: Transport, paths: LayoutPaths, fetch: Fetch, block_ids: Sequence[int],
+            after: Any, background: bool) -> list[bool] | None:
+    """Collect one fetch and scatter its verified slots (``None``: failed)."""
     pool, size = paths.load_pool, paths.slot_nbytes
     try:
-        codes = client._transfers.result(fetch.future,
-                                       client._transfer_timeout(len(fetch.keys) * size))
+        got = fetch.lane.transfers.result(fetch.future,
+                                          transport.transfer_timeout(len(fetch.keys) * size))
     except CallTimedOut as exc:
-        client.stats.add("timeouts")
-        fetch.late.timed_out()  # the slots come back when Mooncake returns
-        client.health.failed(str(exc))
+        transport.timed_out(exc, fetch.late)  # the slots come back when Mooncake returns
         return None
-    if isinstance(codes, BaseException):
+    if isinstance(got, BaseException):
         pool.release(fetch.runs)
-        client.health.failed(f"batch_get_into raised {type(codes).__name__}")
+        transport.health.failed(f"batch_get_into raised {type(got).__name__}")
         return None
-    client.stats.observe("get", time.perf_counter() - fetch.started)
+    codes, reasons = got
+    transport.stats.observe("get", time.perf_counter() - fetch.started)
     ok: list[bool] = []
-    for key, slot, code in zip(fetch.keys, slots_of(fetch.runs), codes):
+    for key, code, reason in zip(fetch.keys, codes, reasons):
         if code != size:
+            count_failed_get(transport, code)
             ok.append(False)
-            if code in (Code.OBJECT_NOT_FOUND, Code.LEASE_EXPIRED, 0):
-                client.stats.add("misses")
-            elif code > 0 or code == Code.INVALID_PARAMS:
-                client.stats.add("corrupt")  # a value of another size
-            else:
-                client.stats.add("errors")
             continue
-        reason = paths.verify_slot(slot, key)
         if reason:
-            client.failures.warn("corrupt", f"mooncake-vllm: ignoring stored block {key}: {reason}")
-            client.stats.add("corrupt")
+            transport.failures.warn("corrupt", f"mooncake-vllm: ignoring stored block {key}: "
+                                    f"{reason}")
+            transport.stats.add("corrupt")
         ok.append(reason is None)
-    client._note_failures("get", codes)
-    name_lost_segment(client, fetch.keys, codes)
+    transport.note_failures("get", codes)
+    name_lost_segment(transport, fetch.keys, codes)
     blocks = list(block_ids[fetch.pos:fetch.pos + len(ok)])
     done = (paths.mover.scatter(pool, fetch.runs, ok, blocks, after=after, wait=background)
             if any(ok) else None)
     pool.release(fetch.runs, after=done)
     return ok
 
-def name_lost_segment(client: StoreClient, keys: Sequence[str], codes: Sequence[Any]) -> None:
+
+def name_lost_segment(transport: Transport, keys: Sequence[str], codes: Sequence[Any]) -> None:
     """Values the master still lists but cannot deliver: say once which segment is gone."""
     lost = [k for k, c in zip(keys, codes)
             if c in (Code.TRANSFER_FAIL, Code.SEGMENT_NOT_FOUND)]
     if not lost:
         return
-    client.stats.add("lost_segment_reads", len(lost))
+    transport.stats.add("lost_segment_reads", len(lost))
+    store = transport.store
     # the name costs a master round trip: ask once per log interval, not on every load
-    if not hasattr(client._store, "get_replica_desc") or not client.failures.ready("segment query"):
+    if not hasattr(store, "get_replica_desc") or not transport.failures.ready("segment query"):
         return
     try:
-        replicas = client._control.run(1.0, client._store.get_replica_desc, lost[0])
+        replicas = transport.control.run(1.0, store.get_replica_desc, lost[0])
         where = replicas[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
     except Exception:  # noqa: BLE001 - naming the segment is best effort
         return
-    client.failures.warn(f"segment {where}", f"mooncake-vllm: pool segment {where} does not "
-                       f"answer ({len(lost)} block(s) of one load): the holder owning it died "
-                       "or stalled; its values are lost and read as misses until the master "
-                       "expires it (--client_ttl). Restart that holder; keep the pool in "
-                       "several holders so one loss costs only its share")
+    transport.failures.warn(f"segment {where}", f"mooncake-vllm: pool segment {where} does not "
+                            f"answer ({len(lost)} block(s) of one load): the holder owning it "
+                            "died or stalled; its values are lost and read as misses until the "
+                            "master expires it (--client_ttl). Restart that holder; keep the "
+                            "pool in several holders so one loss costs only its share")

@@ -19,17 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from mooncake_vllm.errors import CallRejected, CallTimedOut
 from mooncake_vllm.store.codes import call
 
-__all__ = ["CallRejected", "CallTimedOut", "LateRelease", "TimeBox"]
-
-
-class CallTimedOut(TimeoutError):
-    """A Mooncake call did not return within its deadline."""
-
-
-class CallRejected(ConnectionError):
-    """Every worker is busy with earlier, still unanswered calls."""
+__all__ = ["LateRelease", "TimeBox"]
 
 
 class TimeBox:
@@ -93,25 +86,33 @@ class TimeBox:
 
 
 class LateRelease:
-    """Hands memory back when a call returns, also one abandoned at its deadline."""
+    """Hands memory back when a call returns, also one abandoned at its deadline.
 
-    def __init__(self, release: Callable[[], None]) -> None:
+    ``calls``: how many calls read or write that memory (a striped transfer runs one
+    per lane); after the caller gives up, it comes back once every one has returned.
+    """
+
+    def __init__(self, release: Callable[[], None], calls: int = 1) -> None:
         self._release = release
         self._lock = threading.Lock()
-        self._timed_out = self._returned = False
+        self._pending = calls
+        self._timed_out = self._released = False
 
     def returned(self, _result: Any) -> None:
-        """``on_done`` of the call: release now if the caller gave up on it."""
+        """``on_done`` of a call: release now if the caller gave up and it was the last."""
         with self._lock:
-            self._returned = True
-            late = self._timed_out
-        if late:
-            self._release()
+            self._pending -= 1
+        self._maybe_release()
 
     def timed_out(self) -> None:
-        """The caller gives up: release when (or since) the call has returned."""
+        """The caller gives up: release when (or since) every call has returned."""
         with self._lock:
             self._timed_out = True
-            now = self._returned
-        if now:
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        with self._lock:
+            due = self._timed_out and self._pending <= 0 and not self._released
+            self._released = self._released or due
+        if due:
             self._release()
