@@ -10,11 +10,6 @@ import pytest
 from mooncake_vllm import errors
 from tests.package_modules import import_or_skip, module_names
 
-#: public exceptions still defined elsewhere, each with the reason; empty this as they move
-NOT_YET_MOVED = {
-    "mooncake_vllm.store.timebox.CallTimedOut": "issue 28 item 7: the lead moves store/ exceptions",
-    "mooncake_vllm.store.timebox.CallRejected": "issue 28 item 7: the lead moves store/ exceptions",
-}
 _GENERIC = (BaseException, Exception)
 _BUILTIN = {c for c in vars(builtins).values() if isinstance(c, type) and issubclass(c, BaseException)}
 
@@ -27,8 +22,7 @@ def test_public_exceptions_are_defined_in_errors(name: str) -> None:
     defined = [f"{name}.{n}" for n, obj in vars(module).items()
                if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == name
                and not n.startswith("_")]
-    stray = [d for d in defined if d not in NOT_YET_MOVED]
-    assert not stray, f"exceptions outside mooncake_vllm/errors.py: {stray}; move them there"
+    assert not defined, f"exceptions outside mooncake_vllm/errors.py: {defined}; move them there"
 
 
 @pytest.mark.parametrize("name", [n for n in errors.__all__ if issubclass(getattr(errors, n), BaseException)])
