@@ -1,0 +1,251 @@
+"""Claim only what pays: pool tokens are claimed when loading them beats recomputing them.
+
+Pure logic over measurements the workers report (:mod:`~mooncake_vllm.v1.perf`)
+and a clock, so it is testable with a fake clock and made-up samples.
+
+* **Recompute model** — vLLM's prefill cost per token grows with its position
+  (attention): a forward step over requests scheduling ``m`` tokens from
+  position ``p`` costs ``c0 + c1·Σm + c2·Σm·(p + m/2)``. The three coefficients
+  are a least-squares fit over recent steps (each sample's weight halves every
+  ``half_life`` seconds), so recomputing tokens ``[a, b)`` costs
+  ``c1·(b-a) + c2·(b-a)·(a + (b-a)/2)``.
+* **Load model** — a load of ``t`` tokens costs ``t`` times the median seconds per
+  token of the last :data:`RECENT` loads (their transfer time, measured on the
+  worker), counting the tokens already being loaded ahead of it (one loader per
+  worker) and, for a background load, one engine step until vLLM schedules it.
+* **Decision** — among prefixes of the hit (every chunk boundary, coarsened to at
+  most :data:`CANDIDATES`), claim the one that saves the most time, and only if
+  its load costs at most ``(1 - margin)`` of what recomputing it would. Without
+  enough samples of either kind the claim is made (the pool is assumed to pay
+  until measured). While claims are declined, a quarter of one hit is claimed
+  every ``explore_every`` seconds, so a pool that recovers is measured again.
+
+``policy``: ``auto`` (the above), ``always`` (every hit), ``never`` (none).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["CANDIDATES", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
+
+#: prefix lengths a decision weighs (chunk boundaries, evenly coarsened)
+CANDIDATES = 16
+_WINDOW = 256  #: prefill samples kept
+#: loads the load model predicts from
+RECENT = 4
+
+
+@dataclass(frozen=True)
+class ClaimRules:
+    """The policy's knobs; immutable, like urllib3's ``Retry``."""
+
+    policy: str = "auto"
+    #: claim when the load costs at most (1 - margin) of the recompute it replaces
+    margin: float = 0.1
+    #: seconds after which a sample counts half
+    half_life: float = 60.0
+    #: while declining, let one claim through this often (seconds) to measure the pool again
+    explore_every: float = 10.0
+    #: samples each model needs before it decides anything
+    min_samples: int = 3
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("auto", "always", "never"):
+            raise ValueError(f"load_policy: found {self.policy!r}, use auto, always or never")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How many of the hit's tokens to claim, and why."""
+
+    tokens: int
+    reason: str  #: claimed | unmeasured | explore | always | slow_pool | never
+    predicted_load: float = math.nan  #: seconds, for the claimed (or best) prefix
+    predicted_recompute: float = math.nan
+
+
+def _decayed_fit(rows: Sequence[tuple[float, Sequence[float], float]], now: float,
+                 half_life: float) -> list[float] | None:
+    """Weighted least squares ``y ~ x·coef`` (rows: time, x, y); ``None`` if singular."""
+    n = len(rows[0][1]) if rows else 0
+    ata = [[0.0] * n for _ in range(n)]
+    aty = [0.0] * n
+    for at, x, y in rows:
+        w = 0.5 ** (max(0.0, now - at) / half_life)
+        for i in range(n):
+            aty[i] += w * x[i] * y
+            for j in range(n):
+                ata[i][j] += w * x[i] * x[j]
+    for i in range(n):  # a whisper of ridge: tiny, collinear samples stay solvable
+        ata[i][i] += 1e-12 * (ata[i][i] + 1.0)
+    return _solve(ata, aty)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [vr - f * vc for vr, vc in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+class PrefillModel:
+    """Seconds of a forward step from its work (``Σm``, ``Σm·(p + m/2)``), fitted online."""
+
+    def __init__(self, half_life: float) -> None:
+        self.half_life = half_life
+        self.samples: deque[tuple[float, tuple[float, float, float], float]] = deque(maxlen=_WINDOW)
+        self._coef: list[float] | None = None
+        self._fitted_at = -math.inf
+
+    def add(self, now: float, tokens: float, work: float, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.samples.append((now, (1.0, float(tokens), float(work)), float(seconds)))
+            self._coef = None
+
+    def coefficients(self, now: float) -> tuple[float, float, float] | None:
+        """``(c0, c1, c2)`` with ``c1, c2 >= 0``, or ``None`` before enough samples."""
+        if len(self.samples) < 3:
+            return None
+        if self._coef is None or now - self._fitted_at > self.half_life / 8:
+            rows = list(self.samples)
+            coef = _decayed_fit(rows, now, self.half_life)
+            if coef is None or coef[2] < 0:  # no curvature in the data: linear in tokens
+                lin = _decayed_fit([(t, x[:2], y) for t, x, y in rows], now, self.half_life)
+                coef = None if lin is None else [lin[0], lin[1], 0.0]
+            if coef is None or coef[1] < 0:
+                return None
+            self._coef, self._fitted_at = coef, now
+        c0, c1, c2 = self._coef
+        return c0, c1, c2
+
+    def recompute(self, now: float, start: int, end: int) -> float | None:
+        """Seconds to prefill positions ``[start, end)`` (``None``: not measured yet)."""
+        coef = self.coefficients(now)
+        if coef is None:
+            return None
+        _, c1, c2 = coef
+        n = end - start
+        return c1 * n + c2 * n * (start + n / 2)
+
+    def step(self, now: float) -> float:
+        """The fixed cost of one engine step (seconds; 0 before it is measured)."""
+        coef = self.coefficients(now)
+        return max(0.0, coef[0]) if coef is not None else 0.0
+
+
+class LoadModel:
+    """Seconds per loaded token: the median of the last :data:`RECENT` loads.
+
+    Recent loads only, and their median: a pool that slows down (a busy holder, a
+    degraded link) shows in two loads, one that recovers in two probes, and one
+    outlier moves nothing."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, float]] = deque(maxlen=RECENT)
+        self.last_sample = -math.inf
+
+    def add(self, now: float, tokens: float, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.samples.append((float(tokens), float(seconds)))
+            self.last_sample = now
+
+    def seconds(self, tokens: float) -> float | None:
+        """Predicted seconds to load ``tokens`` (``None``: not measured yet)."""
+        if not self.samples:
+            return None
+        per_token = sorted(s / t for t, s in self.samples)
+        mid = len(per_token) // 2
+        median = per_token[mid] if len(per_token) % 2 else (per_token[mid - 1] + per_token[mid]) / 2
+        return tokens * median
+
+
+class ClaimAdvisor:
+    """Decides claims from the models; counts every decision by reason."""
+
+    def __init__(self, rules: ClaimRules, *, clock: Callable[[], float] = time.monotonic,
+                 background: bool = True) -> None:
+        self.rules = rules
+        self.clock = clock
+        self.background = background
+        self.prefill = PrefillModel(rules.half_life)
+        self.loads = LoadModel()
+        self._declining_since: float | None = None
+        self._last_explore = -math.inf
+        self.counts: dict[str, int] = {}
+
+    def observe(self, steps: Iterable[Sequence[float]] = (),
+                loads: Iterable[Sequence[float]] = ()) -> None:
+        """Worker measurements: steps ``(tokens, work, seconds)``, loads ``(tokens, seconds)``."""
+        now = self.clock()
+        for tokens, work, seconds in steps:
+            self.prefill.add(now, tokens, work, seconds)
+        for tokens, seconds in loads:
+            self.loads.add(now, tokens, seconds)
+
+    def decide(self, start: int, hit: int, chunk: int, backlog: int = 0) -> Decision:
+        """Of ``hit`` tokens from position ``start`` (whole ``chunk``-token chunks), how many
+        to claim; ``backlog``: tokens already being loaded ahead of this one."""
+        d = self._decide(start, hit, chunk, backlog)
+        self.counts[d.reason] = self.counts.get(d.reason, 0) + 1
+        return d
+
+    def _decide(self, start: int, hit: int, chunk: int, backlog: int) -> Decision:
+        policy = self.rules.policy
+        if hit <= 0 or policy == "never":
+            return Decision(0, "never" if hit > 0 else "claimed")
+        if policy == "always":
+            return Decision(hit, "always")
+        now = self.clock()
+        best = self._best(now, start, hit, chunk, backlog)
+        if best is None:
+            return Decision(hit, "unmeasured")
+        tokens, load, recompute = best
+        if tokens > 0 and load <= (1.0 - self.rules.margin) * recompute:
+            self._declining_since = None
+            return Decision(tokens, "claimed", load, recompute)
+        if self._declining_since is None:
+            self._declining_since = now
+        explore_due = (now - max(self._last_explore, self.loads.last_sample)
+                       >= self.rules.explore_every)
+        if explore_due:  # a quarter of the hit measures the pool at a quarter of the risk
+            self._last_explore = now
+            probe = min(hit, max(chunk, (hit // 4) // max(1, chunk) * chunk))
+            return Decision(probe, "explore", load, recompute)
+        return Decision(0, "slow_pool", load, recompute)
+
+    def _best(self, now: float, start: int, hit: int, chunk: int,
+              backlog: int) -> tuple[int, float, float] | None:
+        """The prefix that saves the most: ``(tokens, load s, recompute s)``; ``None`` unmeasured."""
+        if len(self.prefill.samples) < self.rules.min_samples or not self.loads.samples:
+            return None
+        if self.prefill.coefficients(now) is None:
+            return None
+        chunks = max(1, hit // max(1, chunk))
+        stride = max(1, -(-chunks // CANDIDATES))
+        lengths = sorted({min(chunks, k) * chunk for k in range(stride, chunks + stride, stride)})
+        wait = self.prefill.step(now) if self.background else 0.0
+        best: tuple[float, int, float, float] | None = None
+        for tokens in lengths:
+            load = self.loads.seconds(backlog + tokens)
+            recompute = self.prefill.recompute(now, start, start + tokens)
+            if load is None or recompute is None:
+                return None
+            load += wait
+            saving = recompute - load
+            if best is None or saving > best[0]:
+                best = (saving, tokens, load, recompute)
+        assert best is not None
+        return best[1], best[2], best[3]

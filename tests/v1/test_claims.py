@@ -1,0 +1,128 @@
+"""The claim policy: pure logic over made-up measurements and a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules, LoadModel, PrefillModel
+
+BS = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def prefill_steps(c0: float = 0.01, c1: float = 2e-5, c2: float = 1e-9) -> list[tuple[float, float, float]]:
+    """Steps of a GPU-like engine: one request prefilling ``m`` tokens from position ``p``."""
+    out = []
+    for p, m in [(0, 2048), (0, 8192), (2048, 2048), (0, 512), (8192, 8192), (0, 4096), (0, 1)]:
+        work = m * (p + m / 2)
+        out.append((float(m), work, c0 + c1 * m + c2 * work))
+    return out
+
+
+def loads(rate: float, l0: float = 0.005) -> list[tuple[float, float]]:
+    return [(float(t), l0 + t / rate) for t in (512, 2048, 8192, 16384)]
+
+
+def advisor(clock: Clock, **rules: object) -> ClaimAdvisor:
+    return ClaimAdvisor(ClaimRules(**rules), clock=clock)  # type: ignore[arg-type]
+
+
+def test_models_recover_what_they_were_fed() -> None:
+    clock = Clock()
+    pm = PrefillModel(60.0)
+    for m, w, s in prefill_steps():
+        pm.add(clock(), m, w, s)
+    c0, c1, c2 = pm.coefficients(clock())  # type: ignore[misc]
+    assert c0 == pytest.approx(0.01, rel=1e-3) and c1 == pytest.approx(2e-5, rel=1e-3)
+    assert c2 == pytest.approx(1e-9, rel=1e-3)
+    assert pm.recompute(clock(), 0, 8192) == pytest.approx(2e-5 * 8192 + 1e-9 * 8192 * 4096)
+    lm = LoadModel()
+    for t, s in loads(100_000.0, l0=0.0) + [(2048.0, 5.0)]:  # one outlier moves nothing
+        lm.add(clock(), t, s)
+    assert lm.seconds(10_000) == pytest.approx(0.1, rel=1e-3)
+
+
+def test_unmeasured_claims_everything_then_a_slow_pool_is_declined_and_a_fast_one_claimed() -> None:
+    clock = Clock()
+    a = advisor(clock)
+    assert (a.decide(0, 8192, BS).tokens, a.decide(0, 8192, BS).reason) == (8192, "unmeasured")
+    a.observe(steps=prefill_steps(), loads=loads(rate=20_000.0))  # 8k tokens: 0.41 s vs 0.24 s
+    d = a.decide(0, 8192, BS)
+    assert (d.tokens, d.reason) == (0, "slow_pool") and d.predicted_load > d.predicted_recompute
+    fast = advisor(clock)
+    fast.observe(steps=prefill_steps(), loads=loads(rate=400_000.0))  # 8k: ~0.03 s
+    d = fast.decide(0, 8192, BS)
+    assert (d.tokens, d.reason) == (8192, "claimed") and d.predicted_load < d.predicted_recompute
+    assert fast.counts == {"claimed": 1}
+
+
+def test_the_margin_declines_a_load_that_saves_too_little() -> None:
+    clock = Clock()
+    for margin, expected in ((0.0, "claimed"), (0.5, "slow_pool")):
+        a = advisor(clock, margin=margin, explore_every=1e9)
+        # a load costs ~80 % of the recompute
+        recompute_8k = 2e-5 * 8192 + 1e-9 * 8192 * 4096
+        rate = 8192 / (0.8 * recompute_8k - 0.01)
+        a.observe(steps=prefill_steps(), loads=loads(rate=rate, l0=0.0))
+        a.background = False
+        assert a.decide(0, 8192, BS).reason == expected
+
+
+def test_a_pool_that_slows_down_stops_being_claimed_and_comes_back_after_recovery() -> None:
+    clock = Clock()
+    a = advisor(clock, half_life=5.0, explore_every=10.0)
+    a.observe(steps=prefill_steps(), loads=loads(rate=400_000.0))
+    assert a.decide(0, 8192, BS).reason == "claimed"
+    clock.now += 1
+    a.observe(loads=[(8192.0, 3.0)] * 2)  # a busy holder: 8k tokens took 3 s, twice
+    assert a.decide(0, 8192, BS).reason == "slow_pool"
+    clock.now += 5
+    assert a.decide(0, 8192, BS).reason == "slow_pool"  # within explore_every of the samples
+    clock.now += 5
+    probe = a.decide(0, 8192, BS)
+    assert (probe.reason, probe.tokens) == ("explore", 2048)  # a quarter measures it again
+    assert a.decide(0, 8192, BS).reason == "slow_pool"  # not two in a row
+    clock.now += 1
+    a.observe(loads=loads(rate=400_000.0)[:1])  # the probe was fast: one is not enough
+    assert a.decide(0, 8192, BS).reason == "slow_pool"
+    clock.now += 10
+    assert a.decide(0, 8192, BS).reason == "explore"
+    a.observe(loads=loads(rate=400_000.0)[:2])  # two more fast probes: the median is fast
+    assert a.decide(0, 8192, BS).reason == "claimed"
+
+
+def test_backlog_counts_against_the_claim() -> None:
+    clock = Clock()
+    a = advisor(clock, explore_every=1e9)
+    a.observe(steps=prefill_steps(), loads=loads(rate=100_000.0))  # 2k: 0.025 s vs 0.05 s
+    assert a.decide(0, 2048, BS).reason == "claimed"
+    assert a.decide(0, 2048, BS, backlog=64_000).reason == "slow_pool"  # 0.66 s queued ahead
+
+
+def test_long_prompts_pay_where_short_ones_do_not() -> None:
+    """Recompute grows faster than linearly (attention); a load does not."""
+    clock = Clock()
+    a = advisor(clock, explore_every=1e9)
+    a.background = False
+    a.observe(steps=prefill_steps(c0=0.01, c1=2e-5, c2=4e-9), loads=loads(rate=30_000.0, l0=0.0))
+    assert a.decide(0, 2048, BS).reason == "slow_pool"
+    d = a.decide(0, 32768, BS)
+    assert d.reason == "claimed" and d.tokens == 32768
+
+
+def test_always_and_never() -> None:
+    clock = Clock()
+    for policy, want in (("always", (8192, "always")), ("never", (0, "never"))):
+        a = advisor(clock, policy=policy)
+        a.observe(steps=prefill_steps(), loads=loads(rate=1.0))
+        d = a.decide(0, 8192, BS)
+        assert (d.tokens, d.reason) == want
+    with pytest.raises(ValueError, match="load_policy"):
+        ClaimRules(policy="sometimes")
