@@ -10,28 +10,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compat_table import (  # noqa: E402
-    COMMAND,
-    LEVELS,
-    MARKERS,
-    REPO,
-    UNVERIFIED,
-    facts_summary,
-)
+from compat_record import COMMAND, LEVELS, MARKERS, REPO, UNVERIFIED, facts_summary  # noqa: E402
 
-from mooncake_vllm.compat.versions import (  # noqa: E402
-    KNOWN_VLLM_RELEASES,
-    LAST_V0_RELEASE,
-    MIN_SUPPORTED_VLLM,
-    pep440_version,
-)
+from mooncake_vllm.compat.facts_table import KNOWN_VLLM_RELEASES, LAST_V0_RELEASE, MIN_SUPPORTED_VLLM  # noqa: E402
+from mooncake_vllm.compat.versions import pep440_version  # noqa: E402
 
-__all__ = ["UPGRADES", "load_upgrades", "render"]
+__all__ = ["UPGRADES", "commit_text", "load_upgrades", "render", "result_text"]
 
 UPGRADES = Path("docs") / "upgrades.json"
 
 
-def _result(run: dict[str, Any]) -> str:
+def result_text(run: dict[str, Any]) -> str:
+    """One run's outcome: passed / skipped counts, the failed tests by name."""
     if run["level"] == "blocked":
         return "cannot run here ([why](#releases-that-cannot-run-here))"
     text = f"{run['passed']} passed"
@@ -67,7 +57,8 @@ def _level_text(run: dict[str, Any]) -> str:
     return run["level"]
 
 
-def _commit(run: dict[str, Any]) -> str:
+def commit_text(run: dict[str, Any]) -> str:
+    """The commit a run tested (10 hex digits, dirty tree said), or why it is unknown."""
     if run.get("provenance") == UNVERIFIED:
         return UNVERIFIED
     commit = run.get("commit")
@@ -91,9 +82,9 @@ def _size(run: dict[str, Any]) -> str:
 def _v0_evidence(run: dict[str, Any]) -> str:
     if run.get("by_marker"):
         c = run["by_marker"]["v0"]
-        return f"`v0` {c['passed']}/{c['tests']} passed ({run['env']}, {_commit(run)})"
+        return f"`v0` {c['passed']}/{c['tests']} passed ({run['env']}, {commit_text(run)})"
     ran = "ran" if run.get("v0_tests_ran") else "did not run"
-    return f"V0 tests {ran}, counts not recorded ({run['env']}, {_commit(run)})"
+    return f"V0 tests {ran}, counts not recorded ({run['env']}, {commit_text(run)})"
 
 
 def load_upgrades(path: Path = REPO / UPGRADES) -> dict[str, Any] | None:
@@ -169,8 +160,8 @@ def render(record: dict[str, Any], upgrades: dict[str, Any] | None = None) -> st
         level = _level_text(tested[0]) if tested else "none"
         if "V0" in facts["paths"]:
             level += "<br>V0: no CPU e2e ([why](#v0-engine))"
-        result = "<br>".join(f"{_result(r)} ({r['env']}, {r['dist']})" for r in tested) or "—"
-        commits = "<br>".join(_commit(r) for r in tested) or "—"
+        result = "<br>".join(f"{result_text(r)} ({r['env']}, {r['dist']})" for r in tested) or "—"
+        commits = "<br>".join(commit_text(r) for r in tested) or "—"
         date = max((r["date"] for r in tested), default="—")
         out.append(f"| {rel} | {' + '.join(facts['paths']) or '—'} | {claim} | {level} | {result} "
                    f"| {commits} | {date} |")
@@ -180,7 +171,7 @@ def render(record: dict[str, Any], upgrades: dict[str, Any] | None = None) -> st
     if blocked:
         out += ["", "## Releases that cannot run here", "",
                 "The env builder's own error, kept in [compatibility/blocked](compatibility/blocked):", ""]
-        out += [f"* {r['dist']} {r['vllm']} ({r['env']}, {_commit(r)}, {r['date']}): `{r['error']}`"
+        out += [f"* {r['dist']} {r['vllm']} ({r['env']}, {commit_text(r)}, {r['date']}): `{r['error']}`"
                 for r in sorted(blocked, key=lambda r: pep440_version(r["vllm"]))]
     out += ["", "## Runs", "",
             "Tests per marker: `vllm` 13/14 = 13 of the 14 selected `vllm` tests passed "
@@ -197,7 +188,7 @@ def render(record: dict[str, Any], upgrades: dict[str, Any] | None = None) -> st
             device += f" (TP {given['tp']}, DP {given['dp']})"
         out.append(f"| {run['env']} | {_level_text(run)} | {run['dist']} | {run['vllm']} "
                    f"| {run.get('mooncake') or '?'} | {run.get('torch') or '?'} | {device} "
-                   f"| {_commit(run)} | {_markers(run)} | {run['passed']} | {run['failed']} "
+                   f"| {commit_text(run)} | {_markers(run)} | {run['passed']} | {run['failed']} "
                    f"| {run.get('errors', 0)} | {run['skipped']} | {run['run_seconds']:.0f} s "
                    f"| {_size(run)} | {run['date']} |")
     return "\n".join(out) + "\n"
@@ -223,7 +214,7 @@ def _render_v0(releases: list[str], by_release: dict[str, list[dict[str, Any]]])
             continue
         tested = sorted(by_release.get(rel, []), key=lambda r: r["env"])
         contract = "<br>".join(_v0_evidence(r) for r in tested if r["level"] != "gpu") or "none recorded"
-        gpu = "<br>".join(f"{_result(r)} ({r['env']}, {r.get('device')}, {_commit(r)})"
+        gpu = "<br>".join(f"{result_text(r)} ({r['env']}, {r.get('device')}, {commit_text(r)})"
                           for r in tested if r["level"] == "gpu") or "none: no V0 engine on the GPU machine (above)"
         out.append(f"| {rel} | {contract} | {gpu} |")
     return out

@@ -49,34 +49,18 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-if str(REPO / "src") not in sys.path:
-    sys.path.insert(0, str(REPO / "src"))
 
 from compat_blocked import BLOCKED_SUFFIX, derive_blocked, record_blocked  # noqa: E402
+from compat_record import COMMAND, LEVELS, MARKERS, REPO, UNVERIFIED, facts_summary  # noqa: E402
+from compat_render import commit_text, load_upgrades, render, result_text  # noqa: E402
 from matrix_results import env_record  # noqa: E402
 
-from mooncake_vllm.compat.versions import release_of, vllm_facts  # noqa: E402
+from mooncake_vllm.compat.versions import release_of  # noqa: E402
 
-__all__ = ["COMMAND", "LEVELS", "MARKERS", "UNVERIFIED", "check", "derive", "facts_summary", "main",
-           "merge", "record_junit", "sanitize_junit"]
+__all__ = ["JUNIT_DIR", "check", "derive", "main", "merge", "record_junit", "sanitize_junit"]
 
-COMMAND = "python scripts/compat_table.py"
 JUNIT_DIR = Path("docs") / "compatibility" / "junit"
-#: Level -> what a run at that level shows; strongest first (see the module docstring).
-LEVELS = {
-    "gpu": "ran on a CUDA GPU, and a `gpu` or `vllm` test ran there",
-    "e2e": "a `vllm` test ran: the real V1 engine served requests through a real Mooncake pool",
-    "contract": "a `contract` test ran and no `vllm` test did: the real release's modules (base "
-                "classes, factory, KVTransferConfig, facade; `v0` tests where the release has V0) "
-                "without the engine",
-    "unit": "none of the above ran",
-    "blocked": "the release cannot run here: its env could not be built; the record keeps the "
-               "builder's exact error (scripts/compat_blocked.py)",
-}
-MARKERS = ("vllm", "contract", "gpu", "v0")
-UNVERIFIED = "unverified (recorded before provenance)"
 #: Runs recorded before provenance existed (no JUnit file kept): sha256 of each entry as
 #: committed. They could only be replaced by a recorded run or removed, never edited; the last
 #: were replaced (or, e2e-vllm031, removed) on 2026-12-01, so any such run now fails the check.
@@ -110,17 +94,6 @@ def _env_release(env: str, suite: str | None) -> tuple[str, str]:
     raise RecordError(f"{env}: cannot tell its vLLM release (suite {suite!r}); run pytest with "
                       f"this checkout's tests/conftest.py, pass --vllm, or name the JUnit suite "
                       f"<dist>-<version> with -o junit_suite_name=vllm-X.Y.Z")
-
-
-def facts_summary(version: str) -> dict[str, Any]:
-    """The facts-table columns of one release: KV-connector engine paths and our claim per path."""
-    f = vllm_facts(version, strict=False)
-    paths = [p for p, on in (("V0", f.v0_kv_connectors), ("V1", f.v1_kv_connectors)) if on]
-    name = {"free": "name free", "taken": "in-tree name taken"}
-    claims = {p: f"{getattr(f, p.lower() + '_claim')} ({name[getattr(f, p.lower() + '_name')]})" for p in paths}
-    if "V1" in paths and not getattr(f, "our_v1_connector", True):
-        claims["V1"] = "none: our V1 connector refuses this V1 API (needs vLLM >= 0.9.0)"
-    return {"paths": paths, "claims": claims}
 
 
 # -- JUnit files ---------------------------------------------------------------------
@@ -359,8 +332,6 @@ def _save(record: dict[str, Any], path: Path, out: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     out.parent.mkdir(parents=True, exist_ok=True)
-    from compat_render import load_upgrades, render
-
     out.write_text(render(record, load_upgrades()))
     print(f"{out}: {len(record.get('runs', {}))} runs from {path}")
 
@@ -396,9 +367,7 @@ def _record_cmd(argv: list[str]) -> int:
     runs = dict(record.get("runs", {}))
     runs[env] = record_junit(args.junit, env, given, args.junit_dir)
     _save({"generated_by": COMMAND, "runs": dict(sorted(runs.items()))}, args.record, args.out)
-    from compat_render import _commit, _result
-
-    print(f"recorded {env}: level {runs[env]['level']}, {_result(runs[env])}, commit {_commit(runs[env])}")
+    print(f"recorded {env}: level {runs[env]['level']}, {result_text(runs[env])}, commit {commit_text(runs[env])}")
     return 0
 
 
@@ -433,8 +402,6 @@ def main(argv: list[str] | None = None) -> int:
         _save(record, args.record, args.out)
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    from compat_render import load_upgrades, render
-
     args.out.write_text(render(record, load_upgrades()))
     print(f"{args.out}: {len(record.get('runs', {}))} runs from {args.record}")
     return 0

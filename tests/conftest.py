@@ -8,6 +8,7 @@ nothing is left running after the session (also on failure or Ctrl-C).
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn, TypeVar
@@ -131,6 +132,74 @@ def redis_server(workdir: Path) -> Iterator[str]:
     proc = _start(lambda: start_redis(workdir))
     yield str(proc.url)
     proc.stop()
+
+
+# -- metadata services and Mooncake client processes (tests/metadata, tests/store/test_bridge.py)
+# Session-scoped on purpose: these tests use distinct keys, and one etcd/redis/master
+# for the whole module set saves ~3 s of start/stop per test on 2 shared cores.
+@pytest.fixture(scope="session")
+def md_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("metadata-services")
+
+
+@pytest.fixture(scope="session")
+def md_redis_url(md_workdir: Path) -> Iterator[str]:
+    """A real redis-server; ``redis://127.0.0.1:P``."""
+    proc = _start(lambda: start_redis(md_workdir))
+    yield str(proc.url)
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def md_etcd_url(md_workdir: Path) -> Iterator[str]:
+    """A real etcd 3.4; ``etcd://127.0.0.1:P``."""
+    proc = _start(lambda: start_etcd(md_workdir))
+    yield f"etcd://{proc.address}"
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def md_master(md_workdir: Path) -> Iterator[str]:
+    """A real mooncake_master (client_ttl 2 s); its ``master_server_address``."""
+    proc = _start(lambda: start_master(md_workdir, client_ttl=TEST_CLIENT_TTL))
+    yield str(proc.address)
+    proc.stop()
+
+
+@pytest.fixture
+def md_server(tmp_path: Path) -> Iterator:
+    """Factory: ``md_server(backend)`` starts our server (``.url``); all are stopped after the test."""
+    servers: list[ManagedProcess] = []
+
+    def make(backend: str = "memory") -> ManagedProcess:
+        servers.append(_start(lambda: start_http_metadata(tmp_path, "embedded", backend)))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture
+def md_clients(tmp_path: Path) -> Iterator:
+    """Factory: ``md_clients(metadata, master, segment_mb=...)``; all quit after the test."""
+    # imported here: tests/test_services.py runs a copy of this file outside the repository
+    from tests.md_services import Client
+
+    clients: list[Client] = []
+
+    def make(metadata: str, master: str, **kw) -> Client:
+        clients.append(Client(metadata, master, tmp_path / f"client-{len(clients)}.log", **kw))
+        return clients[-1]
+
+    yield make
+    for c in clients:
+        c.quit()
+
+
+@pytest.fixture
+def unique() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 # -- the tiny model -------------------------------------------------------------------

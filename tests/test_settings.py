@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from types import SimpleNamespace
 
 import pytest
 
 from mooncake_vllm.errors import ConfigError
-from mooncake_vllm.settings import EXTRA_KEYS, ConnectorSettings, auto_store_clients
+from mooncake_vllm.settings import EXTRA_KEYS, KEYS, ConnectorSettings, auto_store_clients
 
 
 def _vllm_config(role: str = "kv_both", model: str = "/models/org/tiny-llama/", **extra: object):
@@ -39,13 +40,17 @@ def test_every_documented_key_is_read() -> None:
                                   cache_prefix="weights-v2", load_policy="never",
                                   store_clients=3)
     assert s.clients_for_worker() == 3
-    assert sorted(EXTRA_KEYS) == sorted(
-        ["model_id", "mooncake_config_path", "load_failure_policy", "save_queue_size",
-         "connect_timeout", "layout_variant", "load_async", "gpu_path", "handoff_timeout",
-         "cache_prefix", "load_policy", "store_clients"])
     assert ConnectorSettings.from_vllm_config(_vllm_config()).handoff_timeout == 5.0
     with pytest.raises(AttributeError):
         s.kv_role = "kv_both"  # type: ignore[misc]  # frozen
+
+
+def test_each_key_is_declared_once_and_is_a_field_with_its_default() -> None:
+    names = [key.name for key in KEYS]
+    assert len(set(names)) == len(names) and EXTRA_KEYS == tuple(sorted(names))
+    assert {f.name for f in fields(ConnectorSettings)} == {"kv_role", *names}
+    # an empty extra config gives the fields' defaults (model_id: resolved from the model path)
+    assert ConnectorSettings.from_extra({}, model="/models/tiny-llama") == ConnectorSettings(model_id="tiny-llama")
 
 
 def test_every_problem_in_one_error_naming_field_and_fix() -> None:

@@ -8,15 +8,21 @@ each message says what was found, what was expected and how to fix it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "CallRejected",
     "CallTimedOut",
     "ConfigError",
     "ConfigProblem",
+    "JsonBodyError",
+    "MetadataFullError",
+    "NotRegularFileError",
+    "ProxyError",
     "ServiceError",
     "StoreError",
     "StoreUnavailableError",
+    "TooLargeError",
     "UnsafeHashingError",
     "UnsupportedModelError",
     "UnsupportedVersionError",
@@ -73,6 +79,44 @@ class StoreError(RuntimeError):
     def __init__(self, message: str, code: int | None = None) -> None:
         self.code = code
         super().__init__(message if code is None else f"{message} (Mooncake error code {code})")
+
+
+class MetadataFullError(StoreError):
+    """A put the in-process metadata store refuses: its total size or key count cap would be exceeded."""
+
+
+class NotRegularFileError(OSError):
+    """The path is a FIFO, device, socket or directory."""
+
+
+class TooLargeError(OSError):
+    """The file holds more than the limit (``size`` is what was seen: st_size, or limit + 1 read)."""
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size
+
+
+class JsonBodyError(ValueError):
+    """A body that is not acceptable JSON; ``str`` is the reason for the 400."""
+
+
+class ProxyError(RuntimeError):
+    """An error answer of the proxy to its client: HTTP status, OpenAI-style type, message;
+    ``reason`` names it in the proxy's error counters."""
+
+    def __init__(self, status: int, message: str, kind: str = "upstream_error", *, reason: str = "") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.reason = reason or kind
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-style error body."""
+        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+
+    def headers(self) -> dict[str, str] | None:
+        """Headers of the answer: a 503 asks the client to retry in a second."""
+        return {"Retry-After": "1"} if self.status == 503 else None
 
 
 class UnsafeHashingError(RuntimeError):

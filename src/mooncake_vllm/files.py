@@ -11,19 +11,9 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["NotRegularFileError", "TooLargeError", "read_regular"]
+from mooncake_vllm.errors import NotRegularFileError, TooLargeError
 
-
-class NotRegularFileError(OSError):
-    """The path is a FIFO, device, socket or directory."""
-
-
-class TooLargeError(OSError):
-    """The file holds more than the limit (``size`` is what was seen: st_size, or limit + 1 read)."""
-
-    def __init__(self, message: str, size: int) -> None:
-        super().__init__(message)
-        self.size = size
+__all__ = ["read_regular"]
 
 
 def read_regular(path: str | os.PathLike[str], limit: int, *, follow: bool = True) -> bytes:

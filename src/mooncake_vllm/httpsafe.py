@@ -28,11 +28,12 @@ from typing import Any
 
 from aiohttp import web
 
+from mooncake_vllm.errors import JsonBodyError
+
 __all__ = [
     "MAX_JSON_DEPTH",
     "ConnectionGuard",
     "GuardedTCPSite",
-    "JsonBodyError",
     "describe_exc",
     "descriptor_limit",
     "loads_json",
@@ -78,10 +79,6 @@ def describe_exc(exc: BaseException, secrets: Iterable[str | None] = (), limit: 
     text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     text = redact(text, secrets)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class JsonBodyError(ValueError):
-    """A body that is not acceptable JSON; ``str`` is the reason for the 400."""
 
 
 def loads_json(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, what: str = "body") -> Any:

@@ -7,56 +7,26 @@ in one object. V0 and V1 validate ``kv_connector_extra_config`` the same way: a
 key or value one engine rejects, the other rejects too, with one
 :class:`~mooncake_vllm.errors.ConfigError` naming the field and the fix.
 
-``kv_connector_extra_config`` keys:
-
-``model_id``               key namespace model name (default: model dir basename)
-``mooncake_config_path``   instead of ``$MOONCAKE_CONFIG_PATH``
-``load_failure_policy``    ``"recompute"`` (default; sets vLLM's kv_load_failure_policy)
-                           or ``"fail"`` (V1 only; V0 always recomputes)
-``save_queue_size``        save jobs buffered per worker (default 64; full → dropped; V1 only)
-``connect_timeout``        seconds to reach the pool at start (default 5)
-``layout_variant``         override the predicted KV layout variant tag
-``gpu_path``               how a KV cache in CUDA memory moves: ``"auto"`` (default:
-                           zero-copy over RDMA, staged otherwise), ``"staged"`` (through
-                           pinned slots) or ``"zero_copy"`` (straight from GPU memory,
-                           checksums on the GPU; needs a CUDA build of Mooncake)
-``cache_prefix``           a label joining the key namespace (e.g. a weights version or a
-                           deployment); composes with the Mooncake config's ``tenant_id``
-                           (both must match to share blocks). Same key as vLLM's in-tree
-                           store connector; printable, no ``|``, at most 128 characters
-``load_async``             ``true`` (default): load in the background where vLLM can
-                           recompute failed blocks (>= 0.11.1); ``false``: before the
-                           forward pass (V1 only; V0 always loads before it)
-``handoff_timeout``        seconds a decode instance waits for the blocks a prefill
-                           instance named in ``kv_transfer_params`` (the proxy's store
-                           flow) before it recomputes (default 5, 0 = never wait, at most
-                           600; V1 >= 0.10.2 only)
-``load_policy``            ``"auto"`` (default): claim pool tokens only when this engine's
-                           measured pool rate loads them faster than its measured prefill
-                           recomputes them; ``"always"``: claim every hit; ``"never"``:
-                           save only (V1 >= 0.11.1; elsewhere every hit is claimed)
-``store_clients``          store clients (Mooncake transfer engines) a worker stripes its
-                           loads and saves over: ``"auto"`` (default: one per 4 cores, 1
-                           to 4) or 1 to 16
+Every ``kv_connector_extra_config`` key is one :class:`ExtraKey` in :data:`KEYS`:
+its default, how a value is read and refused, and its documentation, from which
+the fields' defaults, the errors and the key table of docs/configuration.md
+(``python scripts/config_doc.py``) come.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.keys import model_id as _model_id
 
-__all__ = ["EXTRA_KEYS", "GPU_PATHS", "LOAD_POLICIES", "MAX_HANDOFF_TIMEOUT", "MAX_STORE_CLIENTS",
-           "ROLES", "ConnectorSettings", "auto_store_clients"]
+__all__ = ["EXTRA_KEYS", "GPU_PATHS", "KEYS", "LOAD_POLICIES", "MAX_HANDOFF_TIMEOUT", "MAX_STORE_CLIENTS",
+           "ROLES", "ConnectorSettings", "ExtraKey", "auto_store_clients"]
 
-#: every key ``kv_connector_extra_config`` may hold
-EXTRA_KEYS = ("cache_prefix", "connect_timeout", "gpu_path", "handoff_timeout", "layout_variant",
-              "load_async", "load_failure_policy", "load_policy", "model_id",
-              "mooncake_config_path", "save_queue_size", "store_clients")
 #: the longest ``handoff_timeout`` accepted (seconds): longer is a typo, not a bound
 MAX_HANDOFF_TIMEOUT = 600.0
 #: vLLM's ``kv_role`` values and what each lets the connector do: (save, load)
@@ -69,6 +39,146 @@ LOAD_POLICIES = ("auto", "always", "never")
 #: the most store clients one worker opens (each is a transfer engine with its own threads)
 MAX_STORE_CLIENTS = 16
 _FIELD = "kv_connector_extra_config"
+_MAX_PREFIX = 128
+
+
+class _Refused(ValueError):
+    """A value a key refuses: the problem text (never leaves this module: a ConfigProblem)."""
+
+
+@dataclass(frozen=True)
+class ExtraKey:
+    """One ``kv_connector_extra_config`` key: what its absence means, how a value is read, its docs."""
+
+    name: str
+    default: Any  #: the value an absent key stands for
+    read: Callable[[Any], Any]  #: a given value -> the setting (raises _Refused with the problem)
+    fix: str  #: how to fix a refused value
+    doc: str  #: what the key does (docs/configuration.md)
+    shown: str = ""  #: the default as the docs show it ("" = the default itself, as JSON)
+
+    def shown_default(self) -> str:
+        """The default for the docs: ``shown`` or the default as JSON, in backticks."""
+        if self.shown:
+            return self.shown
+        value = self.default
+        return f"`{int(value) if isinstance(value, float) and value.is_integer() else json.dumps(value)}`"
+
+
+def _choice(values: tuple[str, ...]) -> Callable[[Any], str]:
+    def read(value: Any) -> str:
+        if value not in values:
+            raise _Refused(f"found {value!r}")
+        return str(value)
+
+    return read
+
+
+def _number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def _positive(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def read(value: Any) -> Any:
+        if not _number(value) or value <= 0:
+            raise _Refused(f"must be a positive number, found {value!r}")
+        return kind(value)
+
+    return read
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Refused(f"must be true or false, found {value!r}")
+    return value
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _seconds_to_wait(value: Any) -> float:
+    if not _number(value) or not 0 <= value <= MAX_HANDOFF_TIMEOUT:
+        raise _Refused(f"must be a number of seconds from 0 to {MAX_HANDOFF_TIMEOUT:.0f}, found {value!r}")
+    return float(value)
+
+
+def _clients(value: Any) -> int:
+    if value == "auto":
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STORE_CLIENTS:
+        raise _Refused(f"must be \"auto\" or a whole number from 1 to {MAX_STORE_CLIENTS}, found {value!r}")
+    return value
+
+
+def _label(value: Any) -> str:
+    value = "" if value is None else value
+    if not isinstance(value, str) or "|" in value or len(value) > _MAX_PREFIX or not value.isprintable():
+        raise _Refused(f"must be printable text without '|' of at most {_MAX_PREFIX} characters, "
+                       f"found {value!r}")
+    return value
+
+
+#: THE ``kv_connector_extra_config`` keys, in the order their problems are reported
+KEYS: tuple[ExtraKey, ...] = (
+    ExtraKey("model_id", None, _text, "",
+             "model name in the key namespace (set it when instances load the same weights from "
+             "different paths)", shown="last path component of the model"),
+    ExtraKey("mooncake_config_path", None, lambda v: _text(v) or None, "",
+             "the Mooncake config file", shown="`$MOONCAKE_CONFIG_PATH`"),
+    ExtraKey("load_failure_policy", "recompute", _choice(_POLICIES), 'use "recompute" or "fail"',
+             '`"recompute"` (a failed load is recomputed) or `"fail"` (V1 only; V0 always recomputes)'),
+    ExtraKey("load_async", True, _flag,
+             "omit it (background loads where the release supports them) or set false",
+             "load in the background where vLLM can recompute failed blocks (>= 0.11.1); `false`: "
+             "before the forward pass (V1 only)"),
+    ExtraKey("gpu_path", "auto", _choice(GPU_PATHS), 'use "auto", "staged" or "zero_copy"',
+             'how a KV cache in CUDA memory moves: `"staged"` (through pinned host slots), '
+             '`"zero_copy"` (Mooncake moves blocks straight between GPU memory and the pool, '
+             "checksums computed on the GPU; needs a CUDA build of Mooncake, else staged with a "
+             'warning) or `"auto"` (zero-copy over RDMA, staged over TCP, where it is measured '
+             "faster: docs/gpu.md)"),
+    ExtraKey("save_queue_size", 64, _positive(int), "omit it or set e.g. 64",
+             "save jobs buffered per worker; a full queue drops the save (a future miss; V1 only)"),
+    ExtraKey("connect_timeout", 5.0, _positive(float), "omit it or set e.g. 5.0",
+             "seconds to reach the pool at start"),
+    ExtraKey("layout_variant", None, _text, "", "override the predicted KV layout variant tag",
+             shown="predicted"),
+    ExtraKey("handoff_timeout", 5.0, _seconds_to_wait, "omit it (5 s) or set e.g. 5; 0 never waits",
+             f"seconds (0 to {MAX_HANDOFF_TIMEOUT:.0f}; 0 = never wait) a decode instance defers a "
+             "request whose prefill "
+             "instance named, through the proxy's store flow, the blocks it is saving; then it loads "
+             "what is there and vLLM recomputes the rest (V1, vLLM >= 0.10.2; `check` MCV-W018 "
+             "flags older decodes)"),
+    ExtraKey("load_policy", "auto", _choice(LOAD_POLICIES),
+             'use "auto" (claim what loads faster than it recomputes), "always" or "never"',
+             'which pool hits a V1 instance claims (vLLM >= 0.11.1): `"auto"` claims tokens only '
+             "when this engine's measured pool rate loads them faster than its measured prefill "
+             "recomputes them (a slow or degraded pool stops being claimed and is probed again now "
+             "and then; declined claims are counted by reason, `vllm:mooncake_vllm_declined_tokens`), "
+             '`"always"` claims every hit, `"never"` only saves'),
+    ExtraKey("store_clients", "auto", _clients, 'omit it ("auto": one per 4 cores) or set e.g. 4',
+             "store clients (Mooncake transfer engines) each worker stripes its loads and saves over, "
+             f'1 to {MAX_STORE_CLIENTS}; `"auto"` = one per 4 cores, 1 to 4 (one client moves ~3 GB/s '
+             "over TCP, four "
+             "over four holders ~10 GB/s on a 16-core host: docs/gpu.md). The scheduler process "
+             "keeps one"),
+    ExtraKey("cache_prefix", "", _label, 'use a label such as "prod" or "weights-v2", or omit it',
+             "a label that **joins the block key namespace** after `tenant_id` (same key as vLLM's "
+             "in-tree store connector): sharing needs the same tenant AND the same prefix. Use it for "
+             'a weights version (`"weights-v2"`: KV of old weights is never read after an update) or '
+             f"a deployment. Printable, no `\\|`, ≤ {_MAX_PREFIX} characters; unset = keys as before",
+             shown="none"),
+)
+_BY_NAME = {key.name: key for key in KEYS}
+#: every key ``kv_connector_extra_config`` may hold
+EXTRA_KEYS = tuple(sorted(_BY_NAME))
+
+
+def _default(name: str) -> Any:
+    """The setting an absent key gives (a field's default)."""
+    key = _BY_NAME[name]
+    return key.read(key.default)
 
 
 @dataclass(frozen=True)
@@ -76,19 +186,20 @@ class ConnectorSettings:
     """Everything the connector takes from vLLM's ``kv_transfer_config``, validated."""
 
     kv_role: str = "kv_both"
+    #: ``model_id`` resolved against the model path (:func:`~mooncake_vllm.keys.model_id`)
     model_id: str = ""
-    mooncake_config_path: str | None = None
-    load_failure_policy: str = "recompute"
-    save_queue_size: int = 64
-    connect_timeout: float = 5.0
-    layout_variant: str | None = None
-    load_async: bool = True
-    gpu_path: str = "auto"
-    handoff_timeout: float = 5.0
-    cache_prefix: str = ""
-    load_policy: str = "auto"
+    mooncake_config_path: str | None = _default("mooncake_config_path")
+    load_failure_policy: str = _default("load_failure_policy")
+    save_queue_size: int = _default("save_queue_size")
+    connect_timeout: float = _default("connect_timeout")
+    layout_variant: str | None = _default("layout_variant")
+    load_async: bool = _default("load_async")
+    gpu_path: str = _default("gpu_path")
+    handoff_timeout: float = _default("handoff_timeout")
+    cache_prefix: str = _default("cache_prefix")
+    load_policy: str = _default("load_policy")
     #: store clients a worker stripes transfers over; 0 = ``"auto"`` (:func:`auto_store_clients`)
-    store_clients: int = 0
+    store_clients: int = _default("store_clients")
 
     @property
     def can_save(self) -> bool:
@@ -120,69 +231,16 @@ class ConnectorSettings:
         if kv_role not in ROLES:
             problems.append(ConfigProblem("kv_role", f"found {kv_role!r}",
                                           f"use one of {', '.join(ROLES)}"))
-        policy = extra.get("load_failure_policy", "recompute")
-        if policy not in _POLICIES:
-            problems.append(ConfigProblem(f"{_FIELD}.load_failure_policy",
-                                          f"found {policy!r}", 'use "recompute" or "fail"'))
-        load_async = extra.get("load_async", True)
-        if not isinstance(load_async, bool):
-            problems.append(ConfigProblem(f"{_FIELD}.load_async",
-                                          f"must be true or false, found {load_async!r}",
-                                          "omit it (background loads where the release "
-                                          "supports them) or set false"))
-        gpu_path = extra.get("gpu_path", "auto")
-        if gpu_path not in GPU_PATHS:
-            problems.append(ConfigProblem(f"{_FIELD}.gpu_path", f"found {gpu_path!r}",
-                                          'use "auto", "staged" or "zero_copy"'))
-        numbers: dict[str, Any] = {}
-        for name, default in (("save_queue_size", 64), ("connect_timeout", 5.0)):
-            value = extra.get(name, default)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                problems.append(ConfigProblem(f"{_FIELD}.{name}",
-                                              f"must be a positive number, found {value!r}",
-                                              f"omit it or set e.g. {default}"))
-            numbers[name] = value
-        handoff = extra.get("handoff_timeout", 5.0)
-        if (isinstance(handoff, bool) or not isinstance(handoff, (int, float))
-                or not 0 <= handoff <= MAX_HANDOFF_TIMEOUT):
-            problems.append(ConfigProblem(f"{_FIELD}.handoff_timeout",
-                                          f"must be a number of seconds from 0 to "
-                                          f"{MAX_HANDOFF_TIMEOUT:.0f}, found {handoff!r}",
-                                          "omit it (5 s) or set e.g. 5; 0 never waits"))
-        load_policy = extra.get("load_policy", "auto")
-        if load_policy not in LOAD_POLICIES:
-            problems.append(ConfigProblem(f"{_FIELD}.load_policy", f"found {load_policy!r}",
-                                          'use "auto" (claim what loads faster than it '
-                                          'recomputes), "always" or "never"'))
-        clients = extra.get("store_clients", "auto")
-        if clients != "auto" and (isinstance(clients, bool) or not isinstance(clients, int)
-                                  or not 1 <= clients <= MAX_STORE_CLIENTS):
-            problems.append(ConfigProblem(f"{_FIELD}.store_clients",
-                                          f"must be \"auto\" or a whole number from 1 to "
-                                          f"{MAX_STORE_CLIENTS}, found {clients!r}",
-                                          'omit it ("auto": one per 4 cores) or set e.g. 4'))
-        texts = {name: None if extra.get(name) is None else str(extra[name])
-                 for name in ("model_id", "mooncake_config_path", "layout_variant")}
-        cache_prefix = extra.get("cache_prefix", "")
-        if cache_prefix is None:
-            cache_prefix = ""
-        if not isinstance(cache_prefix, str) or "|" in cache_prefix or len(cache_prefix) > 128 \
-                or not cache_prefix.isprintable():
-            problems.append(ConfigProblem(f"{_FIELD}.cache_prefix",
-                                          f"must be printable text without '|' of at most 128 "
-                                          f"characters, found {cache_prefix!r}",
-                                          'use a label such as "prod" or "weights-v2", or omit it'))
+        values: dict[str, Any] = {}
+        for key in KEYS:
+            try:
+                values[key.name] = key.read(extra[key.name] if key.name in extra else key.default)
+            except _Refused as exc:
+                problems.append(ConfigProblem(f"{_FIELD}.{key.name}", str(exc), key.fix))
         if problems:
             raise ConfigError(_FIELD, problems)
-        return cls(kv_role=kv_role, model_id=_model_id(model, texts["model_id"]),
-                   mooncake_config_path=texts["mooncake_config_path"] or None,
-                   load_failure_policy=str(policy),
-                   save_queue_size=int(numbers["save_queue_size"]),
-                   connect_timeout=float(numbers["connect_timeout"]),
-                   layout_variant=texts["layout_variant"], load_async=bool(load_async),
-                   gpu_path=str(gpu_path), handoff_timeout=float(handoff),
-                   cache_prefix=str(cache_prefix), load_policy=str(load_policy),
-                   store_clients=0 if clients == "auto" else int(clients))
+        values["model_id"] = _model_id(model, values["model_id"])
+        return cls(kv_role=kv_role, **values)
 
     def clients_for_worker(self) -> int:
         """How many store clients a worker opens (``"auto"`` resolved on this host)."""

@@ -13,7 +13,8 @@ import pytest
 
 from mooncake_vllm.compat import installed_vllm, vllm_facts
 from mooncake_vllm.compat import registration as reg
-from mooncake_vllm.compat.versions import KNOWN_VLLM_RELEASES, MIN_SUPPORTED_VLLM, pep440_version
+from mooncake_vllm.compat.facts_table import KNOWN_VLLM_RELEASES, MIN_SUPPORTED_VLLM
+from mooncake_vllm.compat.versions import pep440_version
 
 NAME = reg.CONNECTOR_NAME
 

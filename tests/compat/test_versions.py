@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mooncake_vllm.compat import versions
+from mooncake_vllm.compat.facts_table import KNOWN_MOONCAKE_RELEASES, KNOWN_VLLM_RELEASES, Change
 from mooncake_vllm.compat.versions import (
-    KNOWN_MOONCAKE_RELEASES,
-    KNOWN_VLLM_RELEASES,
     mooncake_facts,
     pep440_version,
     release_of,
@@ -28,7 +27,7 @@ def test_any_version_string_maps_to_its_release(version: str, release: str) -> N
 
 def test_tables_are_sorted_and_name_real_facts() -> None:
     versions.check_tables()
-    bad = versions._c("0.1.0", "typo row", no_such_fact=True)
+    bad = Change("0.1.0", "typo row", {"no_such_fact": True})
     original = versions.VLLM_CHANGES
     try:
         versions.VLLM_CHANGES = (*original, bad)

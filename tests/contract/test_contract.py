@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from mooncake_vllm.compat import installed_vllm, vllm_facts
-from mooncake_vllm.compat.detect import LAST_V0_RELEASE
+from mooncake_vllm.compat.facts_table import LAST_V0_RELEASE
 
 pytestmark = pytest.mark.contract
 

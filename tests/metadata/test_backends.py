@@ -18,7 +18,7 @@ from mooncake_vllm.metadata.backends import (
 from mooncake_vllm.metadata.etcd import EtcdBackend
 from mooncake_vllm.services import start_http_metadata
 
-from md_services import free_port
+from tests.md_services import free_port
 
 
 @pytest.fixture(params=["memory", "redis", "etcd", "http"])

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from md_services import child_env, free_port, readline, stop
+from tests.md_services import child_env, free_port, readline, stop
 
 from mooncake_vllm.metadata.backends import backend_for, http_request
 

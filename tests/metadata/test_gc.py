@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from md_services import child_env, free_port
+from tests.md_services import child_env, free_port
 
 from mooncake_vllm.metadata.backends import MemoryBackend, backend_for
 from mooncake_vllm.metadata.gc import ALIVE, DEAD, UNKNOWN, collect_garbage, probe, scan

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from md_services import Server
+from tests.md_services import Server
 
 from mooncake_vllm.metadata.backends import backend_for, http_request
 
@@ -145,7 +145,7 @@ def test_sigterm_stops_cleanly_and_redis_keeps_data(md_server, md_redis_url: str
 
 
 def test_bad_backend_fails_fast_with_reason(tmp_path) -> None:
-    from md_services import free_port
+    from tests.md_services import free_port
 
     with pytest.raises(RuntimeError, match="did not start"):
         Server(f"redis://127.0.0.1:{free_port()}", tmp_path / "bad.log")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from md_services import child_env, readline, stop
+from tests.md_services import child_env, readline, stop
 
 from mooncake_vllm.metadata.backends import HttpBackend, http_request
 

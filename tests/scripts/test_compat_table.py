@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_vllm.compat.versions import KNOWN_VLLM_RELEASES, vllm_facts
+from mooncake_vllm.compat.facts_table import KNOWN_VLLM_RELEASES
+from mooncake_vllm.compat.versions import vllm_facts
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("compat_table", ROOT / "scripts" / "compat_table.py")
 ct = importlib.util.module_from_spec(_spec)
 sys.modules["compat_table"] = ct
-_spec.loader.exec_module(ct)
-_rspec = importlib.util.spec_from_file_location("compat_render", ROOT / "scripts" / "compat_render.py")
-cr = importlib.util.module_from_spec(_rspec)
-sys.modules["compat_render"] = cr
-_rspec.loader.exec_module(cr)
+_spec.loader.exec_module(ct)  # puts scripts/ on sys.path: its neighbours import by name
+import compat_record as crec  # noqa: E402
+import compat_render as cr  # noqa: E402
 
 RECORD = json.loads((ROOT / "docs" / "compatibility.json").read_text())
 
@@ -69,7 +68,7 @@ def test_committed_table_is_what_the_command_renders() -> None:
 def test_every_record_is_rederived_from_its_committed_junit_file() -> None:
     assert RECORD["runs"], "docs/compatibility.json records no runs"
     assert ct.check(RECORD) == [], "\n".join(ct.check(RECORD))
-    verified = [r for r in RECORD["runs"].values() if r.get("provenance") != ct.UNVERIFIED]
+    verified = [r for r in RECORD["runs"].values() if r.get("provenance") != crec.UNVERIFIED]
     assert verified, "no run with provenance recorded"
     for run in verified:
         if run["level"] == "blocked":  # the env builder's error, no JUnit file
@@ -82,9 +81,9 @@ def test_every_record_is_rederived_from_its_committed_junit_file() -> None:
 
 def test_every_recorded_run_agrees_with_the_facts_table() -> None:
     for env, run in RECORD["runs"].items():
-        assert run["facts"] == ct.facts_summary(run["vllm"]), (
+        assert run["facts"] == crec.facts_summary(run["vllm"]), (
             f"{env}: recorded under facts {run['facts']}, the table now says "
-            f"{ct.facts_summary(run['vllm'])}; re-run `tox -e {env}` and the command")
+            f"{crec.facts_summary(run['vllm'])}; re-run `tox -e {env}` and the command")
         facts = vllm_facts(run["vllm"], strict=False)
         if run["level"] == "blocked":  # nothing ran
             continue
@@ -205,16 +204,16 @@ def test_hand_edits_fail_the_check(tmp_path: Path, monkeypatch) -> None:
     assert any("no committed JUnit file" in p for p in ct.check(rec, tmp_path))
     # runs recorded before provenance are frozen: an edit is caught, removal is allowed (none is
     # left in the committed record, so one stands in here, with its digest as if committed)
-    assert not any(run.get("provenance") == ct.UNVERIFIED for run in RECORD["runs"].values())
+    assert not any(run.get("provenance") == crec.UNVERIFIED for run in RECORD["runs"].values())
     env = "contract-vllm0100"
-    legacy = {"runs": {env: {"env": env, "provenance": ct.UNVERIFIED, "passed": 43, "failed": 0}}}
+    legacy = {"runs": {env: {"env": env, "provenance": crec.UNVERIFIED, "passed": 43, "failed": 0}}}
     assert ct.check(legacy) == [f"{env}: a run recorded before provenance was edited (or added); "
-                                f"record a real run: {ct.COMMAND} record --junit FILE"]
+                                f"record a real run: {crec.COMMAND} record --junit FILE"]
     monkeypatch.setattr(ct, "LEGACY_RUNS", {env: ct._legacy_digest(legacy["runs"][env])})
     assert ct.check(legacy) == []
     legacy["runs"][env]["passed"] += 1
     assert ct.check(legacy) == [f"{env}: a run recorded before provenance was edited (or added); "
-                                f"record a real run: {ct.COMMAND} record --junit FILE"]
+                                f"record a real run: {crec.COMMAND} record --junit FILE"]
 
 
 def test_record_a_gpu_run(tmp_path: Path, capsys) -> None:
@@ -248,7 +247,7 @@ def test_a_file_without_provenance_needs_the_command_line(tmp_path: Path) -> Non
     assert run["facts"]["paths"] == ["V0", "V1"]
     assert run["facts"]["claims"]["V0"] == "registry-override (in-tree name taken)"
     assert run["facts"]["claims"]["V1"].startswith("none: our V1 connector refuses")  # needs 0.9.0's V1 API
-    assert ct.facts_summary("0.9.2")["claims"]["V1"] == "registry-override (in-tree name taken)"
+    assert crec.facts_summary("0.9.2")["claims"]["V1"] == "registry-override (in-tree name taken)"
     with pytest.raises(SystemExit, match="junit_suite_name"):
         ct.derive(_junit(tmp_path / "y.xml", suite="pytest", plugin=False), "mystery", {"level": "unit"})
 

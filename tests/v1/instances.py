@@ -8,7 +8,7 @@ import re
 import urllib.request
 from typing import Any
 
-from mooncake_vllm.compat import installed_vllm, vllm_facts
+from mooncake_vllm.compat import installed_facts
 from mooncake_vllm.keys import KeyNamespace
 
 __all__ = ["SERVE_HIT_ARGS", "announced_namespace", "complete", "counts_connector_hits", "external_hits",
@@ -61,8 +61,8 @@ def complete(url: str, prompt: list[int]) -> dict:
 
 def _fact(name: str) -> bool:
     """A boolean fact of the installed vLLM (True without one: the newest behaviour)."""
-    dist = installed_vllm()
-    return dist is None or bool(getattr(vllm_facts(dist.version, strict=False), name))
+    facts = installed_facts()
+    return facts is None or bool(getattr(facts, name))
 
 
 def loads_here() -> bool:

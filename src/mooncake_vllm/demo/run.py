@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mooncake_vllm.compat.facts import installed_facts
+
 __all__ = ["INSTANCE_ENV", "PREFIX_CACHE_METRICS", "connector_counters", "kv_transfer_config",
            "run_instance", "wait_saves_idle", "worker_side", "main"]
 
@@ -70,7 +72,7 @@ def _metric_totals(llm: Any) -> dict[str, float]:
         name = getattr(metric, "name", "")
         if "prefix_cache" in name and hasattr(metric, "value"):
             out[name] = out.get(name, 0.0) + float(metric.value)
-    facts = _installed_facts()
+    facts = installed_facts()
     needed = PREFIX_CACHE_METRICS if facts is None or facts.external_hit_counter \
         else PREFIX_CACHE_METRICS[:2]  # vLLM <= 0.11.0: no connector counter (results' cached_tokens)
     missing = [name for name in needed if name not in out]
@@ -154,13 +156,6 @@ def _reset_prefix_cache(llm: Any, timeout: float = 10.0) -> None:
         llm.generate([{"prompt_token_ids": [1]}], nudge, use_tqdm=False)
 
 
-def _installed_facts() -> Any:
-    from mooncake_vllm.compat import installed_vllm, vllm_facts
-
-    dist = installed_vllm()
-    return None if dist is None else vllm_facts(dist.version, strict=False)
-
-
 def _prefix_cache_reset(llm: Any) -> bool:
     """``LLM.reset_prefix_cache()``'s answer; vLLM before 0.14 answers None, so there ask
     the in-process engine core's scheduler, which says whether the reset happened."""
@@ -180,7 +175,7 @@ def _tolerate_inprocess_connector_stats() -> None:
     separate engine process (``vllm serve``), false in our in-process offline instances,
     where the engine core has built the connector first. Lift only that assertion (its
     stats aggregation then runs as in the separate-process case); facts say which releases."""
-    facts = _installed_facts()
+    facts = installed_facts()
     if facts is None or not facts.inprocess_connector_stats_assert:
         return
     from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
@@ -194,7 +189,7 @@ def _record_idle_step_stats(llm: Any) -> None:
     miss every asynchronously loaded prefix (``vllm serve`` records them; vLLM 0.28 fixed
     the offline path: "record even when this step produced no request outputs"). Record
     exactly those stats, as 0.28 does, so the counters the tests read are vLLM's own."""
-    facts = _installed_facts()
+    facts = installed_facts()
     engine = llm.llm_engine
     if facts is None or not facts.offline_drops_idle_step_stats or engine.logger_manager is None:
         return

@@ -25,7 +25,7 @@ import urllib.parse
 from collections.abc import Mapping
 
 from mooncake_vllm.addresses import P2P_HANDSHAKE, MetadataURL, redact_url
-from mooncake_vllm.errors import ConfigError, ConfigProblem, StoreError, StoreUnavailableError
+from mooncake_vllm.errors import ConfigError, ConfigProblem, MetadataFullError, StoreError, StoreUnavailableError
 from mooncake_vllm.metadata.base import DEFAULT_TIMEOUT, MetadataBackend, http_request
 from mooncake_vllm.metadata.etcd import EtcdBackend
 
@@ -34,17 +34,12 @@ __all__ = [
     "P2P_HANDSHAKE",
     "HttpBackend",
     "MemoryBackend",
-    "MetadataFullError",
     "MetadataBackend",
     "RedisBackend",
     "backend_for",
     "http_request",
     "redact_url",
 ]
-
-class MetadataFullError(StoreError):
-    """A put the memory backend refuses: its total size or key count cap would be exceeded."""
-
 
 class MemoryBackend(MetadataBackend):
     """A thread-safe in-process dict; what the embedded server uses by default.

@@ -59,9 +59,16 @@ from typing import Any
 
 from aiohttp import web
 
-from mooncake_vllm.errors import ConfigError, ConfigProblem, StoreError, StoreUnavailableError
-from mooncake_vllm.httpsafe import ConnectionGuard, GuardedTCPSite, JsonBodyError, loads_json, read_body, redact
-from mooncake_vllm.metadata.backends import MemoryBackend, MetadataBackend, MetadataFullError, backend_for
+from mooncake_vllm.errors import (
+    ConfigError,
+    ConfigProblem,
+    JsonBodyError,
+    MetadataFullError,
+    StoreError,
+    StoreUnavailableError,
+)
+from mooncake_vllm.httpsafe import ConnectionGuard, GuardedTCPSite, loads_json, read_body, redact
+from mooncake_vllm.metadata.backends import MemoryBackend, MetadataBackend, backend_for
 from mooncake_vllm.metadata.entries import KIND_RPC_META, parse_key, validate_key
 from mooncake_vllm.store.bridge import BACKEND_ENV, READY_PREFIX
 

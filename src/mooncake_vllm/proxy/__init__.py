@@ -13,9 +13,10 @@ body ``{"type": "prefill"|"decode", "instance": "host:port"}``; disabled without
 ``ADMIN_API_KEY``). Removing drains the instance's requests in flight first.
 """
 
+from mooncake_vllm.errors import ProxyError
 from mooncake_vllm.proxy.instances import Endpoint, Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.scheduling import POLICIES, SchedulingPolicy, make_policy
-from mooncake_vllm.proxy.server import ProxyConfig, ProxyError, ProxyServer, config_from_env
+from mooncake_vllm.proxy.server import ProxyConfig, ProxyServer, config_from_env
 
 __all__ = [
     "POLICIES",

@@ -11,26 +11,53 @@ import hmac
 import json
 import logging
 import posixpath
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 
-from mooncake_vllm.errors import ConfigError, UnsupportedVersionError
-from mooncake_vllm.httpsafe import JsonBodyError, describe_exc, loads_json, read_body
+from mooncake_vllm.errors import ConfigError, JsonBodyError, UnsupportedVersionError
+from mooncake_vllm.httpsafe import describe_exc, loads_json, read_body
 from mooncake_vllm.proxy import flows
-from mooncake_vllm.proxy.instances import KINDS, Endpoint, Instance, parse_endpoint
+from mooncake_vllm.proxy.instances import KINDS, Endpoint, Instance, InstancePool, parse_endpoint
 
-if TYPE_CHECKING:
-    from mooncake_vllm.proxy.server import ProxyServer
-
-__all__ = ["check_all", "check_instance", "health_loop", "install", "model_matches"]
+__all__ = ["AdminConfig", "ProxyState", "check_all", "check_instance", "health_loop", "install", "model_matches"]
 
 log = logging.getLogger(__name__)
 
 #: largest admin request body and health-probe answer read
 ADMIN_BODY_LIMIT = 64 << 10
 PROBE_ANSWER_LIMIT = 1 << 20
+
+
+class AdminConfig(Protocol):
+    """The proxy settings the admin API and the health checks read (``ProxyConfig`` has them)."""
+
+    model: str
+    flow: str
+    scheduling: str
+    admin_api_key: str | None
+    health_interval: float
+    health_timeout: float
+    health_failures: int
+    body_timeout: float
+    drain_timeout: float
+
+
+class ProxyState(Protocol):
+    """What of a proxy the admin API and the health checks use (``ProxyServer`` passes itself)."""
+
+    session: aiohttp.ClientSession | None
+    pool: InstancePool
+    p2p_mode: str | None  #: set here from an instance's ``/version`` when the config names none
+    pending_adds: set[tuple[str, str]]  #: (kind, key) of instances being validated by ``/instances/add``
+
+    @property
+    def config(self) -> AdminConfig: ...
+
+    def secrets(self) -> tuple[str | None, ...]:
+        """Every secret an error text could echo."""
+        ...
 
 
 def model_matches(expected: str, payload: Any) -> tuple[bool, list[str]]:
@@ -48,7 +75,7 @@ def _err(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "admin_error", "code": status}}, status=status)
 
 
-async def _get_json(server: ProxyServer, url: str) -> Any:
+async def _get_json(server: ProxyState, url: str) -> Any:
     assert server.session is not None
     timeout = aiohttp.ClientTimeout(total=server.config.health_timeout)
     async with server.session.get(url, timeout=timeout) as resp:
@@ -62,7 +89,7 @@ async def _get_json(server: ProxyServer, url: str) -> Any:
         return loads_json(raw, what=f"GET {url} answer") if raw.strip() else None  # /health: 200, no body
 
 
-async def check_instance(server: ProxyServer, inst: Instance) -> str | None:
+async def check_instance(server: ProxyState, inst: Instance) -> str | None:
     """Probe one instance; None if healthy, else the reason.
 
     The first successful probe checks the served model (``/v1/models``), later
@@ -89,7 +116,7 @@ async def check_instance(server: ProxyServer, inst: Instance) -> str | None:
     return None
 
 
-async def _detect_version(server: ProxyServer, inst: Instance) -> None:
+async def _detect_version(server: ProxyState, inst: Instance) -> None:
     payload = await _get_json(server, inst.url + "/version")
     version = payload.get("version") if isinstance(payload, dict) else None
     if version:
@@ -97,7 +124,7 @@ async def _detect_version(server: ProxyServer, inst: Instance) -> None:
         log.info("upstream vLLM %s: P2P kv_transfer_params mode %r", version, server.p2p_mode)
 
 
-async def check_all(server: ProxyServer) -> None:
+async def check_all(server: ProxyState) -> None:
     """Probe every instance once, concurrently, and update the rotation."""
     insts = list(server.pool)
     results = await asyncio.gather(*(check_instance(server, i) for i in insts), return_exceptions=True)
@@ -119,7 +146,7 @@ async def check_all(server: ProxyServer) -> None:
     server.pool.refresh()
 
 
-async def health_loop(server: ProxyServer) -> None:
+async def health_loop(server: ProxyState) -> None:
     """Run ``check_all`` every ``health_interval`` seconds until cancelled."""
     while True:
         await asyncio.sleep(server.config.health_interval)
@@ -129,7 +156,7 @@ async def health_loop(server: ProxyServer) -> None:
             log.exception("health check round failed")
 
 
-def _denied(server: ProxyServer, request: web.Request) -> web.Response | None:
+def _denied(server: ProxyState, request: web.Request) -> web.Response | None:
     key = server.config.admin_api_key
     if not key:
         return _err(403, "the admin API is disabled: ADMIN_API_KEY is not set for the proxy; "
@@ -143,7 +170,7 @@ def _denied(server: ProxyServer, request: web.Request) -> web.Response | None:
     return None
 
 
-async def _admin_request(server: ProxyServer, request: web.Request) -> tuple[str, Endpoint] | web.Response:
+async def _admin_request(server: ProxyState, request: web.Request) -> tuple[str, Endpoint] | web.Response:
     """Key check, then the body's type and parsed instance address; an error response otherwise."""
     if (denied := _denied(server, request)) is not None:
         return denied
@@ -169,7 +196,7 @@ async def _admin_request(server: ProxyServer, request: web.Request) -> tuple[str
         return _err(400, str(exc.problems[0]))
 
 
-async def handle_add(server: ProxyServer, request: web.Request) -> web.Response:
+async def handle_add(server: ProxyState, request: web.Request) -> web.Response:
     """Validate the instance (it answers ``/v1/models`` with our model), then add it."""
     parsed = await _admin_request(server, request)
     if isinstance(parsed, web.Response):
@@ -193,7 +220,7 @@ async def handle_add(server: ProxyServer, request: web.Request) -> web.Response:
     return web.json_response({"status": "added", "type": kind, "instance": ep.key, **_counts(server)})
 
 
-async def handle_remove(server: ProxyServer, request: web.Request) -> web.Response:
+async def handle_remove(server: ProxyState, request: web.Request) -> web.Response:
     """Take the instance out of rotation, wait for its requests to finish, drop it."""
     parsed = await _admin_request(server, request)
     if isinstance(parsed, web.Response):
@@ -215,7 +242,7 @@ async def handle_remove(server: ProxyServer, request: web.Request) -> web.Respon
                               "waited_for": waiting, "in_flight": inst.in_flight, **_counts(server)})
 
 
-def _counts(server: ProxyServer) -> dict[str, Any]:
+def _counts(server: ProxyState) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in KINDS:
         insts = server.pool.of_kind(kind)
@@ -224,7 +251,7 @@ def _counts(server: ProxyServer) -> dict[str, Any]:
     return out
 
 
-async def handle_status(server: ProxyServer, _request: web.Request) -> web.Response:
+async def handle_status(server: ProxyState, _request: web.Request) -> web.Response:
     """Read-only view (no key needed, as in the seed): counts, nodes, per-instance state."""
     body = {
         "model": server.config.model,
@@ -238,7 +265,7 @@ async def handle_status(server: ProxyServer, _request: web.Request) -> web.Respo
     return web.Response(text=json.dumps(body, indent=2), content_type="application/json")
 
 
-def install(server: ProxyServer, app: web.Application) -> None:
+def install(server: ProxyState, app: web.Application) -> None:
     """Add the admin routes to ``app``."""
 
     def bind(fn):  # noqa: ANN001, ANN202 - handler adapter

@@ -21,11 +21,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.errors import ConfigError, ConfigProblem, JsonBodyError, ProxyError
 from mooncake_vllm.httpsafe import (
     ConnectionGuard,
     GuardedTCPSite,
-    JsonBodyError,
     describe_exc,
     loads_json,
     read_body,
@@ -36,7 +35,7 @@ from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.scheduling import make_policy
 
-__all__ = ["ProxyConfig", "ProxyError", "ProxyServer", "config_from_env"]
+__all__ = ["ProxyConfig", "ProxyServer", "config_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +72,9 @@ class ProxyConfig:
     max_connections: int = 4096  # open client connections (always kept below the descriptor limit)
 
 
-class ProxyError(Exception):
-    """An error answer to the client: status, OpenAI-style type, message."""
-
-    def __init__(self, status: int, message: str, kind: str = "upstream_error", *, reason: str = "") -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-        self.reason = reason or kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
-
-    def response(self) -> web.Response:
-        headers = {"Retry-After": "1"} if self.status == 503 else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
+def _answer(err: ProxyError) -> web.Response:
+    """The client's error answer for ``err``."""
+    return web.json_response(err.body(), status=err.status, headers=err.headers())
 
 
 def _prefix_of(body: dict[str, Any]) -> bytes:
@@ -420,7 +408,7 @@ class ProxyServer:
             status = exc.status
             if exc.status >= 500:
                 self.metrics.error("proxy", exc.reason)
-            return exc.response()
+            return _answer(exc)
         finally:
             self.metrics.observe(route, status, time.perf_counter() - t0)
 
@@ -436,10 +424,10 @@ class ProxyServer:
                 raw = await self._read_upstream(inst, up, 16 << 20)
                 return web.Response(body=raw, status=up.status, content_type="application/json")
         except ProxyError as exc:
-            return exc.response()
+            return _answer(exc)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             detail = describe_exc(exc, self.secrets(request))
-            return ProxyError(502, f"{kind} instance failed to list models: {detail}").response()
+            return _answer(ProxyError(502, f"{kind} instance failed to list models: {detail}"))
 
     async def handle_metrics(self, _request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(self.pool), content_type="text/plain",

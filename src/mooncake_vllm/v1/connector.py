@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from mooncake_vllm import __version__
+from mooncake_vllm.compat.facts import installed_facts
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.logs import follow_vllm_logging
@@ -67,17 +68,13 @@ _BASE_TAKES_KV_CACHE_CONFIG = "kv_cache_config" in inspect.signature(
 
 def _require_supported_vllm() -> None:
     """Refuse a vLLM whose V1 connector API cannot keep saves safe (0.8.5)."""
-    from mooncake_vllm.compat.detect import installed_vllm
-    from mooncake_vllm.compat.versions import vllm_facts
-
-    dist = installed_vllm()
-    if dist is None:
+    facts = installed_facts()
+    if facts is None:
         return
-    facts = vllm_facts(dist.version, strict=False)
     if not facts.our_v1_connector:
         raise UnsupportedVersionError(
-            f"mooncake-vllm's V1 MooncakeStoreConnector needs vLLM >= 0.9.0 (found {dist.name} "
-            f"{dist.version}): this release's V1 connector API gives no allocated blocks to "
+            f"mooncake-vllm's V1 MooncakeStoreConnector needs vLLM >= 0.9.0 (found vLLM "
+            f"{facts.version}): this release's V1 connector API gives no allocated blocks to "
             f"update_state_after_alloc and cannot delay freeing blocks until they are saved. "
             f"Fix: start vLLM with VLLM_USE_V1=0 (the V0 connector, same pool and keys) or "
             f"upgrade vLLM; `mooncake-vllm check --target-vllm X.Y.Z` shows what changes")
@@ -87,11 +84,8 @@ def _installed_fact(name: str) -> bool:
     """A boolean fact of the installed vLLM (``load_error_reporting``: it can recompute
     blocks a background load failed to deliver; ``deferred_lookup``: a lookup may
     answer "ask again later")."""
-    from mooncake_vllm.compat.detect import installed_vllm
-    from mooncake_vllm.compat.versions import vllm_facts
-
-    dist = installed_vllm()
-    return dist is not None and bool(getattr(vllm_facts(dist.version, strict=False), name))
+    facts = installed_facts()
+    return facts is not None and bool(getattr(facts, name))
 
 
 _UNSAFE_LOADS_LOGGED: list[bool] = []

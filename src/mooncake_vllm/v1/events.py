@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mooncake_vllm.compat.facts import installed_facts
+
 try:  # vLLM >= 0.13.0 (fact connector_kv_events)
     from vllm.distributed.kv_events import KVConnectorKVEvents as _EventsBase
 except ImportError:  # pragma: no cover - older releases never collect connector events
@@ -49,11 +51,8 @@ def kv_events_wanted(vllm_config: Any) -> bool:
     cfg = getattr(vllm_config, "kv_events_config", None)
     if not getattr(cfg, "enable_kv_cache_events", False):
         return False
-    from mooncake_vllm.compat.detect import installed_vllm
-    from mooncake_vllm.compat.versions import vllm_facts
-
-    dist = installed_vllm()
-    return dist is not None and vllm_facts(dist.version, strict=False).connector_kv_events
+    facts = installed_facts()
+    return facts is not None and facts.connector_kv_events
 
 
 class PoolKVEvents(_EventsBase):  # type: ignore[misc]

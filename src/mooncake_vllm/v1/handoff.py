@@ -280,7 +280,7 @@ class Handoffs:
     """
 
     def __init__(self, prefixes: Sequence[str], block_size: int, counters: dict[str, int], *,
-                 offer: bool = False, waiter: MarkerWaiter | None = None, timeout: float = 5.0,
+                 offer: bool = False, waiter: MarkerWaiter | None = None, timeout: float,
                  pool_ready: Callable[[], bool] = lambda: True) -> None:
         self.prefixes = tuple(prefixes)
         self.block_size = block_size

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mooncake_vllm.compat.facts import installed_facts
 from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.keys import KeyNamespace, RequestExtras
 from mooncake_vllm.layout import BlockLayout, bytes_kind, layout_fingerprint
@@ -146,7 +147,7 @@ def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
     heads_first = False
     use_mla = bool(getattr(model_config, "use_mla", False))
     cpu_kv = _is_cpu_platform() and not use_mla
-    cpu_view = _installed_facts().cpu_kv_view if cpu_kv else None
+    cpu_view = installed_facts(strict=True).cpu_kv_view if cpu_kv else None
     if cpu_view == "2bflat":
         # [2, B, N*H*D]: a K page and a V page per block, ordered as the page kind says
         kind, predicted = "cpu-paged", _cpu_page_kind()
@@ -161,7 +162,7 @@ def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
         kind, predicted = "cpu", _cpu_isa(vllm_config, block_size, head_size)
         shape = (heads, block_size, 2 * head_size)
     else:  # GPU, or MLA anywhere (the CPU MLA backend keeps the generic latent layout)
-        facts = _installed_facts()
+        facts = installed_facts(strict=True)
         name = gpu_layout_name(vllm_config, facts)
         kind, heads_first, shape = predict_block(
             facts, name, use_mla=use_mla, heads=heads, head_size=head_size,
@@ -169,16 +170,6 @@ def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
         predicted = ""
     return ExpectedLayout(kind, predicted if variant is None else variant, dtype, layers, shape,
                           heads_first, use_mla)
-
-
-def _installed_facts() -> Any:
-    """The version facts of the installed vLLM (the layout decision is per release)."""
-    from mooncake_vllm.compat import installed_vllm, vllm_facts
-
-    dist = installed_vllm()
-    if dist is None:  # pragma: no cover - a vLLM config without vLLM
-        raise UnsupportedVersionError("MooncakeStoreConnector: vLLM is not installed")
-    return vllm_facts(dist.version)
 
 
 def check_layout(expected: ExpectedLayout, actual: BlockLayout) -> None:

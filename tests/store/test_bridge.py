@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from md_services import HERE, child_env, free_port, readline, stop
+from tests.md_services import HERE, child_env, free_port, readline, stop
 
 from mooncake_vllm.errors import StoreUnavailableError
 from mooncake_vllm.store import bridge

@@ -1,4 +1,4 @@
-"""Process helpers for the metadata tests (real services, stopped by process-group id, never by name)."""
+"""Process helpers for the metadata and redis-bridge tests (real services, stopped by process-group id, never by name)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from mooncake_vllm.services import client_env, free_port
 __all__ = ["HERE", "Client", "Server", "child_env", "free_port", "readline", "stop"]
 
 HERE = Path(__file__).resolve().parent
-SRC = HERE.parents[1] / "src"
+SRC = HERE.parent / "src"
 
 
 def child_env(**extra: str) -> dict[str, str]:
