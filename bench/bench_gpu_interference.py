@@ -16,6 +16,12 @@ saving every block costs). Modes, one fresh vLLM process each (the reader)::
     ours-zc    ours with "gpu_path": "zero_copy"
     ours-prev  ours from another build of the package (``--prev-site``: a directory it was
                installed into, put first on that process's PYTHONPATH): A/B of a change
+    ours-always  ours claiming every hit (``load_policy`` always)
+    ours-1c    ours with one store client claiming every hit (the transfers before issue 24)
+
+``--degraded-modes``: after its phases, such a reader serves pool hits back to back
+while every holder but one is SIGSTOPped mid-run (bench/degraded.py): TTFT per
+request over time, the faults marked.
 
 Two writer processes (ours, in-tree: their keys differ) put the readers' pool prompts
 first, each prompt recomputed in a fresh process: that output is the reference every
@@ -36,22 +42,25 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from degraded import FaultSchedule, degraded_loop, holder_pids
+from interference_table import derive
 from engine_steps import (EngineProcess, Req, closed_loop_stats, interference,
                           other_build_env, serve)
 
 __all__ = ["main"]
 
-MODES = ("ours", "ours-prev", "ours-sync", "none", "ours-zc", "intree")  #: measured in this order
+#: measured in this order
+MODES = ("ours", "ours-always", "ours-1c", "ours-prev", "ours-sync", "none", "ours-zc", "intree")
 INJECT_AFTER = 32  #: stream tokens before the 8k request arrives
 _EXTRA = {"ours": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
-          "ours-zc": {"gpu_path": "zero_copy"}}
+          "ours-zc": {"gpu_path": "zero_copy"}, "ours-always": {"load_policy": "always"},
+          "ours-1c": {"load_policy": "always", "store_clients": 1}}
 
 
 def _writer_of(mode: str) -> str | None:
@@ -88,8 +97,8 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         """Recompute (and so save) every pool prompt; its output is the readers' reference."""
         t0 = time.perf_counter()
         _serve(engine, [req(pr["warm_hit"], 1)])
-        for doc in pr["docs"]:  # the mixed phase's shared documents
-            _serve(engine, [req(doc, 1)])
+        for doc in pr["docs"] + (pr["degraded_docs"] if p["write_degraded"] else []):
+            _serve(engine, [req(doc, 1)])  # the mixed and degraded phases' shared documents
         load = req(pr["load"], 8)
         _serve(engine, [load])
         hits: dict[str, list[list[int]]] = {}
@@ -160,7 +169,16 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         out["connector"] = connector_counters()
         return out
 
-    return {"write": write, "measure": measure, "mixed": mixed, "misses": misses}
+    def degraded() -> dict[str, Any]:
+        from mooncake_vllm.demo.run import connector_counters, wait_saves_idle
+
+        wait_saves_idle()
+        runs = degraded_loop(llm, pr["degraded_docs"], p["degraded_seconds"],
+                             lambda doc: req(doc, 1), _serve)
+        return {"requests": runs, "connector": connector_counters()}
+
+    return {"write": write, "measure": measure, "mixed": mixed, "misses": misses,
+            "degraded": degraded}
 
 
 def _worker(spec: dict[str, Any]) -> None:
@@ -216,7 +234,8 @@ def _prompts(args: argparse.Namespace) -> dict[str, Any]:
 
     shared = {"warm_hit": toks(1024), "load": toks(args.load_len),
               "hits": {str(n): [toks(n) for _ in range(args.hit_reps)] for n in args.lengths},
-              "docs": [toks(args.doc_len) for _ in range(args.docs)]}
+              "docs": [toks(args.doc_len) for _ in range(args.docs)],
+              "degraded_docs": [toks(args.degraded_len) for _ in range(args.degraded_docs)]}
     per_mode = {m: {"warm": toks(64), "stream_alone": toks(64), "stream_loaded": toks(64),
                     "questions": [toks(args.question_len) for _ in range(args.requests)],
                     "misses": {str(n): [toks(n) for _ in range(args.miss_reps)]
@@ -237,84 +256,6 @@ def _mode_config(mode: str, prev_site: str = "") -> tuple[dict[str, Any] | None,
     return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), env
 
 
-def _reference(report: dict[str, Any]) -> dict[str, Any] | None:
-    """The recompute's output: the ours writer's (a fresh process computing every prompt)."""
-    for w in ("ours", "intree"):
-        tokens = report["writers"].get(w, {}).get("write", {}).get("tokens")
-        if tokens:
-            return tokens
-    return None
-
-
-def _derive(report: dict[str, Any]) -> dict[str, Any]:
-    runs, ref = report["runs"], _reference(report)
-    hbm = runs.get("none", {}).get("measure")
-    hbm = hbm if hbm and "error" not in hbm else None
-    table: dict[str, Any] = {}
-    for mode, r in runs.items():
-        m = r.get("measure")
-        if not m or "error" in m:
-            continue
-        a, d = m["alone"], m["during_load"]
-        row: dict[str, Any] = {
-            "alone_ms": [a["p50"] * 1e3, a["p99"] * 1e3, a["max"] * 1e3],
-            "during_ms": [d["p50"] * 1e3, d["p99"] * 1e3, d["max"] * 1e3] if d["n"] else None,
-            "p99_ratio": d["p99"] / a["p99"] if d["n"] else None, "during_n": d["n"],
-            "load_ttft_ms": m["load"]["ttft_s"] * 1e3, "load_cached": m["load"]["cached"],
-            "load_tokens_equal_recompute": (m["load"]["tokens"] == ref["load"]) if ref else None}
-        for n, reps in m["hits"].items():
-            row[f"hit{n}_ttft_ms"] = [x["ttft_s"] * 1e3 for x in reps]
-            row[f"hit{n}_cached"] = [x["cached"] for x in reps]
-            if ref:
-                row[f"hit{n}_tokens_equal_recompute"] = [x["tokens"] == y
-                                                         for x, y in zip(reps, ref["hits"][n])]
-            if hbm:  # the same prompt recomputed, then an in-HBM prefix hit: the same compute path
-                row[f"hit{n}_tokens_equal_inhbm_hit"] = [x["tokens"] == y["again_tokens"]
-                                                         for x, y in zip(reps, hbm["hits"][n])]
-        _serving_columns(row, r)
-        table[mode] = row
-    _serving_ratios(table)
-    toks = [report["writers"].get(w, {}).get("write", {}).get("tokens") for w in ("ours", "intree")]
-    if all(toks):
-        table["writers_tokens_agree"] = toks[0] == toks[1]
-    if "ours" in table and "ours-sync" in table:
-        table["ours_over_sync_hit_ttft"] = {
-            n: sum(table["ours"][f"hit{n}_ttft_ms"]) / sum(table["ours-sync"][f"hit{n}_ttft_ms"])
-            for n in runs["ours"]["measure"]["hits"]}
-    return table
-
-
-def _serving_columns(row: dict[str, Any], run: dict[str, Any]) -> None:
-    """Mixed serving and miss TTFT (ms, medians over each length's prompts)."""
-    mixed, misses = run.get("mixed"), run.get("misses")
-    if mixed and "error" not in mixed:
-        row["mixed"] = {"throughput_tok_s": mixed["throughput_tok_s"],
-                        "ttft_p50_ms": mixed["ttft_p50_s"] * 1e3,
-                        "ttft_p99_ms": mixed["ttft_p99_s"] * 1e3,
-                        "itl_p99_ms": mixed["itl_p99_s"] * 1e3}
-    if misses and "error" not in misses:
-        row["miss_ttft_ms"] = {n: statistics.median(m["ttft_s"]) * 1e3
-                               for n, m in misses.items() if n != "connector"}
-        counters = misses.get("connector") or {}
-        row["copy_fences"] = [counters.get("worker_copy_fences"),
-                              counters.get("worker_copy_fences_waited")]
-
-
-def _serving_ratios(table: dict[str, Any]) -> None:
-    """Issue 12's targets 3 and 4: ours vs in-tree (mixed), ours vs no connector (misses)."""
-    ours, intree, none = table.get("ours", {}), table.get("intree", {}), table.get("none", {})
-    if "mixed" in ours and "mixed" in intree:
-        o, t = ours["mixed"], intree["mixed"]
-        table["mixed_ours_over_intree"] = {"throughput": o["throughput_tok_s"] / t["throughput_tok_s"],
-                                           "ttft_p99": o["ttft_p99_ms"] / t["ttft_p99_ms"]}
-    if "miss_ttft_ms" in none:
-        table["miss_overhead"] = {
-            mode: {n: row["miss_ttft_ms"][n] / none["miss_ttft_ms"][n] - 1
-                   for n in none["miss_ttft_ms"] if n in row.get("miss_ttft_ms", {})}
-            for mode, row in table.items() if isinstance(row, dict) and "miss_ttft_ms" in row
-            and mode != "none"}
-
-
 def _run(args: argparse.Namespace, work: Path) -> None:
     prompts = _prompts(args)
     engine = {"model": args.model, "dtype": args.dtype, "enforce_eager": True, "seed": 0,
@@ -326,13 +267,14 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     if args.gpu_mem_util:
         engine["gpu_memory_utilization"] = args.gpu_mem_util
     params = {"stream_tokens": args.stream_tokens, "save_timeout": 120.0, "extra_save_wait": 0.0,
-              "out_tokens": args.out_tokens, "clients": args.clients}
+              "out_tokens": args.out_tokens, "clients": args.clients,
+              "degraded_seconds": args.degraded_seconds}
     report: dict[str, Any] = {"args": vars(args), "inject_after": INJECT_AFTER, "engine": engine,
                               "runs": {}, "writers": {}, "started": time.strftime("%F %T")}
     out = Path(args.out)
 
     def dump() -> None:
-        report["table"] = _derive(report)
+        report["table"] = derive(report)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1, default=str))
 
@@ -348,7 +290,8 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         per = prompts["per_mode"][mode] if mode in prompts["per_mode"] else {}
         wait = args.intree_save_wait if name == "writer-intree" else 0.0
         spec = {"engine": engine, "kv_config": kv, "prompts": {**prompts["shared"], **per},
-                "params": {**params, "extra_save_wait": wait}}
+                "params": {**params, "extra_save_wait": wait,
+                           "write_degraded": name == "writer-ours" and bool(args.degraded_modes)}}
         procs[name] = _proc(name, spec, work, {**base_env, **env})
     t0 = time.monotonic()
     started = []
@@ -380,12 +323,21 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         if mode not in procs:
             continue
         p = procs.pop(mode)
-        for phase in ("measure", "mixed", "misses"):  # a phase that hangs ends this mode
+        phases = [ph for ph in args.phases if ph != "degraded" or mode in args.degraded_modes]
+        for phase in phases:  # a phase that hangs ends this mode
+            faults = (FaultSchedule(holder_pids(args.holder_pids), args.stop_at, args.resume_at)
+                      if phase == "degraded" else None)
             try:
-                report["runs"][mode][phase] = p.run(phase, args.measure_timeout)
+                if faults is not None:
+                    faults.start()
+                report["runs"][mode][phase] = p.run(phase, args.measure_timeout
+                                                    + (args.degraded_seconds if faults else 0))
             except RuntimeError as exc:
                 report["runs"][mode]["error"] = f"{phase}: {exc}"
                 break
+            finally:
+                if faults is not None:
+                    report["runs"][mode]["faults"] = faults.finish()
         p.close()
         dump()
         row = report["table"].get(mode)
@@ -424,6 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--miss-lengths", default="1024,8000")
     ap.add_argument("--miss-reps", type=int, default=4)
     ap.add_argument("--intree-save-wait", type=float, default=3.0)
+    ap.add_argument("--phases", default="measure,mixed,misses,degraded")
+    ap.add_argument("--degraded-modes", default="", help="readers that run the degraded phase")
+    ap.add_argument("--degraded-docs", type=int, default=8)
+    ap.add_argument("--degraded-len", type=int, default=4096)
+    ap.add_argument("--degraded-seconds", type=float, default=60.0)
+    ap.add_argument("--stop-at", type=float, default=15.0, help="SIGSTOP all holders but one")
+    ap.add_argument("--resume-at", type=float, default=35.0, help="SIGCONT them")
+    ap.add_argument("--holder-pids", default="/tmp/mc/holder*.pid", help="glob of holder pid files")
     ap.add_argument("--init-timeout", type=float, default=240.0)
     ap.add_argument("--measure-timeout", type=float, default=120.0)
     ap.add_argument("--local-stack", action="store_true", help="start a Mooncake stack (CPU dry run)")
@@ -435,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.miss_lengths = [int(x) for x in args.miss_lengths.split(",")]
     args.modes = args.modes.split(",")
+    args.phases = args.phases.split(",")
+    args.degraded_modes = [m for m in args.degraded_modes.split(",") if m]
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-interference-"))
     if not args.local_stack:
         _run(args, work)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Stop what mc_up.sh started, by pid only: the holder first, then the master (TERM, then KILL after 5 s).
+# Stop what mc_up.sh started, by pid only: the holders first, then the master (TERM, then KILL after 5 s).
 MC=${MC_DIR:-${GPU_PREFIX:-/tmp}/mc}
-for p in holder master; do
+holders=$(cd "$MC" 2>/dev/null && ls holder*.pid 2>/dev/null | sed 's/\.pid$//')
+for p in $holders master; do
   f=$MC/$p.pid
   [ -f "$f" ] || continue
   pid=$(cat "$f")

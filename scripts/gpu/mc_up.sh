@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# On the GPU machine: start mooncake_master + a standalone holder (mooncake_client owning the pool's
-# memory) on 127.0.0.1, unless they already run; write the client config. Logs and pids in /tmp/mc.
+# On the GPU machine: start mooncake_master + MC_HOLDERS standalone holders (mooncake_client processes
+# owning the pool's memory, MC_SEGMENT split evenly) on 127.0.0.1, unless they already run; write the
+# client config. Logs and pids in /tmp/mc (holder.pid, holder1.pid, ...).
 #   bash scripts/gpu/mc_up.sh        (after install.sh; stop with mc_down.sh)
 # Both run in their own session (setsid), so they outlive this call and serve the next calls while the
 # machine stays warm; mc_down.sh stops them by pid. Env knobs: MC_SEGMENT (holder's global segment,
-# bytes, default 16 GiB), MC_MASTER_PORT (50051), MC_METRICS_PORT (9003), MC_HOLDER_PORT (50052),
-# MC_WAIT (seconds to wait for each, 30).
+# bytes, default 16 GiB, split over the holders), MC_HOLDERS (4), MC_MASTER_PORT (50051),
+# MC_METRICS_PORT (9003), MC_HOLDER_PORT (50052; holder i listens on +i), MC_WAIT (seconds, 30).
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/env.sh"
@@ -13,6 +14,7 @@ MC=${MC_DIR:-${GPU_PREFIX:-/tmp}/mc}
 SEG=${MC_SEGMENT:-17179869184}
 PORT=${MC_MASTER_PORT:-50051} METRICS=${MC_METRICS_PORT:-9003} HPORT=${MC_HOLDER_PORT:-50052}
 WAIT=${MC_WAIT:-30}
+HOLDERS=${MC_HOLDERS:-4}
 mkdir -p "$MC"
 t0=${EPOCHREALTIME/./}
 secs() { local us=$(( ${EPOCHREALTIME/./} - t0 )); echo "$((us / 1000000)).$(((us / 10000) % 100))s"; }
@@ -46,27 +48,32 @@ else
   echo "[mc_up] master pid $(cat "$MC/master.pid") accepts on 127.0.0.1:$PORT after $(secs)"
 fi
 
-if alive holder; then
-  echo "[mc_up] holder already running (pid $(cat "$MC/holder.pid")), master capacity gauge $(capacity) bytes"
-else
-  rm -f "$MC/holder.pid"
-  mark=$(wc -l < "$MC/master.log" 2>/dev/null || echo 0)
-  start holder "$MCBIN/mooncake_client" --host=127.0.0.1 --port="$HPORT" --global_segment_size="$SEG" \
+mounts() { local n; n=$(grep -c 'action=mount_segment' "$MC/master.log" 2>/dev/null); echo "${n:-0}"; }
+start_holder() {  # start_holder NAME PORT
+  local name=$1 port=$2 mark cap=0 each=$((SEG / HOLDERS))
+  if alive "$name"; then
+    echo "[mc_up] $name already running (pid $(cat "$MC/$name.pid"))"; return 0
+  fi
+  rm -f "$MC/$name.pid"
+  mark=$(mounts)
+  start "$name" "$MCBIN/mooncake_client" --host=127.0.0.1 --port="$port" --global_segment_size="$each" \
     --local_buffer_size=268435456 --master_server_address="127.0.0.1:$PORT" \
     --metadata_server=P2PHANDSHAKE --protocol=tcp
-  # ready once the master logs the mount (its capacity gauge follows a few seconds later)
-  cap=0
+  # ready once the master logs one more mount
   for ((i = 0; i < WAIT * 20; i++)); do
-    if tail -n +"$((mark + 1))" "$MC/master.log" 2>/dev/null | grep -q 'action=mount_segment'; then cap=mounted; break; fi
-    alive holder || break
+    [ "$(mounts)" -gt "$mark" ] && { cap=$each; break; }
+    alive "$name" || break
     sleep 0.05
   done
-  [ "$cap" = mounted ] && { c=$(capacity); [ "${c:-0}" -gt 0 ] && cap=$c; }
-  [ "$cap" = mounted ] && cap=$SEG
   if [ "$cap" = 0 ]; then
-    echo "[mc_up] HOLDER NOT REGISTERED after $(secs) (alive: $(alive holder && echo yes || echo no))"
-    tail -20 "$MC/holder.log"; exit 1
+    echo "[mc_up] $name NOT REGISTERED after $(secs) (alive: $(alive "$name" && echo yes || echo no))"
+    tail -20 "$MC/$name.log"; return 1
   fi
-  echo "[mc_up] holder pid $(cat "$MC/holder.pid") mounted its segment ($cap bytes) on the master after $(secs)"
-fi
+  echo "[mc_up] $name pid $(cat "$MC/$name.pid") mounted its segment ($each bytes) after $(secs)"
+}
+for ((h = 0; h < HOLDERS; h++)); do
+  name=holder; [ "$h" -gt 0 ] && name=holder$h
+  start_holder "$name" $((HPORT + h)) || exit 1
+done
+echo "[mc_up] master capacity gauge $(capacity) bytes over $HOLDERS holder(s)"
 echo "[mc_up] config $MC/config.json: $(cat "$MC/config.json")"

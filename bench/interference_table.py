@@ -1,0 +1,109 @@
+"""The summary table of bench_gpu_interference.py: per mode, and the ratios the issues ask for."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+__all__ = ["derive"]
+
+
+def _reference(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The recompute's output: the ours writer's (a fresh process computing every prompt)."""
+    for w in ("ours", "intree"):
+        tokens = report["writers"].get(w, {}).get("write", {}).get("tokens")
+        if tokens:
+            return tokens
+    return None
+
+
+def derive(report: dict[str, Any]) -> dict[str, Any]:
+    runs, ref = report["runs"], _reference(report)
+    hbm = runs.get("none", {}).get("measure")
+    hbm = hbm if hbm and "error" not in hbm else None
+    table: dict[str, Any] = {}
+    for mode, r in runs.items():
+        m = r.get("measure")
+        if not m or "error" in m:
+            continue
+        a, d = m["alone"], m["during_load"]
+        row: dict[str, Any] = {
+            "alone_ms": [a["p50"] * 1e3, a["p99"] * 1e3, a["max"] * 1e3],
+            "during_ms": [d["p50"] * 1e3, d["p99"] * 1e3, d["max"] * 1e3] if d["n"] else None,
+            "p99_ratio": d["p99"] / a["p99"] if d["n"] else None, "during_n": d["n"],
+            "load_ttft_ms": m["load"]["ttft_s"] * 1e3, "load_cached": m["load"]["cached"],
+            "load_tokens_equal_recompute": (m["load"]["tokens"] == ref["load"]) if ref else None}
+        for n, reps in m["hits"].items():
+            row[f"hit{n}_ttft_ms"] = [x["ttft_s"] * 1e3 for x in reps]
+            row[f"hit{n}_cached"] = [x["cached"] for x in reps]
+            if ref:
+                row[f"hit{n}_tokens_equal_recompute"] = [x["tokens"] == y
+                                                         for x, y in zip(reps, ref["hits"][n])]
+            if hbm:  # the same prompt recomputed, then an in-HBM prefix hit: the same compute path
+                row[f"hit{n}_tokens_equal_inhbm_hit"] = [x["tokens"] == y["again_tokens"]
+                                                         for x, y in zip(reps, hbm["hits"][n])]
+        _serving_columns(row, r)
+        table[mode] = row
+    _serving_ratios(table)
+    toks = [report["writers"].get(w, {}).get("write", {}).get("tokens") for w in ("ours", "intree")]
+    if all(toks):
+        table["writers_tokens_agree"] = toks[0] == toks[1]
+    if "ours" in table and "ours-sync" in table:
+        table["ours_over_sync_hit_ttft"] = {
+            n: sum(table["ours"][f"hit{n}_ttft_ms"]) / sum(table["ours-sync"][f"hit{n}_ttft_ms"])
+            for n in runs["ours"]["measure"]["hits"]}
+    return table
+
+
+def _serving_columns(row: dict[str, Any], run: dict[str, Any]) -> None:
+    """Mixed serving and miss TTFT (ms, medians over each length's prompts)."""
+    mixed, misses = run.get("mixed"), run.get("misses")
+    if mixed and "error" not in mixed:
+        row["mixed"] = {"throughput_tok_s": mixed["throughput_tok_s"],
+                        "ttft_p50_ms": mixed["ttft_p50_s"] * 1e3,
+                        "ttft_p99_ms": mixed["ttft_p99_s"] * 1e3,
+                        "itl_p99_ms": mixed["itl_p99_s"] * 1e3}
+    if misses and "error" not in misses:
+        row["miss_ttft_ms"] = {n: statistics.median(m["ttft_s"]) * 1e3
+                               for n, m in misses.items() if n != "connector"}
+        counters = misses.get("connector") or {}
+        row["copy_fences"] = [counters.get("worker_copy_fences"),
+                              counters.get("worker_copy_fences_waited")]
+
+
+def _pool_ratios(table: dict[str, Any]) -> None:
+    """Issue 24: each ours mode's pool hit TTFT / min(recompute, in-tree hit) per length, and
+    its mixed serving against no connector."""
+    none, intree = table.get("none", {}), table.get("intree", {})
+    for mode, row in list(table.items()):
+        if not (isinstance(row, dict) and mode.startswith("ours")):
+            continue
+        ratios: dict[str, Any] = {}
+        for key in (k for k in row if k.startswith("hit") and k.endswith("_ttft_ms")):
+            bars = [sum(r[key]) for r in (none, intree) if key in r]
+            if bars:
+                ratios[key.removesuffix("_ttft_ms")] = round(sum(row[key]) / min(bars), 3)
+        if "mixed" in row and "mixed" in none:
+            ratios["mixed_throughput_vs_none"] = round(
+                row["mixed"]["throughput_tok_s"] / none["mixed"]["throughput_tok_s"], 3)
+            ratios["mixed_ttft_p99_vs_none"] = round(
+                row["mixed"]["ttft_p99_ms"] / none["mixed"]["ttft_p99_ms"], 3)
+        table.setdefault("pool_ratios", {})[mode] = ratios
+
+
+def _serving_ratios(table: dict[str, Any]) -> None:
+    """Issue 12's targets 3 and 4: ours vs in-tree (mixed), ours vs no connector (misses)."""
+    _pool_ratios(table)
+    ours, intree, none = table.get("ours", {}), table.get("intree", {}), table.get("none", {})
+    if "mixed" in ours and "mixed" in intree:
+        o, t = ours["mixed"], intree["mixed"]
+        table["mixed_ours_over_intree"] = {"throughput": o["throughput_tok_s"] / t["throughput_tok_s"],
+                                           "ttft_p99": o["ttft_p99_ms"] / t["ttft_p99_ms"]}
+    if "miss_ttft_ms" in none:
+        table["miss_overhead"] = {
+            mode: {n: row["miss_ttft_ms"][n] / none["miss_ttft_ms"][n] - 1
+                   for n in none["miss_ttft_ms"] if n in row.get("miss_ttft_ms", {})}
+            for mode, row in table.items() if isinstance(row, dict) and "miss_ttft_ms" in row
+            and mode != "none"}
+
+
