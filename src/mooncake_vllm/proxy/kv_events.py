@@ -22,12 +22,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EventSubscriber", "decode_batch"]
+__all__ = ["EventSubscriber", "decode_batch", "vllm_args"]
 
 log = logging.getLogger(__name__)
 
 #: ``on_batch(topic, seq, events)``; events as msgpack decodes vLLM's tagged structs (dicts)
 BatchHandler = Callable[[str, int, list[Any]], None]
+
+
+def vllm_args(endpoint: str, instance: str) -> tuple[str, ...]:
+    """The ``vllm serve`` flags that make the instance at ``instance`` (``host:port``, as the
+    proxy names it) publish to the proxy's ``endpoint`` and report cached prompt tokens."""
+    import json
+
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": instance}
+    return ("--kv-events-config", json.dumps(cfg), "--enable-prompt-tokens-details")
 
 
 def decode_batch(payload: bytes) -> list[Any]:

@@ -63,6 +63,10 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def count(self, bit: int) -> int:
+        """Blocks held in medium ``bit`` (LOCAL or POOL)."""
+        return sum(1 for bits in self._blocks.values() if bits & bit)
+
     def drop(self, reason: str) -> None:
         """Forget everything (the reason is counted)."""
         self._blocks.clear()
