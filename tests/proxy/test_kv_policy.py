@@ -143,3 +143,41 @@ def test_store_flow_picks_the_prefill_that_holds_the_prompt() -> None:
                 pub.close()
 
     run(go)
+
+
+def test_batches_the_live_stream_lost_come_from_the_replay_socket() -> None:
+    """vLLM's own publisher, started before the proxy: its first batch is lost on the live
+    stream (no SUB yet, then the slow joiner) and comes through its replay socket instead."""
+    async def go() -> None:
+        endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        async with stubs(2) as ups:
+            pub = kv_events.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, topic=ups[1].address)
+            try:
+                pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored(DOC)]))
+                await asyncio.sleep(0.3)  # sent (and dropped: nobody subscribed) before the proxy starts
+                async with proxy([], ups, flow="kv_both", scheduling="kv_aware", kv_events=endpoint,
+                                 kv_replay=[f"{ups[1].address}={replay}"]) as (server, base, client):
+                    await wait_for(lambda: len(server.kv.indexes.get(ups[1].address, ())) >= 10)
+                    # live batches from here on continue the replayed sequence: no drop
+                    pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored("x " + DOC)]))
+                    await wait_for(lambda: server.kv.indexes[ups[1].address].last_seq == 1)
+                    for _ in range(2):
+                        await _complete(client, base, DOC + " question")
+                    assert [len(u.received) for u in ups] == [0, 2]
+                    async with client.get(base + "/metrics") as r:
+                        text = await r.text()
+                    assert _metric(text, 'mooncake_proxy_kv_aware_replays_total{outcome="ok"}') >= 1
+                    assert _metric(text, "mooncake_proxy_kv_aware_index_drops_total") == 0
+            finally:
+                pub.shutdown()
+
+    run(go)
+
+
+def test_kv_replay_items_are_checked() -> None:
+    from mooncake_vllm.errors import ConfigError
+    from mooncake_vllm.proxy.kv_policy import parse_replay
+
+    assert parse_replay(["localhost:8100=tcp://127.0.0.1:5600"]) == {"localhost:8100": "tcp://127.0.0.1:5600"}
+    with pytest.raises(ConfigError, match="--kv-replay.*127.0.0.1:8100=: the endpoint"):
+        parse_replay(["127.0.0.1:8100"])

@@ -1,5 +1,10 @@
 """kv_aware over REAL vLLM CPU instances (kv_both, our connector, a real pool) publishing real
-KV events: a repeated document goes to the instance that holds it, which reports the hit."""
+KV events: a repeated document goes to the instance that holds it, which reports the hit.
+
+The instances start before the proxy binds its SUB socket (as after a proxy restart): the
+first request's batch is published before the instance's PUB has reconnected and learnt the
+subscription, so the live stream drops it (the ZMQ slow joiner), and vLLM publishes nothing
+more until its next step. Only the replay socket (``--kv-replay``) brings it."""
 
 from __future__ import annotations
 
@@ -38,8 +43,11 @@ def pair(tiny_model: Path, module_local_stack: LocalStack, events_endpoint: str,
 
     def start(name: str) -> ManagedProcess:
         port = free_port()
-        return start_vllm_server(tiny_model, port, wd, kv_transfer_config("kv_both"), env, name=name,
-                                 extra_args=vllm_args(events_endpoint, f"127.0.0.1:{port}"), timeout=900)
+        replay = f"tcp://127.0.0.1:{free_port()}"
+        proc = start_vllm_server(tiny_model, port, wd, kv_transfer_config("kv_both"), env, name=name,
+                                 extra_args=vllm_args(events_endpoint, f"127.0.0.1:{port}", replay), timeout=900)
+        proc.replay = replay  # type: ignore[attr-defined]
+        return proc
 
     with ThreadPoolExecutor(2) as ex:
         futures = [ex.submit(start, f"kv{i}") for i in range(2)]
@@ -62,7 +70,8 @@ def test_a_repeated_document_goes_to_the_instance_that_holds_it(tiny_model: Path
                                                                 events_endpoint: str) -> None:
     async def go() -> None:
         async with proxy([], [str(p.address) for p in pair], model=str(tiny_model), flow="kv_both",
-                         scheduling="kv_aware", kv_events=events_endpoint, **HEALTH) as (server, base, client):
+                         scheduling="kv_aware", kv_events=events_endpoint,
+                         kv_replay=[f"{p.address}={p.replay}" for p in pair], **HEALTH) as (server, base, client):
             kv = server.kv
             assert kv is not None and kv.hashers and not kv.disabled
 

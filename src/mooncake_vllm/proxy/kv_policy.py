@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from mooncake_vllm.proxy.instances import Instance
-from mooncake_vllm.proxy.kv_events import EventSubscriber
+from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.proxy.instances import Instance, parse_endpoint
+from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient
 from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
 from mooncake_vllm.proxy.kv_index import LOCAL, POOL, BlockIndex, CostWeights, choose
 from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey
@@ -36,7 +37,7 @@ from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey
 if TYPE_CHECKING:
     from mooncake_vllm.proxy.server import ProxyServer
 
-__all__ = ["KvRouter", "PromptKey", "attach", "prompt_key", "start"]
+__all__ = ["KvRouter", "PromptKey", "attach", "parse_replay", "prompt_key", "start"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class PromptKey:
 class KvRouter:
     """The shared state of both kinds' ``kv_aware`` policies: indexes, hasher, counters."""
 
-    def __init__(self, endpoint: str, weights: CostWeights = CostWeights(), capacity: int = 1 << 17) -> None:
+    def __init__(self, endpoint: str, weights: CostWeights = CostWeights(), capacity: int = 1 << 17,
+                 replay: dict[str, str] | None = None, sync_interval: float = 0.5) -> None:
         self.weights = weights
         self.capacity = capacity
         self._lock = threading.Lock()
@@ -74,24 +76,106 @@ class KvRouter:
         self._logged: set[str] = set()
         self._samples: deque[dict[str, Any]] = deque(maxlen=8)  # first blocks of prompts, for _detect
         self.subscriber = EventSubscriber(endpoint, self.on_batch, on_lost=self._on_lost)
+        self.replay = dict(replay or {})  # topic (instance key) -> its replay endpoint
+        self.sync_interval = sync_interval
+        self._live_last: dict[str, int] = {}  # last seq the live stream gave, per topic
+        self._pending: dict[str, list[tuple[int, list[Any]]]] = {}  # live batches past a gap, until replayed
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._replayer: threading.Thread | None = None
 
-    # ---- events (subscriber thread) ------------------------------------------------
+    # ---- events (subscriber and replay threads) ------------------------------------
 
     def on_batch(self, topic: str, seq: int, events: list[Any]) -> None:
+        """One live batch. Past a gap (or a stream first heard after its start) it waits
+        for the replay of what is missing when the instance has a replay socket."""
         with self._lock:
             self.lost = ""
+            idx = self._index(topic)
+            live_last, self._live_last[topic] = self._live_last.get(topic), seq
+            last = idx.last_seq
+            if last is not None and seq <= last and (live_last is None or seq > live_last):
+                return  # the replay gave it already
+            if topic in self.replay and (seq > last + 1 if last is not None else seq > 0):
+                pending = self._pending.setdefault(topic, [])
+                if len(pending) < 1024:  # bounded; beyond that the gap drops the index as without replay
+                    pending.append((seq, events))
+                    self._wake.set()
+                    self._sample(events)
+                    return
+            self._apply(topic, idx, seq, events)
+
+    def _index(self, topic: str) -> BlockIndex:
+        idx = self.indexes.get(topic)
+        if idx is None:
+            idx = self.indexes[topic] = BlockIndex(self.capacity)
+        return idx
+
+    def _apply(self, topic: str, idx: BlockIndex, seq: int, events: list[Any]) -> None:
+        dropped = idx.apply(seq, events)
+        if dropped:
+            self.counters[("index_drops", dropped)] += 1
+        self._sample(events)
+
+    def _sample(self, events: list[Any]) -> None:
+        """Keep first blocks until the hash algorithm is detected (caller holds the lock)."""
+        if self.hasher is None and not self.disabled:
+            for ev in events:
+                if isinstance(ev, dict) and ev.get("type") == "BlockStored" and ev.get("parent_block_hash") is None:
+                    self._samples.append(ev)  # bounded: kept until the hashers are known
+                    if self.hashers:
+                        self._detect(ev)
+
+    def catch_up(self, topic: str, client: ReplayClient) -> bool:
+        """Fetch what ``topic``'s index misses from its replay socket, then apply the live
+        batches that waited for it; False when the replay did not answer (counted)."""
+        with self._lock:
             idx = self.indexes.get(topic)
-            if idx is None:
-                idx = self.indexes[topic] = BlockIndex(self.capacity)
-            dropped = idx.apply(seq, events)
-            if dropped:
-                self.counters[("index_drops", dropped)] += 1
-            if self.hasher is None and not self.disabled:
-                for ev in events:
-                    if isinstance(ev, dict) and ev.get("type") == "BlockStored" and ev.get("parent_block_hash") is None:
-                        self._samples.append(ev)  # bounded: kept until the hashers are known
-                        if self.hashers:
-                            self._detect(ev)
+            start = idx.last_seq + 1 if idx is not None and idx.last_seq is not None else 0
+        got = client.fetch(start)
+        with self._lock:
+            idx = self._index(topic)
+            if got is None:
+                self.counters[("replays", "failed")] += 1
+            else:
+                self.counters[("replays", "ok")] += 1
+                self.counters[("replayed_batches",)] += len(got)
+            for seq, events in [*(got or ()), *self._pending.pop(topic, ())]:
+                if idx.last_seq is None or seq > idx.last_seq:
+                    self._apply(topic, idx, seq, events)
+        if got is None:
+            self._log_once(f"replay:{topic}", "kv_aware: the replay socket %s of %s did not answer in %.1f s; "
+                           "batches its stream lost stay lost (counted in index drops)",
+                           client.endpoint, topic, client.timeout)
+        return got is not None
+
+    def _replay_loop(self) -> None:
+        clients = {topic: ReplayClient(ep) for topic, ep in self.replay.items()}
+        try:
+            while not self._stop.is_set():
+                for topic, client in clients.items():
+                    if self._stop.is_set():
+                        break
+                    self.catch_up(topic, client)
+                self._wake.wait(self.sync_interval)
+                self._wake.clear()
+        finally:
+            for client in clients.values():
+                client.close()
+
+    def start(self) -> None:
+        """Start the subscriber and, for instances with a replay socket, the catch-up thread."""
+        self.subscriber.start()
+        if self.replay:
+            self._replayer = threading.Thread(target=self._replay_loop, name="kv-replay", daemon=True)
+            self._replayer.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.subscriber.stop(timeout)
+        if self._replayer is not None:
+            self._replayer.join(timeout)
 
     def _detect(self, event: dict[str, Any]) -> None:
         if self.hasher is not None or self.disabled:
@@ -140,9 +224,12 @@ class KvRouter:
         if gone:
             with self._lock:
                 for key in gone:
-                    if (idx := self.indexes.get(key)) is not None and len(idx):
-                        idx.drop("left_rotation")
-                        self.counters[("index_drops", "left_rotation")] += 1
+                    if (idx := self.indexes.get(key)) is not None:
+                        if len(idx):
+                            idx.drop("left_rotation")
+                            self.counters[("index_drops", "left_rotation")] += 1
+                        idx.last_seq = None  # a restarted instance counts from 0 again
+                        self._live_last.pop(key, None)
 
     def fallback_reason(self, key: RoutingKey) -> str:
         """Why ``key`` cannot be routed by prediction ("" if it can)."""
@@ -214,6 +301,7 @@ _LABELS: dict[str, tuple[str, ...]] = {
     "index_drops": ("reason",), "fallbacks": ("kind", "reason"), "decisions": ("kind", "outcome"),
     "predicted_local_tokens": ("kind",), "predicted_pool_tokens": ("kind",), "prompt_tokens": ("kind",),
     "got_cached_tokens": ("kind",), "observed_predicted_tokens": ("kind",), "observed": ("kind",),
+    "replays": ("outcome",),
 }
 
 
@@ -278,8 +366,33 @@ async def start(server: ProxyServer) -> None:
     """Start the event subscriber and learn the instances' release (says at start when
     their hashes cannot be predicted)."""
     assert server.kv is not None
-    server.kv.subscriber.start()
+    server.kv.start()
     await _resolve_version(server, server.kv)
+
+
+_REPLAY_FIX = ("give each as HOST:PORT=tcp://HOST:PORT (the instance as the proxy names it = the "
+               "replay_endpoint in its --kv-events-config), e.g. 127.0.0.1:8100=tcp://127.0.0.1:5600")
+
+
+def parse_replay(value: dict[str, str] | Sequence[str]) -> dict[str, str]:
+    """``--kv-replay`` (``HOST:PORT=ENDPOINT`` items, or a mapping) keyed by canonical instance
+    key; one ``ConfigError`` naming the field and every bad item."""
+    items = list(value.items()) if isinstance(value, dict) else [tuple(v.split("=", 1)) if "=" in v else (v, "")
+                                                                  for v in value]
+    out: dict[str, str] = {}
+    problems: list[ConfigProblem] = []
+    for inst, ep in items:
+        if not str(ep).startswith(("tcp://", "ipc://")) or str(ep).endswith(":"):
+            problems.append(ConfigProblem("--kv-replay", f"{inst}={ep}: the endpoint is not tcp://HOST:PORT or "
+                                          "ipc://PATH", _REPLAY_FIX))
+            continue
+        try:
+            out[parse_endpoint(str(inst), field_name="--kv-replay").key] = str(ep)
+        except ConfigError as exc:
+            problems += [ConfigProblem("--kv-replay", f"{inst}={ep}: {p.problem}", _REPLAY_FIX) for p in exc.problems]
+    if problems:
+        raise ConfigError("--kv-replay", problems)
+    return out
 
 
 def attach(server: ProxyServer) -> KvRouter | None:
@@ -287,7 +400,7 @@ def attach(server: ProxyServer) -> KvRouter | None:
     policies = [p for p in server.policies.values() if isinstance(p, KvAwarePolicy)]
     if not policies:
         return None
-    router = KvRouter(server.config.kv_events)
+    router = KvRouter(server.config.kv_events, replay=dict(server.config.kv_replay))
     for kind, p in server.policies.items():
         if isinstance(p, KvAwarePolicy):
             p.router, p.kind = router, kind

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -73,6 +73,7 @@ class ProxyConfig:
     max_connections: int = 4096  # open client connections (always kept below the descriptor limit)
     kv_events: str = "tcp://127.0.0.1:5557"  # kv_aware: the SUB socket the instances publish KV events to
     kv_tokenize_timeout: float = 2.0  # kv_aware: one instance /tokenize (and /version) call
+    kv_replay: dict[str, str] | list[str] = field(default_factory=dict)  # kv_aware: host:port -> replay socket
 
 
 class ProxyError(Exception):
@@ -111,6 +112,8 @@ class ProxyServer:
         self.metrics = ProxyMetrics()
         self.policies = {k: make_policy(config.scheduling) for k in ("prefill", "decode")}
         self._use_prefix = config.scheduling in ("prefix", "kv_aware")
+        if config.kv_replay:
+            self.config = config = replace(config, kv_replay=kv_policy.parse_replay(config.kv_replay))
         self.kv = kv_policy.attach(self)
         if config.flow not in flows.FLOWS:
             raise ConfigError("--flow", [ConfigProblem("--flow", f"{config.flow!r} is not a flow",
@@ -162,7 +165,7 @@ class ProxyServer:
 
     async def _on_cleanup(self, _app: web.Application) -> None:
         if self.kv is not None:
-            self.kv.subscriber.stop()
+            self.kv.stop()
         if self._health_task is not None:
             self._health_task.cancel()
             try:
