@@ -71,9 +71,12 @@ def _fleet(p: dict[str, Any], work: Path, endpoint: str, stack: LocalStack | Non
 
     def start(i: int) -> ManagedProcess:
         port = free_port()
-        extra = (*vllm_args(endpoint, f"127.0.0.1:{port}"), "--max-model-len", str(p["max_model_len"]),
+        replay = f"tcp://127.0.0.1:{free_port()}"
+        extra = (*vllm_args(endpoint, f"127.0.0.1:{port}", replay), "--max-model-len", str(p["max_model_len"]),
                  f"--kv-cache-memory-bytes={p['kv_bytes']}")
-        return start_vllm_server(model, port, work, cfg, env, name=f"{tag}{i}", extra_args=extra, timeout=1200)
+        proc = start_vllm_server(model, port, work, cfg, env, name=f"{tag}{i}", extra_args=extra, timeout=1200)
+        proc.replay = replay  # type: ignore[attr-defined]
+        return proc
 
     with ThreadPoolExecutor(p["instances"]) as ex:
         return list(ex.map(start, range(p["instances"])))
@@ -123,6 +126,7 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
                       convs: list[dict[str, Any]], p: dict[str, Any]) -> dict[str, Any]:
     server = ProxyServer(ProxyConfig(model=model, decode=[str(f.address) for f in fleet], port=0, flow="kv_both",
                                      scheduling=policy, kv_events=endpoint, health_interval=2.0,
+                                     kv_replay=[f"{f.address}={f.replay}" for f in fleet],
                                      health_timeout=10.0))
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
