@@ -40,11 +40,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--scheduling", choices=sorted(POLICIES), default="round_robin",
                         help="instance selection policy (default round_robin)")
-    parser.add_argument("--flow", choices=("store", "p2p"), default="store",
+    parser.add_argument("--flow", choices=("store", "p2p", "kv_both"), default="store",
                         help="store: KV through the Mooncake pool (MooncakeStoreConnector; the "
                              "decode waits for the blocks the prefill names, bounded by the "
                              "connectors' handoff_timeout); "
-                             "p2p: vLLM V1 MultiConnector(MooncakeConnector + MooncakeStoreConnector)")
+                             "p2p: vLLM V1 MultiConnector(MooncakeConnector + MooncakeStoreConnector); "
+                             "kv_both: no prefill step, each request to one kv_both instance (--decode)")
+    parser.add_argument("--kv-events", default="tcp://127.0.0.1:5557", metavar="tcp://HOST:PORT",
+                        help="kv_aware: the proxy binds a ZMQ SUB socket here; start each instance with "
+                             "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                             "\"endpoint\": \"<this>\", \"topic\": \"<its host:port>\"}' and "
+                             "--enable-prompt-tokens-details (for the hit counters)")
+    parser.add_argument("--kv-replay", action="append", default=[], metavar="HOST:PORT=tcp://HOST:PORT",
+                        help="kv_aware: an instance's replay socket (\"replay_endpoint\" in its "
+                             "--kv-events-config, bound by vLLM); the proxy fetches from it what the live "
+                             "stream lost (its first batches, gaps). Repeat per instance")
     parser.add_argument("--target-vllm", metavar="X.Y.Z", default=None,
                         help="vLLM version of the instances for --flow p2p (default: ask GET /version)")
     parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
@@ -94,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
             scheduling=args.scheduling, flow=args.flow, target_vllm=args.target_vllm,
             health_interval=args.health_interval, health_failures=args.health_failures,
             drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
-            max_body_bytes=args.max_body_mb << 20))
+            max_body_bytes=args.max_body_mb << 20, kv_events=args.kv_events,
+            kv_replay=args.kv_replay))
     except (ConfigError, UnsupportedVersionError) as exc:
         print(f"mooncake-vllm proxy: {exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,8 @@
   blocks are committed instead of racing the prefill's saves
   (:mod:`mooncake_vllm.v1.handoff`). An answer without an offer (V0, another
   connector) leaves the decode request as the client sent it.
+* ``kv_both``: no separate prefill: each request goes to one ``kv_both`` instance
+  (listed as ``--decode``) that prefills from its own cache or the pool and decodes.
 * ``p2p``: vLLM V1 ``MultiConnector(MooncakeConnector + MooncakeStoreConnector)``.
   The in-tree P2P ``MooncakeConnector`` needs ``kv_transfer_params``:
 
@@ -50,7 +52,7 @@ __all__ = [
     "prefill_body",
 ]
 
-FLOWS: tuple[str, str] = ("store", "p2p")
+FLOWS: tuple[str, ...] = ("store", "p2p", "kv_both")
 P2P_MODES: tuple[str, str] = ("handoff", "bootstrap")
 
 

@@ -5,18 +5,28 @@ from __future__ import annotations
 import abc
 import hashlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.proxy.instances import Instance
 
+if TYPE_CHECKING:
+    from mooncake_vllm.proxy.kv_policy import KvRouter
+
 __all__ = [
     "POLICIES",
+    "KvAwarePolicy",
     "LeastLoadedPolicy",
     "PrefixAwarePolicy",
     "RoundRobinPolicy",
+    "RoutingKey",
     "SchedulingPolicy",
     "make_policy",
 ]
+
+#: what a policy routes by: the prompt's first bytes, or (``kv_aware``) a
+#: ``kv_policy.PromptKey`` that also carries them as ``.prefix``
+RoutingKey: TypeAlias = Any
 
 
 class SchedulingPolicy(abc.ABC):
@@ -29,7 +39,7 @@ class SchedulingPolicy(abc.ABC):
     name: str = ""
 
     @abc.abstractmethod
-    def select(self, candidates: Sequence[Instance], prefix: bytes) -> Instance:
+    def select(self, candidates: Sequence[Instance], prefix: RoutingKey) -> Instance:
         """Return one of ``candidates`` (never empty)."""
 
 
@@ -92,9 +102,39 @@ class PrefixAwarePolicy(SchedulingPolicy):
         return best if best.in_flight <= least.in_flight + self.slack else least
 
 
+class KvAwarePolicy(SchedulingPolicy):
+    """Cheapest expected prefill (own-cache hit first, a pool hit anywhere) weighed
+    against load, from the instances' KV events (:mod:`.kv_policy`); routes like
+    ``prefix`` whenever it cannot predict, and counts why."""
+
+    name = "kv_aware"
+
+    def __init__(self, router: KvRouter | None = None, kind: str = "decode") -> None:
+        self.router = router
+        self.kind = kind
+        self._fallback = PrefixAwarePolicy()
+        self._n = 0
+
+    def select(self, candidates: Sequence[Instance], prefix: RoutingKey) -> Instance:
+        self._n += 1
+        raw = getattr(prefix, "prefix", prefix)
+        router = self.router
+        if router is None:
+            return self._fallback.select(candidates, raw)
+        router.sync(self.kind, candidates)
+        reason = router.fallback_reason(prefix)
+        if not reason:
+            pick = router.decide(self.kind, candidates, prefix, self._n % len(candidates))
+            if pick is not None:
+                return pick
+            reason = "no_events"
+        router.counters[("fallbacks", self.kind, reason)] += 1
+        return self._fallback.select(candidates, raw)
+
+
 #: policy name -> class, for the ``--scheduling`` choices
 POLICIES: dict[str, type[SchedulingPolicy]] = {
-    p.name: p for p in (RoundRobinPolicy, LeastLoadedPolicy, PrefixAwarePolicy)
+    p.name: p for p in (RoundRobinPolicy, LeastLoadedPolicy, PrefixAwarePolicy, KvAwarePolicy)
 }
 
 

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -30,7 +30,7 @@ from mooncake_vllm.httpsafe import (
     read_body,
     redact,
 )
-from mooncake_vllm.proxy import admin, flows
+from mooncake_vllm.proxy import admin, flows, kv_policy
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.scheduling import make_policy
@@ -70,6 +70,9 @@ class ProxyConfig:
     body_timeout: float = 60.0  # ... and its body within this (408 otherwise)
     idle_timeout: float = 60.0  # idle keep-alive client connections close after this
     max_connections: int = 4096  # open client connections (always kept below the descriptor limit)
+    kv_events: str = "tcp://127.0.0.1:5557"  # kv_aware: the SUB socket the instances publish KV events to
+    kv_tokenize_timeout: float = 2.0  # kv_aware: one instance /tokenize (and /version) call
+    kv_replay: dict[str, str] | list[str] = field(default_factory=dict)  # kv_aware: host:port -> replay socket
 
 
 def _answer(err: ProxyError) -> web.Response:
@@ -96,7 +99,10 @@ class ProxyServer:
         self.pool = InstancePool()
         self.metrics = ProxyMetrics()
         self.policies = {k: make_policy(config.scheduling) for k in ("prefill", "decode")}
-        self._use_prefix = config.scheduling == "prefix"
+        self._use_prefix = config.scheduling in ("prefix", "kv_aware")
+        if config.kv_replay:
+            self.config = config = replace(config, kv_replay=kv_policy.parse_replay(config.kv_replay))
+        self.kv = kv_policy.attach(self)
         if config.flow not in flows.FLOWS:
             raise ConfigError("--flow", [ConfigProblem("--flow", f"{config.flow!r} is not a flow",
                                                        f"use one of {', '.join(flows.FLOWS)}")])
@@ -142,8 +148,12 @@ class ProxyServer:
                                              cookie_jar=aiohttp.DummyCookieJar())
         await admin.check_all(self)  # the first round before serving: no 503 at start-up
         self._health_task = asyncio.create_task(admin.health_loop(self))
+        if self.kv is not None:
+            await kv_policy.start(self)
 
     async def _on_cleanup(self, _app: web.Application) -> None:
+        if self.kv is not None:
+            self.kv.stop()
         if self._health_task is not None:
             self._health_task.cancel()
             try:
@@ -294,6 +304,23 @@ class ProxyServer:
                 inst.release()
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def _prefill_step(self, request: web.Request, route: str, raw: bytes, body: dict[str, Any],
+                            headers: dict[str, str], prefix: Any) -> bytes:
+        """Run the prefill and build the decode request's body from its answer."""
+        transfer_id = flows.new_transfer_id()
+        prefill, pre_json, dp_rank = await self._post_prefill(route, body, headers, prefix, transfer_id,
+                                                              self.secrets(request))
+        if self.kv is not None:
+            self.kv.observe("prefill", prefix, pre_json)
+        try:
+            plan = flows.plan_decode(self.config.flow, self.p2p_mode or "", prefill, transfer_id,
+                                     pre_json, dp_rank)
+        except ValueError as exc:
+            self.metrics.error("prefill", "bad_params")
+            raise ProxyError(502, str(exc), reason="bad_params") from None
+        return raw if plan.decode_params is None else json.dumps(
+            {**body, "kv_transfer_params": plan.decode_params}).encode()
+
     async def _relay_decode(self, request: web.Request, route: str, data: bytes, headers: dict[str, str],
                             prefix: bytes, stream: bool, t0: float) -> tuple[web.StreamResponse, int]:
         """Send the decode request and relay its answer (streamed or whole); also the status to record."""
@@ -309,6 +336,8 @@ class ProxyServer:
                     if not stream:
                         raw = await self._read_upstream(inst, up, self.config.max_upstream_bytes)
                         self.metrics.observe_ttfb(route, time.perf_counter() - t0)
+                        if self.kv is not None:
+                            self.kv.observe("decode", prefix, flows.parse_prefill_answer("store", "", raw))
                         return web.Response(body=raw, status=up.status, content_type=up.content_type or None), up.status
                     return await self._stream(request, inst, up, route, t0)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -388,19 +417,12 @@ class ProxyServer:
                                  "GET /version); pass --target-vllm X.Y.Z or wait for an instance",
                                  "service_unavailable", reason="version_unknown")
             prefix = _prefix_of(body) if self._use_prefix else b""
+            if self.kv is not None:
+                prefix = await kv_policy.prompt_key(self, body, route, prefix)
             request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
             headers = self._headers(request, request_id)
-            transfer_id = flows.new_transfer_id()
-            prefill, pre_json, dp_rank = await self._post_prefill(route, body, headers, prefix, transfer_id,
-                                                                  self.secrets(request))
-            try:
-                plan = flows.plan_decode(self.config.flow, self.p2p_mode or "", prefill, transfer_id,
-                                         pre_json, dp_rank)
-            except ValueError as exc:
-                self.metrics.error("prefill", "bad_params")
-                raise ProxyError(502, str(exc), reason="bad_params") from None
-            data = raw if plan.decode_params is None else json.dumps(
-                {**body, "kv_transfer_params": plan.decode_params}).encode()
+            data = raw if self.config.flow == "kv_both" else await self._prefill_step(
+                request, route, raw, body, headers, prefix)
             resp, status = await self._relay_decode(request, route, data, headers, prefix,
                                                     bool(body.get("stream")), t0)
             return resp
@@ -430,11 +452,13 @@ class ProxyServer:
             return _answer(ProxyError(502, f"{kind} instance failed to list models: {detail}"))
 
     async def handle_metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(self.pool), content_type="text/plain",
+        text = self.metrics.render(self.pool) + (self.kv.render() if self.kv is not None else "")
+        return web.Response(text=text, content_type="text/plain",
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def handle_health(self, _request: web.Request) -> web.Response:
-        problems = [self.pool.unavailable_reason(k) for k in ("prefill", "decode") if not self.pool.available(k)]
+        kinds = ("decode",) if self.config.flow == "kv_both" else ("prefill", "decode")
+        problems = [self.pool.unavailable_reason(k) for k in kinds if not self.pool.available(k)]
         if problems:
             return web.json_response({"status": "unhealthy", "reasons": problems}, status=503)
         return web.json_response({"status": "ok"})

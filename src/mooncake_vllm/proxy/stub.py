@@ -1,6 +1,7 @@
 """A tiny OpenAI-compatible upstream for the proxy's tests and benchmark (not a vLLM).
 
-It serves ``/v1/models``, ``/health``, ``/version``, the two completion routes
+It serves ``/v1/models``, ``/health``, ``/version``, ``/tokenize`` (one token per
+whitespace-separated word, :meth:`StubUpstream.tokenize`), the two completion routes
 (JSON or SSE, ``tokens`` chunks ``delay`` seconds apart) and a P2P bootstrap
 ``/query``, on a real loopback socket, and can be told to fail: answer 500, or
 cut the connection after ``die_after`` stream chunks.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +50,7 @@ class StubUpstream:
         app.router.add_get("/health", self._health)
         app.router.add_get("/version", self._version)
         app.router.add_get("/query", self._query)
+        app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         return app
@@ -75,6 +78,17 @@ class StubUpstream:
 
     async def _version(self, _r: web.Request) -> web.Response:
         return web.json_response({"version": self.version})
+
+    @staticmethod
+    def tokenize(text: str) -> list[int]:
+        """The stub's tokenizer: one id per whitespace-separated word."""
+        return [zlib.crc32(w.encode()) % 50000 for w in text.split()]
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        text = body.get("prompt") or json.dumps(body.get("messages"))
+        tokens = self.tokenize(text)
+        return web.json_response({"count": len(tokens), "max_model_len": 2048, "tokens": tokens})
 
     async def _query(self, _r: web.Request) -> web.Response:
         if self.engine_id is None:

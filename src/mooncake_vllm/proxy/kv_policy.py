@@ -1,0 +1,407 @@
+"""``--scheduling kv_aware``: route each request to the instance where its prompt's KV is cheapest.
+
+Per request the proxy tokenizes the prompt with an instance's own ``POST /tokenize``
+(time-boxed; the instance's exact tokenizer and chat template, nothing to load or
+keep in step on the proxy), hashes its full blocks like vLLM (:mod:`.kv_hashes`),
+and asks every instance's index (:mod:`.kv_index`, fed by :mod:`.kv_events`) how
+long a prefix it holds in its own cache; the pool's (medium ``MOONCAKE``) counts
+the same for all. The cheapest expected prefill, weighed against requests in
+flight, wins. Without a usable prediction (no events yet, unpredictable hashes,
+tokenize failed, the stream lost) it routes like ``prefix`` and counts why.
+
+An instance that leaves rotation (unhealthy, removed through the admin API) loses
+its index: a restarted vLLM starts empty, and its sequence numbers restart too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.proxy.instances import Instance, parse_endpoint
+from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient
+from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
+from mooncake_vllm.proxy.kv_index import LOCAL, POOL, BlockIndex, CostWeights, choose
+from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey
+
+if TYPE_CHECKING:
+    from mooncake_vllm.proxy.server import ProxyServer
+
+__all__ = ["KvRouter", "PromptKey", "attach", "parse_replay", "prompt_key", "start"]
+
+log = logging.getLogger(__name__)
+
+#: request fields that change vLLM's block hashes (extra keys) or the tokens in ways we do not predict
+_UNPREDICTABLE = ("cache_salt", "multi_modal_data", "prompt_embeds", "mm_processor_kwargs")
+_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                "tools", "add_special_tokens")
+
+
+@dataclass(eq=False)
+class PromptKey:
+    """A routing key that knows the prompt's tokens (None: not predictable)."""
+
+    prefix: bytes
+    tokens: list[int] | None
+    hashes: dict[int, list[int]] = field(default_factory=dict)  # block size -> normalised hashes
+    predicted: dict[str, int] = field(default_factory=dict)  # instance kind -> predicted hit tokens
+
+
+class KvRouter:
+    """The shared state of both kinds' ``kv_aware`` policies: indexes, hasher, counters."""
+
+    def __init__(self, endpoint: str, weights: CostWeights = CostWeights(), capacity: int = 1 << 17,
+                 replay: dict[str, str] | None = None, sync_interval: float = 0.5) -> None:
+        self.weights = weights
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self.indexes: dict[str, BlockIndex] = {}
+        self.counters: dict[tuple[str, ...], int] = defaultdict(int)
+        self.hashers: list[PromptHasher] = []
+        self.hasher: PromptHasher | None = None
+        self.disabled = ""  # why predictions are off for good
+        self.lost = ""  # why the event stream is down (cleared by the next batch)
+        self.mean_prompt = 0.0
+        self._in_rotation: dict[str, set[str]] = {}
+        self._logged: set[str] = set()
+        self._samples: deque[dict[str, Any]] = deque(maxlen=8)  # first blocks of prompts, for _detect
+        self.subscriber = EventSubscriber(endpoint, self.on_batch, on_lost=self._on_lost)
+        self.replay = dict(replay or {})  # topic (instance key) -> its replay endpoint
+        self.sync_interval = sync_interval
+        self._live_last: dict[str, int] = {}  # last seq the live stream gave, per topic
+        self._pending: dict[str, list[tuple[int, list[Any]]]] = {}  # live batches past a gap, until replayed
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._replayer: threading.Thread | None = None
+
+    # ---- events (subscriber and replay threads) ------------------------------------
+
+    def on_batch(self, topic: str, seq: int, events: list[Any]) -> None:
+        """One live batch. Past a gap (or a stream first heard after its start) it waits
+        for the replay of what is missing when the instance has a replay socket."""
+        with self._lock:
+            self.lost = ""
+            idx = self._index(topic)
+            live_last, self._live_last[topic] = self._live_last.get(topic), seq
+            last = idx.last_seq
+            if last is not None and seq <= last and (live_last is None or seq > live_last):
+                return  # the replay gave it already
+            if topic in self.replay and (seq > last + 1 if last is not None else seq > 0):
+                pending = self._pending.setdefault(topic, [])
+                if len(pending) < 1024:  # bounded; beyond that the gap drops the index as without replay
+                    pending.append((seq, events))
+                    self._wake.set()
+                    self._sample(events)
+                    return
+            self._apply(topic, idx, seq, events)
+
+    def _index(self, topic: str) -> BlockIndex:
+        idx = self.indexes.get(topic)
+        if idx is None:
+            idx = self.indexes[topic] = BlockIndex(self.capacity)
+        return idx
+
+    def _apply(self, topic: str, idx: BlockIndex, seq: int, events: list[Any]) -> None:
+        dropped = idx.apply(seq, events)
+        if dropped:
+            self.counters[("index_drops", dropped)] += 1
+        self._sample(events)
+
+    def _sample(self, events: list[Any]) -> None:
+        """Keep first blocks until the hash algorithm is detected (caller holds the lock)."""
+        if self.hasher is None and not self.disabled:
+            for ev in events:
+                if isinstance(ev, dict) and ev.get("type") == "BlockStored" and ev.get("parent_block_hash") is None:
+                    self._samples.append(ev)  # bounded: kept until the hashers are known
+                    if self.hashers:
+                        self._detect(ev)
+
+    def catch_up(self, topic: str, client: ReplayClient) -> bool:
+        """Fetch what ``topic``'s index misses from its replay socket, then apply the live
+        batches that waited for it; False when the replay did not answer (counted)."""
+        with self._lock:
+            idx = self.indexes.get(topic)
+            start = idx.last_seq + 1 if idx is not None and idx.last_seq is not None else 0
+        got = client.fetch(start)
+        with self._lock:
+            idx = self._index(topic)
+            if got is None:
+                self.counters[("replays", "failed")] += 1
+            else:
+                self.counters[("replays", "ok")] += 1
+                self.counters[("replayed_batches",)] += len(got)
+            for seq, events in [*(got or ()), *self._pending.pop(topic, ())]:
+                if idx.last_seq is None or seq > idx.last_seq:
+                    self._apply(topic, idx, seq, events)
+        if got is None:
+            self._log_once(f"replay:{topic}", "kv_aware: the replay socket %s of %s did not answer in %.1f s; "
+                           "batches its stream lost stay lost (counted in index drops)",
+                           client.endpoint, topic, client.timeout)
+        return got is not None
+
+    def _replay_loop(self) -> None:
+        clients = {topic: ReplayClient(ep) for topic, ep in self.replay.items()}
+        try:
+            while not self._stop.is_set():
+                for topic, client in clients.items():
+                    if self._stop.is_set():
+                        break
+                    self.catch_up(topic, client)
+                self._wake.wait(self.sync_interval)
+                self._wake.clear()
+        finally:
+            for client in clients.values():
+                client.close()
+
+    def start(self) -> None:
+        """Start the subscriber and, for instances with a replay socket, the catch-up thread."""
+        self.subscriber.start()
+        if self.replay:
+            self._replayer = threading.Thread(target=self._replay_loop, name="kv-replay", daemon=True)
+            self._replayer.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.subscriber.stop(timeout)
+        if self._replayer is not None:
+            self._replayer.join(timeout)
+
+    def _detect(self, event: dict[str, Any]) -> None:
+        if self.hasher is not None or self.disabled:
+            return
+        found = detect(self.hashers, event)
+        if found is False:
+            self.disabled = ("no hash algorithm the facts table allows reproduces the instances' block "
+                             "hashes (another --prefix-caching-hash-algo or PYTHONHASHSEED than the proxy's?)")
+            self._log_once("hash", "kv_aware routes like prefix: %s", self.disabled)
+        elif found is not None:
+            self.hasher = found
+            log.info("kv_aware: instances hash blocks with %s", found.algorithm)
+
+    def _on_lost(self, why: str) -> None:
+        with self._lock:
+            self.lost = why
+            self.counters[("stream_lost",)] += 1
+        self._log_once("lost", "kv_aware routes like prefix until events flow again: %s", why)
+
+    def _log_once(self, what: str, fmt: str, *args: Any) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning(fmt, *args)
+
+    # ---- setup ---------------------------------------------------------------------
+
+    def configure(self, vllm_version: str, env: Any = None) -> None:
+        """Pick the candidate hashers for the instances' release (says why if none)."""
+        hashers, why = hasher_for(vllm_version, os.environ if env is None else env)
+        with self._lock:
+            self.hashers = hashers
+            if not hashers:
+                self.disabled = why
+            for ev in self._samples:
+                self._detect(ev)
+        if not hashers:
+            self._log_once("hash", "kv_aware routes like prefix: %s", why)
+
+    # ---- routing (event loop) ------------------------------------------------------
+
+    def sync(self, kind: str, instances: Sequence[Instance]) -> None:
+        """Drop the index of every ``kind`` instance that left rotation since the last call."""
+        now = {i.key for i in instances if i.available}
+        gone = self._in_rotation.get(kind, set()) - now
+        self._in_rotation[kind] = now
+        if gone:
+            with self._lock:
+                for key in gone:
+                    if (idx := self.indexes.get(key)) is not None:
+                        if len(idx):
+                            idx.drop("left_rotation")
+                            self.counters[("index_drops", "left_rotation")] += 1
+                        idx.last_seq = None  # a restarted instance counts from 0 again
+                        self._live_last.pop(key, None)
+
+    def fallback_reason(self, key: RoutingKey) -> str:
+        """Why ``key`` cannot be routed by prediction ("" if it can)."""
+        if self.disabled:
+            return "unpredictable_hashes"
+        if not self.hashers:
+            return "version_unknown"
+        if self.lost:
+            return "stream_lost"
+        if not isinstance(key, PromptKey) or key.tokens is None:
+            return "no_tokens"
+        return ""
+
+    def decide(self, kind: str, candidates: Sequence[Instance], key: PromptKey, start: int) -> Instance | None:
+        """The cheapest candidate, or None when no index has a block size yet."""
+        assert key.tokens is not None
+        with self._lock:
+            size = next((i.block_size for i in self.indexes.values() if i.block_size), None)
+            if size is None:
+                return None
+            hashes = key.hashes.get(size)
+            if hashes is None:
+                hashes = key.hashes[size] = (self.hasher or self.hashers[0]).block_hashes(key.tokens, size)
+            empty = BlockIndex(0)
+            local = [(self.indexes.get(c.key) or empty).prefix_blocks(hashes, LOCAL) * size for c in candidates]
+            pool = max((i.prefix_blocks(hashes, POOL) for i in self.indexes.values()), default=0) * size
+        n = len(key.tokens)
+        self.mean_prompt = n if not self.mean_prompt else 0.9 * self.mean_prompt + 0.1 * n
+        pick = choose(n, local, pool, [c.in_flight for c in candidates], self.mean_prompt, self.weights, start)
+        key.predicted[kind] = pick.local_tokens + pick.pool_tokens
+        self.counters[("decisions", kind, "local" if pick.local_tokens else "pool" if pick.pool_tokens else "cold")] += 1
+        self.counters[("predicted_local_tokens", kind)] += pick.local_tokens
+        self.counters[("predicted_pool_tokens", kind)] += pick.pool_tokens
+        self.counters[("prompt_tokens", kind)] += n
+        return candidates[pick.index]
+
+    def observe(self, kind: str, key: RoutingKey, answer: Any) -> None:
+        """Count what the instance reports it served from cache (``usage.prompt_tokens_details``)."""
+        if not isinstance(key, PromptKey) or kind not in key.predicted or not isinstance(answer, dict):
+            return
+        details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+        got = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(got, int):
+            self.counters[("got_cached_tokens", kind)] += got
+            self.counters[("observed_predicted_tokens", kind)] += key.predicted[kind]
+            self.counters[("observed", kind)] += 1
+
+    def render(self) -> str:
+        """``mooncake_proxy_kv_aware_*`` lines for the proxy's /metrics."""
+        out: list[str] = []
+        with self._lock:
+            items = sorted(self.counters.items())
+            blocks = {k: len(i) for k, i in self.indexes.items()}
+        seen: set[str] = set()
+        for (name, *labels), n in items:
+            metric = f"mooncake_proxy_kv_aware_{name}_total"
+            if metric not in seen:
+                seen.add(metric)
+                out.append(f"# TYPE {metric} counter")
+            lab = dict(zip(_LABELS.get(name, ()), labels))
+            text = ",".join(f'{k}="{v}"' for k, v in lab.items())
+            out.append(f"{metric}{{{text}}} {n}" if text else f"{metric} {n}")
+        out.append("# TYPE mooncake_proxy_kv_aware_index_blocks gauge")
+        out += [f'mooncake_proxy_kv_aware_index_blocks{{instance="{k}"}} {n}' for k, n in sorted(blocks.items())]
+        return "\n".join(out) + "\n"
+
+
+_LABELS: dict[str, tuple[str, ...]] = {
+    "index_drops": ("reason",), "fallbacks": ("kind", "reason"), "decisions": ("kind", "outcome"),
+    "predicted_local_tokens": ("kind",), "predicted_pool_tokens": ("kind",), "prompt_tokens": ("kind",),
+    "got_cached_tokens": ("kind",), "observed_predicted_tokens": ("kind",), "observed": ("kind",),
+    "replays": ("outcome",),
+}
+
+
+async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, prefix: bytes) -> PromptKey:
+    """The request's routing key: its tokens from an instance's ``/tokenize`` (time-boxed)."""
+    router: KvRouter | None = getattr(server, "kv", None)
+    if router is not None and not router.hashers and not router.disabled:
+        await _resolve_version(server, router)
+    if router is None or router.disabled or any(body.get(f) is not None for f in _UNPREDICTABLE):
+        return PromptKey(prefix, None)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return PromptKey(prefix, list(prompt))
+    if route.endswith("/chat/completions") and isinstance(body.get("messages"), list):
+        req = {"messages": body["messages"], **{f: body[f] for f in _CHAT_FIELDS if f in body}}
+    elif isinstance(prompt, str):
+        req = {"prompt": prompt, **({"add_special_tokens": body["add_special_tokens"]}
+                                    if "add_special_tokens" in body else {})}
+    else:
+        return PromptKey(prefix, None)
+    insts = server.pool.available("decode") or server.pool.available("prefill")
+    if not insts or server.session is None:
+        return PromptKey(prefix, None)
+    inst = insts[len(prefix) % len(insts)]
+    timeout = aiohttp.ClientTimeout(total=server.config.kv_tokenize_timeout)
+    try:
+        async with server.session.post(inst.url + "/tokenize", data=json.dumps({"model": body.get("model"), **req}),
+                                       headers={"Content-Type": "application/json"}, timeout=timeout) as up:
+            if up.status != 200:
+                raise ValueError(f"HTTP {up.status}")
+            answer = json.loads(await up.content.read(server.config.max_upstream_bytes))
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list):
+            raise ValueError("no tokens in the answer")
+        return PromptKey(prefix, tokens)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        router.counters[("fallbacks", "tokenize", type(exc).__name__)] += 1
+        router._log_once("tokenize", "kv_aware could not tokenize through %s (%s); such requests route like "
+                         "prefix", inst.key, type(exc).__name__)
+        return PromptKey(prefix, None)
+
+
+async def _resolve_version(server: ProxyServer, router: KvRouter) -> None:
+    """The instances' vLLM release: ``--target-vllm`` or an instance's ``GET /version`` (time-boxed)."""
+    version = server.config.target_vllm
+    insts = server.pool.available("decode") or server.pool.available("prefill")
+    if not version and insts and server.session is not None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=server.config.kv_tokenize_timeout)
+            async with server.session.get(insts[0].url + "/version", timeout=timeout) as up:
+                doc = json.loads(await up.content.read(1 << 16)) if up.status == 200 else None
+            version = doc.get("version") if isinstance(doc, dict) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            version = None
+    if version:
+        router.configure(str(version))
+        log.info("kv_aware: instances run vLLM %s; hashers %s%s", version,
+                 [h.algorithm for h in router.hashers], f" ({router.disabled})" if router.disabled else "")
+
+
+async def start(server: ProxyServer) -> None:
+    """Start the event subscriber and learn the instances' release (says at start when
+    their hashes cannot be predicted)."""
+    assert server.kv is not None
+    server.kv.start()
+    await _resolve_version(server, server.kv)
+
+
+_REPLAY_FIX = ("give each as HOST:PORT=tcp://HOST:PORT (the instance as the proxy names it = the "
+               "replay_endpoint in its --kv-events-config), e.g. 127.0.0.1:8100=tcp://127.0.0.1:5600")
+
+
+def parse_replay(value: dict[str, str] | Sequence[str]) -> dict[str, str]:
+    """``--kv-replay`` (``HOST:PORT=ENDPOINT`` items, or a mapping) keyed by canonical instance
+    key; one ``ConfigError`` naming the field and every bad item."""
+    items = list(value.items()) if isinstance(value, dict) else [tuple(v.split("=", 1)) if "=" in v else (v, "")
+                                                                  for v in value]
+    out: dict[str, str] = {}
+    problems: list[ConfigProblem] = []
+    for inst, ep in items:
+        if not str(ep).startswith(("tcp://", "ipc://")) or str(ep).endswith(":"):
+            problems.append(ConfigProblem("--kv-replay", f"{inst}={ep}: the endpoint is not tcp://HOST:PORT or "
+                                          "ipc://PATH", _REPLAY_FIX))
+            continue
+        try:
+            out[parse_endpoint(str(inst), field_name="--kv-replay").key] = str(ep)
+        except ConfigError as exc:
+            problems += [ConfigProblem("--kv-replay", f"{inst}={ep}: {p.problem}", _REPLAY_FIX) for p in exc.problems]
+    if problems:
+        raise ConfigError("--kv-replay", problems)
+    return out
+
+
+def attach(server: ProxyServer) -> KvRouter | None:
+    """Give the server's ``kv_aware`` policies one shared router; None for other policies."""
+    policies = [p for p in server.policies.values() if isinstance(p, KvAwarePolicy)]
+    if not policies:
+        return None
+    router = KvRouter(server.config.kv_events, replay=dict(server.config.kv_replay))
+    for kind, p in server.policies.items():
+        if isinstance(p, KvAwarePolicy):
+            p.router, p.kind = router, kind
+    return router

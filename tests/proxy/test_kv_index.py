@@ -1,0 +1,87 @@
+"""The kv_aware policy's pure logic: block indexes from KV events, prefix matching, cost."""
+
+from __future__ import annotations
+
+from mooncake_vllm.proxy.kv_index import LOCAL, POOL, POOL_MEDIUM, BlockIndex, CostWeights, choose, norm_hash
+
+
+def _stored(hashes, medium="GPU", size=4):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+            "token_ids": [], "block_size": size, "medium": medium}
+
+
+def test_pool_medium_is_the_connectors() -> None:
+    from mooncake_vllm.v1.events import POOL_MEDIUM as connector_medium
+
+    assert POOL_MEDIUM == connector_medium
+
+
+def test_bytes_and_int_hashes_normalise_alike() -> None:
+    raw = bytes(range(32))
+    assert norm_hash(raw) == int.from_bytes(raw, "big") & ((1 << 64) - 1) == norm_hash(norm_hash(raw))
+    assert norm_hash(raw) != norm_hash(bytes(32))
+
+
+def test_stored_removed_cleared_by_medium() -> None:
+    idx = BlockIndex()
+    assert idx.apply(0, [_stored([1, 2, 3]), _stored([1, 2], POOL_MEDIUM)]) is None
+    assert idx.block_size == 4
+    assert idx.prefix_blocks([1, 2, 3, 4], LOCAL) == 3
+    assert idx.prefix_blocks([1, 2, 3], POOL) == 2
+    assert idx.prefix_blocks([2, 3], LOCAL) == 2 and idx.prefix_blocks([9, 1], LOCAL) == 0
+    idx.apply(1, [{"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}])
+    assert idx.prefix_blocks([1, 2, 3], LOCAL) == 1  # a hole ends the prefix
+    assert idx.prefix_blocks([1, 2], POOL) == 2  # the pool still has it
+    idx.apply(2, [{"type": "AllBlocksCleared"}])
+    assert idx.prefix_blocks([1], LOCAL) == 0 and idx.prefix_blocks([1, 2], POOL) == 2
+    assert len(idx) == 2
+
+
+def test_sequence_gap_and_restart_drop_the_index() -> None:
+    idx = BlockIndex()
+    idx.apply(5, [_stored([1])])  # first batch seen: any number is fine
+    assert idx.apply(6, [_stored([2])]) is None and len(idx) == 2
+    assert idx.apply(8, [_stored([3])]) == "gap"
+    assert idx.prefix_blocks([1], LOCAL) == 0 and idx.prefix_blocks([3], LOCAL) == 1
+    assert idx.apply(0, []) == "restart" and len(idx) == 0
+    assert idx.drops == {"gap": 1, "restart": 1}
+
+
+def test_index_is_bounded_oldest_first() -> None:
+    idx = BlockIndex(capacity=3)
+    idx.apply(0, [_stored([1, 2, 3])])
+    idx.apply(1, [_stored([1])])  # touched: now the newest
+    idx.apply(2, [_stored([4])])
+    assert len(idx) == 3
+    assert idx.prefix_blocks([1], LOCAL) == 1 and idx.prefix_blocks([2], LOCAL) == 0
+
+
+def test_garbage_events_are_ignored() -> None:
+    idx = BlockIndex()
+    idx.apply(0, [None, "x", {"type": "Nope"}, {"type": "BlockStored"}])
+    assert len(idx) == 0
+
+
+def test_longest_local_prefix_wins_at_equal_load() -> None:
+    c = choose(1000, [0, 800, 200], 0, [1, 1, 1], mean_prompt=1000)
+    assert (c.index, c.local_tokens, c.pool_tokens) == (1, 800, 0)
+
+
+def test_pool_counts_the_same_everywhere() -> None:
+    # all hold the prompt in the pool: equal prefill cost, so load decides
+    c = choose(1000, [0, 0, 0], 1000, [2, 0, 1], mean_prompt=1000)
+    assert (c.index, c.local_tokens, c.pool_tokens) == (1, 0, 1000)
+    # local beats pool at equal load
+    assert choose(1000, [0, 1000], 1000, [0, 0], mean_prompt=1000).index == 1
+
+
+def test_load_spreads_one_hot_document() -> None:
+    w = CostWeights(load=1.0)
+    # holder has 3 requests in flight: 3 mean prompts of waiting beat recomputing one
+    assert choose(1000, [1000, 0], 0, [3, 0], mean_prompt=1000, weights=w).index == 1
+    assert choose(1000, [1000, 0], 0, [0, 0], mean_prompt=1000, weights=w).index == 0
+
+
+def test_ties_rotate_from_start() -> None:
+    assert choose(100, [0, 0, 0], 0, [0, 0, 0], 100, start=2).index == 2
+    assert choose(100, [0, 0, 0], 0, [0, 0, 0], 100, start=1).index == 1

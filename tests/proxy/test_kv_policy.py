@@ -1,0 +1,183 @@
+"""kv_aware over real sockets: stub upstreams, the real proxy, KV events encoded with vLLM's own
+structs over a real ZMQ PUB socket to the proxy's SUB socket (the vLLM engine test is test_vllm_kv)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from mooncake_vllm.proxy.kv_hashes import PromptHasher
+from mooncake_vllm.proxy.stub import StubUpstream
+from mooncake_vllm.services import free_port
+
+from ._helpers import proxy, run, stubs, wait_for
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+zmq = pytest.importorskip("zmq")
+msgspec = pytest.importorskip("msgspec")
+
+BS = 4
+DOC = " ".join(f"w{i}" for i in range(40))  # 10 full blocks of the stub's one-word tokens
+
+
+class Publisher:
+    """One instance's event stream: vLLM's KVEventBatch, msgpack, (topic, seq, payload)."""
+
+    def __init__(self, endpoint: str, topic: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.sock.connect(endpoint)
+        self.topic, self.seq = topic.encode(), 0
+
+    def send(self, *events: Any, seq: int | None = None) -> None:
+        self.seq = self.seq if seq is None else seq
+        batch = kv_events.KVEventBatch(ts=time.time(), events=list(events))
+        self.sock.send_multipart((self.topic, self.seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)))
+        self.seq += 1
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def _stored(text: str, medium: str = "GPU") -> Any:
+    tokens = StubUpstream.tokenize(text)
+    raw = PromptHasher("sha256", "vllm-none-hash").raw_hashes(tokens, BS)
+    # what vLLM publishes by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES): the low 64 bits as int
+    hashes = [int.from_bytes(h, "big") & ((1 << 64) - 1) for h in raw]
+    return kv_events.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens[: len(raw) * BS],
+                                 block_size=BS, lora_id=None, medium=medium, lora_name=None)
+
+
+async def _complete(client: Any, base: str, prompt: str) -> None:
+    async with client.post(base + "/v1/completions", json={"model": "tiny-llama", "prompt": prompt,
+                                                           "max_tokens": 2}) as r:
+        assert r.status == 200, await r.text()
+
+
+def _metric(text: str, needle: str) -> int:
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(needle))
+
+
+def test_routes_to_the_holder_drops_on_gap_and_never_to_an_unhealthy_one() -> None:
+    async def go() -> None:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        async with stubs(3) as ups, proxy([], ups, flow="kv_both", scheduling="kv_aware", kv_events=endpoint) as (
+                server, base, client):
+            pubs = [Publisher(endpoint, u.address) for u in ups]
+            try:
+                holder = ups[1]
+                # the proxy's SUB socket drops what arrives before the PUB connected: resend until indexed
+                for _ in range(100):
+                    pubs[1].send(_stored(DOC))
+                    if len(server.kv.indexes.get(holder.address, ())) >= 10:
+                        break
+                    await asyncio.sleep(0.05)
+                assert server.kv.hasher is not None and server.kv.hasher.algorithm == "sha256"
+                for _ in range(3):
+                    await _complete(client, base, DOC + " question")
+                assert [len(u.received) for u in ups] == [0, 3, 0]
+                # a sequence gap drops the holder's index: routing falls back to cold/load
+                pubs[1].send(seq=pubs[1].seq + 5)
+                await wait_for(lambda: len(server.kv.indexes[holder.address]) == 0)
+                # the pool (MOONCAKE) counts the same everywhere; a lone GPU copy on ups[2] wins
+                pubs[2].send(_stored(DOC, "MOONCAKE"), _stored(DOC))
+                await wait_for(lambda: len(server.kv.indexes.get(ups[2].address, ())) >= 10)
+                await _complete(client, base, DOC)
+                assert len(ups[2].received) == 1
+                # unhealthy: never chosen, its index dropped; the pool copy elsewhere still counts
+                ups[2].unhealthy = True
+                await wait_for(lambda: ups[2].address not in [i.key for i in server.pool.available("decode")])
+                await _complete(client, base, DOC)
+                assert len(ups[2].received) == 1
+                assert len(server.kv.indexes[ups[2].address]) == 0
+                async with client.get(base + "/metrics") as r:
+                    text = await r.text()
+                assert _metric(text, 'mooncake_proxy_kv_aware_index_drops_total{reason="gap"}') == 1
+                assert _metric(text, 'mooncake_proxy_kv_aware_index_drops_total{reason="left_rotation"}') == 1
+                assert _metric(text, 'mooncake_proxy_kv_aware_decisions_total{kind="decode",outcome="local"}') == 4
+                assert _metric(text, 'mooncake_proxy_kv_aware_predicted_local_tokens_total{kind="decode"}') == 160
+            finally:
+                for p in pubs:
+                    p.close()
+
+    run(go)
+
+
+def test_unpredictable_hashes_fall_back_to_prefix_and_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+
+    async def go() -> None:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        async with stubs(2, version="0.20.0") as ups, proxy([], ups, flow="kv_both", scheduling="kv_aware",
+                                                            kv_events=endpoint) as (server, base, client):
+            for _ in range(4):
+                await _complete(client, base, DOC)
+            assert "PYTHONHASHSEED" in server.kv.disabled
+            assert sorted(len(u.received) for u in ups) == [0, 4]  # prefix-sticky
+            async with client.get(base + "/metrics") as r:
+                text = await r.text()
+            assert _metric(text, 'mooncake_proxy_kv_aware_fallbacks_total{kind="decode",'
+                                 'reason="unpredictable_hashes"}') == 4
+
+    run(go)
+
+
+def test_store_flow_picks_the_prefill_that_holds_the_prompt() -> None:
+    async def go() -> None:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        async with stubs(2) as pre, stubs(1) as dec, proxy(pre, dec, scheduling="kv_aware", kv_events=endpoint) as (
+                server, base, client):
+            pub = Publisher(endpoint, pre[0].address)
+            try:
+                for _ in range(100):
+                    pub.send(_stored(DOC))
+                    if len(server.kv.indexes.get(pre[0].address, ())) >= 10:
+                        break
+                    await asyncio.sleep(0.05)
+                for _ in range(2):
+                    await _complete(client, base, DOC)
+                assert [len(p.received) for p in pre] == [2, 0] and len(dec[0].received) == 2
+            finally:
+                pub.close()
+
+    run(go)
+
+
+def test_batches_the_live_stream_lost_come_from_the_replay_socket() -> None:
+    """vLLM's own publisher, started before the proxy: its first batch is lost on the live
+    stream (no SUB yet, then the slow joiner) and comes through its replay socket instead."""
+    async def go() -> None:
+        endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        async with stubs(2) as ups:
+            pub = kv_events.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, topic=ups[1].address)
+            try:
+                pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored(DOC)]))
+                await asyncio.sleep(0.3)  # sent (and dropped: nobody subscribed) before the proxy starts
+                async with proxy([], ups, flow="kv_both", scheduling="kv_aware", kv_events=endpoint,
+                                 kv_replay=[f"{ups[1].address}={replay}"]) as (server, base, client):
+                    await wait_for(lambda: len(server.kv.indexes.get(ups[1].address, ())) >= 10)
+                    # live batches from here on continue the replayed sequence: no drop
+                    pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored("x " + DOC)]))
+                    await wait_for(lambda: server.kv.indexes[ups[1].address].last_seq == 1)
+                    for _ in range(2):
+                        await _complete(client, base, DOC + " question")
+                    assert [len(u.received) for u in ups] == [0, 2]
+                    async with client.get(base + "/metrics") as r:
+                        text = await r.text()
+                    assert _metric(text, 'mooncake_proxy_kv_aware_replays_total{outcome="ok"}') >= 1
+                    assert _metric(text, "mooncake_proxy_kv_aware_index_drops_total") == 0
+            finally:
+                pub.shutdown()
+
+    run(go)
+
+
+def test_kv_replay_items_are_checked() -> None:
+    from mooncake_vllm.errors import ConfigError
+    from mooncake_vllm.proxy.kv_policy import parse_replay
+
+    assert parse_replay(["localhost:8100=tcp://127.0.0.1:5600"]) == {"localhost:8100": "tcp://127.0.0.1:5600"}
+    with pytest.raises(ConfigError, match="--kv-replay.*127.0.0.1:8100=: the endpoint"):
+        parse_replay(["127.0.0.1:8100"])

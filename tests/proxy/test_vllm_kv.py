@@ -1,0 +1,102 @@
+"""kv_aware over REAL vLLM CPU instances (kv_both, our connector, a real pool) publishing real
+KV events: a repeated document goes to the instance that holds it, which reports the hit.
+
+The instances start before the proxy binds its SUB socket (as after a proxy restart): the
+first request's batch is published before the instance's PUB has reconnected and learnt the
+subscription, so the live stream drops it (the ZMQ slow joiner), and vLLM publishes nothing
+more until its next step. Only the replay socket (``--kv-replay``) brings it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mooncake_vllm.demo.run import kv_transfer_config
+from mooncake_vllm.proxy.kv_events import vllm_args
+from mooncake_vllm.proxy.kv_index import LOCAL, POOL
+from mooncake_vllm.services import LocalStack, ManagedProcess, free_port, start_vllm_server
+
+from ._helpers import proxy, run, wait_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
+
+DOC = " ".join(f"clause {i}: the parties agree that section {i % 7} applies." for i in range(60))
+HEALTH = {"health_interval": 1.0, "health_timeout": 10.0}
+
+
+@pytest.fixture(scope="module")
+def events_endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: Path, module_local_stack: LocalStack, events_endpoint: str,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ManagedProcess]]:
+    """Two kv_both instances with KV events to the proxy's socket, started in parallel."""
+    wd = tmp_path_factory.mktemp("kv-pair")
+    env = {"MOONCAKE_CONFIG_PATH": str(module_local_stack.config_path)}
+
+    def start(name: str) -> ManagedProcess:
+        port = free_port()
+        replay = f"tcp://127.0.0.1:{free_port()}"
+        proc = start_vllm_server(tiny_model, port, wd, kv_transfer_config("kv_both"), env, name=name,
+                                 extra_args=vllm_args(events_endpoint, f"127.0.0.1:{port}", replay), timeout=900)
+        proc.replay = replay  # type: ignore[attr-defined]
+        return proc
+
+    with ThreadPoolExecutor(2) as ex:
+        futures = [ex.submit(start, f"kv{i}") for i in range(2)]
+    procs, errors = [], []
+    for fut in futures:
+        try:
+            procs.append(fut.result())
+        except Exception as exc:  # noqa: BLE001 - reported after the others are stopped
+            errors.append(str(exc))
+    try:
+        if errors:
+            pytest.fail("vLLM instances did not start:\n" + "\n".join(errors), pytrace=False)
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_repeated_document_goes_to_the_instance_that_holds_it(tiny_model: Path, pair: list[ManagedProcess],
+                                                                events_endpoint: str) -> None:
+    async def go() -> None:
+        async with proxy([], [str(p.address) for p in pair], model=str(tiny_model), flow="kv_both",
+                         scheduling="kv_aware", kv_events=events_endpoint,
+                         kv_replay=[f"{p.address}={p.replay}" for p in pair], **HEALTH) as (server, base, client):
+            kv = server.kv
+            assert kv is not None and kv.hashers and not kv.disabled
+
+            async def ask(prompt: str) -> dict[str, Any]:
+                body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": 2, "temperature": 0}
+                async with client.post(base + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    return json.loads(await r.read())
+
+            first = await ask(DOC + " Question 0: who signs?")
+            doc_tokens = first["usage"]["prompt_tokens"]
+            holder = max(server.pool.available("decode"), key=lambda i: i.requests)
+            await wait_for(lambda: len(kv.indexes.get(holder.key, ())) >= doc_tokens // 32 - 1, timeout=60)
+            assert kv.hasher is not None and kv.hasher.algorithm == "sha256"  # detected from vLLM's events
+            before = holder.requests
+            answers = [await ask(DOC + f" Question {k}: who pays?") for k in (1, 2)]
+            assert holder.requests == before + 2  # both went to the holder
+            for a in answers:  # the instance's own report: most of the prompt came from cache
+                assert a["usage"]["prompt_tokens_details"]["cached_tokens"] >= (doc_tokens // 32 - 1) * 32
+            async with client.get(base + "/metrics") as r:
+                text = await r.text()
+            got = [ln for ln in text.splitlines() if ln.startswith("mooncake_proxy_kv_aware_got_cached_tokens")]
+            assert got and int(got[0].rsplit(" ", 1)[1]) >= 2 * (doc_tokens // 32 - 1) * 32
+            # the pool's events (medium MOONCAKE) arrive too, from our connector
+            assert kv.indexes[holder.key].count(LOCAL) > 0
+            assert sum(i.count(POOL) for i in kv.indexes.values()) > 0, "no MOONCAKE events from our connector"
+
+    run(go, timeout=600)
