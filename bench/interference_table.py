@@ -27,6 +27,8 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
         if not m or "error" in m:
             continue
         a, d = m["alone"], m["during_load"]
+        if a["p50"] is None:  # a stream shorter than its warm-up tokens (a dry run)
+            continue
         row: dict[str, Any] = {
             "alone_ms": [a["p50"] * 1e3, a["p99"] * 1e3, a["max"] * 1e3],
             "during_ms": [d["p50"] * 1e3, d["p99"] * 1e3, d["max"] * 1e3] if d["n"] else None,

@@ -6,7 +6,7 @@
 # MODEL_WAIT s). The pool: mc_up.sh (reuses a running one). BENCH_ARGS: extra bench options.
 set -uo pipefail
 source scripts/gpu/env.sh
-export PATH=/tmp/site/bin:$MCBIN:$PATH
+export PATH=/tmp/site/bin:$MCBIN:$PATH PYTHONPATH=$PWD/src:$PYTHONPATH  # the tree's code first
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gi
 bench=${1:-bench/bench_gpu_interference.py}
 if [ -n "${2:-}" ]; then

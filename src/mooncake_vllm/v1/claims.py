@@ -37,7 +37,7 @@ __all__ = ["CANDIDATES", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", 
 CANDIDATES = 16
 _WINDOW = 256  #: prefill samples kept
 #: loads the load model predicts from
-RECENT = 4
+RECENT = 3
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ClaimRules:
     #: seconds after which a sample counts half
     half_life: float = 60.0
     #: while declining, let one claim through this often (seconds) to measure the pool again
-    explore_every: float = 10.0
+    explore_every: float = 5.0
     #: samples each model needs before it decides anything
     min_samples: int = 3
 
