@@ -62,6 +62,10 @@ FALLBACK_REASONS = ("timeout", "prefill_failed", "prefill_unavailable", "missing
 #: the next line says how many went unlogged)
 _LOG_INTERVAL = 1.0
 _POLL_SECONDS = 0.005
+#: longest sleep of a step that schedules nothing while a decode request waits for its
+#: markers: spinning through empty steps took ~1.5 of a 2-core box's cores and starved the
+#: prefill's save thread (its few-ms saves took seconds: the hand-offs of issue 27 timed out)
+IDLE_WAIT = 0.02
 
 
 def ask_params() -> dict[str, Any]:
@@ -214,6 +218,13 @@ class MarkerWaiter:
             del self._watches[req_id]
             return WaitResult("timeout", now - w.started)
 
+    def wait_any(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until some wait has ended (``True``) or nothing is
+        watched any more; ``False`` when the time ran out."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: bool(self._results) or not self._watches or self._closed, timeout)
+
     def cancel(self, req_id: str) -> None:
         with self._cond:
             self._watches.pop(req_id, None)
@@ -242,6 +253,7 @@ class MarkerWaiter:
                 else:
                     continue
                 del self._watches[req_id]
+                self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:
@@ -329,6 +341,13 @@ class Handoffs:
         return Offer(hid, self.prefixes, chunks, state).to_params()
 
     # ------------------------------------------------------------------ decode
+    def idle(self, timeout: float = IDLE_WAIT) -> None:
+        """A step that schedules nothing while requests wait for markers: sleep until a
+        wait ends (at most ``timeout``) instead of spinning the engine through empty steps
+        (vLLM steps again at once while a request is deferred)."""
+        if self.waiter is not None and any(st.waiting for st in self._decode.values()):
+            self.waiter.wait_any(timeout)
+
     def defer(self, request: Any, claimable: int, start: int) -> bool:
         """True while the request must wait for its offer's markers (answer ``None``)."""
         req_id = request.request_id
