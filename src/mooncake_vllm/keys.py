@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass
 from pathlib import PurePath
 
 __all__ = [
-    "HANDOFF_PARAM",
     "KEY_PREFIX",
     "REGISTRY_PREFIX",
     "KeyNamespace",
@@ -46,14 +45,11 @@ __all__ = [
     "block_key_digest",
     "chunk_digests",
     "chunk_keys",
-    "handoff_key",
     "model_id",
     "parse_registry_key",
 ]
 
 KEY_PREFIX = "mcv"
-#: the entry of vLLM's ``kv_transfer_params`` that carries a prefill → decode hand-off
-HANDOFF_PARAM = "mooncake_vllm_handoff"
 #: where namespaces register themselves (never matched by a block-key pattern)
 REGISTRY_PREFIX = "mcv-ns"
 #: any value of a namespace: ``mcv/<digest>/<chunk>`` or V0's ``mcv/<digest>/tail/<prompt>``
@@ -169,15 +165,6 @@ def block_key_digest(key: str) -> str | None:
     """The namespace digest of a value key ``mcv/<16 hex>/...`` (blocks, V0 tails), else ``None``."""
     m = _NAMESPACE_KEY.fullmatch(key)
     return m.group(1) if m else None
-
-
-def handoff_key(prefix: str, handoff_id: str) -> str:
-    """The marker a prefill worker publishes once every block of hand-off ``handoff_id``
-    in namespace ``prefix`` (:meth:`KeyNamespace.prefix`) is committed: ``mcv/<ns>/handoff/<id>``.
-    Chunk keys are ``mcv/<ns>/<32 hex>``, so the two never collide."""
-    if not handoff_id or not all(c in "0123456789abcdef" for c in handoff_id):
-        raise ValueError(f"a hand-off id is lowercase hex, found {handoff_id!r}")
-    return f"{prefix}/handoff/{handoff_id}"
 
 
 def model_id(model: str, configured: str | None = None) -> str:

@@ -2,14 +2,16 @@
 
 1P1D must answer token for token like a single instance (greedy), with the
 decode instance loading EVERY full block of every prompt from the pool (the
-hand-off: it waits for the prefill's saves instead of racing them); adding and
-removing a decode instance while requests stream must not fail a single request.
+hand-off: it waits for the prefill's saves instead of racing them, and never waits
+out ``handoff_timeout``: issue 27); adding and removing a decode instance while
+requests stream must not fail a single request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ import aiohttp
 import pytest
 
 from mooncake_vllm.demo.run import kv_transfer_config
+from mooncake_vllm.demo.tiny_model import VOCAB_SIZE
 from mooncake_vllm.proxy import flows
 from mooncake_vllm.services import LocalStack, ManagedProcess, start_vllm_server
 
@@ -37,6 +40,10 @@ PROMPTS = [
 ]
 GEN = {"max_tokens": 12, "temperature": 0, "return_token_ids": True}
 BLOCK = 32  # start_vllm_server's --block-size
+#: issue 27's sequence: one after the other, every second one streamed, 1201 tokens each
+#: (37 full blocks and a partial one), distinct token ids so no instance has them cached
+_rnd = random.Random(27)
+HANDOFF_PROMPTS = [tuple(_rnd.randrange(10, VOCAB_SIZE - 1) for _ in range(1201)) for _ in range(24)]
 #: patient health checks: CPU instances on a busy 2-core box answer slowly
 HEALTH = {"health_interval": 1.0, "health_timeout": 10.0}
 
@@ -84,8 +91,8 @@ def reference(tiny_model: Path, fleet: dict[str, ManagedProcess]) -> dict[str, A
     proc = fleet["reference"]
     try:
         out = {}
-        for prompt in PROMPTS:
-            body = json.dumps({"model": str(tiny_model), "prompt": prompt, **GEN}).encode()
+        for prompt in HANDOFF_PROMPTS:
+            body = json.dumps({"model": str(tiny_model), "prompt": list(prompt), **GEN}).encode()
             req = urllib.request.Request(proc.url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
             choice = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]
@@ -99,13 +106,14 @@ def test_1p1d_through_the_pool_matches_a_single_instance(tiny_model: Path, refer
                                                           fleet: dict[str, ManagedProcess]) -> None:
     dec = fleet["decode"]
     hits_before = _metric(str(dec.url), "vllm:external_prefix_cache_hits_total")
+    log_start = dec.log_path.stat().st_size
     reports: list[dict[str, Any]] = []
 
     async def go() -> None:
         pre = str(fleet["prefill"].address)
         async with proxy([pre], [str(dec.address)], model=str(tiny_model), **HEALTH) as (_s, url, c):
-            for i, prompt in enumerate(PROMPTS):
-                body = {"model": str(tiny_model), "prompt": prompt, **GEN, "stream": bool(i % 2)}
+            for i, prompt in enumerate(HANDOFF_PROMPTS):
+                body = {"model": str(tiny_model), "prompt": list(prompt), **GEN, "stream": bool(i % 2)}
                 async with c.post(url + "/v1/completions", json=body) as r:
                     assert r.status == 200, await r.text()
                     if body["stream"]:
@@ -129,14 +137,21 @@ def test_1p1d_through_the_pool_matches_a_single_instance(tiny_model: Path, refer
     # no request lost the race against the prefill's saves. (The block holding a prompt's last
     # token is always computed; no prompt here ends on a block boundary, so that is every
     # full block.)
-    lengths = [reference[p][2] for p in PROMPTS]
+    lengths = [reference[p][2] for p in HANDOFF_PROMPTS]
     assert all(n % BLOCK for n in lengths), lengths
     full_block_tokens = sum(n // BLOCK * BLOCK for n in lengths)
-    assert full_block_tokens >= 2 * BLOCK * len(PROMPTS)
+    assert full_block_tokens >= 2 * BLOCK * len(HANDOFF_PROMPTS)
     hits = _metric(str(dec.url), "vllm:external_prefix_cache_hits_total") - hits_before
     assert hits == full_block_tokens
     # non-streamed answers carry the decode's hand-off report: it waited for the markers
-    assert [r["outcome"] for r in reports] == ["ready"] * len(reports) and reports
+    assert [r["outcome"] for r in reports] == ["ready"] * len(reports) and len(reports) == 12
+    # streamed ones carry none: the decode logs every fallback reason it counts (at least its
+    # first line), so none may be there: no request waited out handoff_timeout (issue 27)
+    with open(dec.log_path, "rb") as f:
+        f.seek(log_start)
+        fallbacks = [ln for ln in f.read().decode(errors="replace").splitlines()
+                     if "counter handoff_fallback_" in ln]
+    assert fallbacks == []
     # the version detection --flow p2p relies on works against the real server
     version = json.loads(urllib.request.urlopen(str(dec.url) + "/version", timeout=10).read())["version"]
     assert flows.p2p_mode(flows.release_triple(version)) == "bootstrap"

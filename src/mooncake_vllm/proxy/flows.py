@@ -7,7 +7,7 @@
   ``MooncakeStoreConnector`` answers with an offer naming what it is saving,
   which goes to the decode request, whose connector waits (bounded) until those
   blocks are committed instead of racing the prefill's saves
-  (:mod:`mooncake_vllm.v1.handoff`). An answer without an offer (V0, another
+  (:mod:`mooncake_vllm.handoff_protocol`). An answer without an offer (V0, another
   connector) leaves the decode request as the client sent it.
 * ``kv_both``: no separate prefill: each request goes to one ``kv_both`` instance
   (listed as ``--decode``) that prefills from its own cache or the pool and decodes.
@@ -35,9 +35,8 @@ from typing import Any
 
 from mooncake_vllm.compat.versions import release_of, vllm_facts
 from mooncake_vllm.errors import UnsupportedVersionError
-from mooncake_vllm.keys import HANDOFF_PARAM
+from mooncake_vllm.handoff_protocol import ask_params, forward_offer
 from mooncake_vllm.proxy.instances import Instance
-from mooncake_vllm.v1.handoff import ask_params
 
 __all__ = [
     "FLOWS",
@@ -144,9 +143,7 @@ def plan_decode(
     """Decode-side params once the prefill answered; ``ValueError`` when the
     prefill's answer lacks what the decode needs (the caller turns it into a 502)."""
     if flow == "store":
-        params = (prefill_response or {}).get("kv_transfer_params")
-        offer = params.get(HANDOFF_PARAM) if isinstance(params, dict) else None
-        return FlowPlan({HANDOFF_PARAM: offer} if isinstance(offer, dict) else None)
+        return FlowPlan(forward_offer((prefill_response or {}).get("kv_transfer_params")))
     if mode == "handoff":
         params = (prefill_response or {}).get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):

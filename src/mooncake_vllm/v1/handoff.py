@@ -4,16 +4,19 @@ Without it a decode instance looks its prompt up the moment the proxy forwards
 the request, while the prefill instance's saves may still be on their way: it
 finds nothing and recomputes the whole prompt. With it:
 
-1. The proxy asks the prefill instance for a hand-off (:func:`ask_params` in the
-   request's ``kv_transfer_params``).
+1. The proxy asks the prefill instance for a hand-off
+   (:func:`~mooncake_vllm.handoff_protocol.ask_params` in the request's
+   ``kv_transfer_params``).
 2. The prefill's scheduler gives the request a hand-off id; once every full
    chunk of the prompt is handed to the workers it *declares* the hand-off
    (``MooncakeConnectorMetadata.handoffs``), and ``request_finished`` returns
-   :class:`Offer` (id, namespaces, chunk count) in ``kv_transfer_params``.
+   the :class:`~mooncake_vllm.handoff_protocol.Offer` (id, namespaces, chunk
+   count) in ``kv_transfer_params``.
 3. Each prefill worker, after its save thread committed every earlier save of
    that request (one FIFO), checks which chunks are present and publishes a
-   small marker (:func:`mooncake_vllm.keys.handoff_key`, :func:`marker_value`),
-   ``present < chunks`` when saves failed — the decode stops waiting at once.
+   small marker (:func:`~mooncake_vllm.handoff_protocol.handoff_key`,
+   :func:`~mooncake_vllm.handoff_protocol.marker_value`), ``present < chunks``
+   when saves failed — the decode stops waiting at once.
 4. The proxy passes the offer to the decode request. The decode's scheduler
    answers ``None`` ("ask again later", vLLM >= 0.10.2: fact ``deferred_lookup``)
    while :class:`MarkerWaiter` polls for every rank's marker on its own thread,
@@ -23,110 +26,47 @@ finds nothing and recomputes the whole prompt. With it:
 
 The marker is a readiness signal, never a claim: what the decode loads is what
 its own lookup finds. Requests without an offer (plain clients) are untouched.
+What travels between the instances is :mod:`mooncake_vllm.handoff_protocol`;
+this module is the state machine of each side.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_vllm.keys import HANDOFF_PARAM, handoff_key
+from mooncake_vllm.handoff_protocol import (
+    Offer,
+    asks_for_handoff,
+    handoff_key,
+    parse_marker,
+    report_params,
+)
 
 __all__ = [
-    "FALLBACK_REASONS",
+    "IDLE_WAIT",
     "Handoffs",
     "MarkerWaiter",
-    "Offer",
     "WaitResult",
-    "ask_params",
-    "asks_for_handoff",
-    "marker_value",
-    "parse_marker",
     "pool_ready",
     "store_probe",
 ]
 
 log = logging.getLogger(__name__)
 
-_VERSION = 1
-#: why a decode request that came with an offer did not get all the offered blocks
-FALLBACK_REASONS = ("timeout", "prefill_failed", "prefill_unavailable", "missing",
-                    "namespace_mismatch", "bad_offer")
 #: one log line per fallback, at most one per this many seconds per reason (all are counted;
 #: the next line says how many went unlogged)
 _LOG_INTERVAL = 1.0
 _POLL_SECONDS = 0.005
-
-
-def ask_params() -> dict[str, Any]:
-    """What the proxy puts in the prefill request's ``kv_transfer_params``."""
-    return {HANDOFF_PARAM: {"v": _VERSION, "ask": True}}
-
-
-def asks_for_handoff(params: Any) -> bool:
-    """Whether a request's ``kv_transfer_params`` ask this (prefill) instance for an offer."""
-    entry = params.get(HANDOFF_PARAM) if isinstance(params, Mapping) else None
-    return isinstance(entry, Mapping) and entry.get("ask") is True
-
-
-@dataclass(frozen=True)
-class Offer:
-    """What a prefill instance names in its answer's ``kv_transfer_params``.
-
-    ``state``: ``saving`` (markers will follow), ``none`` (no full chunk to save)
-    or ``unavailable`` (the prefill's pool client is down: do not wait).
-    """
-
-    handoff_id: str
-    namespaces: tuple[str, ...]
-    chunks: int
-    state: str = "saving"
-
-    def to_params(self) -> dict[str, Any]:
-        return {HANDOFF_PARAM: {"v": _VERSION, "id": self.handoff_id,
-                                "ns": list(self.namespaces), "chunks": self.chunks,
-                                "state": self.state}}
-
-    @classmethod
-    def from_params(cls, params: Any) -> Offer | str | None:
-        """The offer in a decode request's ``kv_transfer_params``; ``None`` when there is
-        none, a reason string when it is malformed."""
-        entry = params.get(HANDOFF_PARAM) if isinstance(params, Mapping) else None
-        if entry is None:
-            return None
-        if not isinstance(entry, Mapping) or entry.get("ask") is True:
-            return None if isinstance(entry, Mapping) else "bad_offer"
-        hid, ns, chunks, state = (entry.get(k) for k in ("id", "ns", "chunks", "state"))
-        if (entry.get("v") != _VERSION or not isinstance(hid, str) or len(hid) != 32
-                or any(c not in "0123456789abcdef" for c in hid)
-                or not isinstance(ns, list) or not ns or not all(isinstance(p, str) for p in ns)
-                or isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0
-                or state not in ("saving", "none", "unavailable")):
-            return "bad_offer"
-        return cls(hid, tuple(ns), chunks, state)
-
-
-def marker_value(chunks: int, present: int) -> bytes:
-    """The marker's payload: how many of the offered chunks are (leading and) present."""
-    return json.dumps({"v": _VERSION, "chunks": chunks, "present": present}).encode()
-
-
-def parse_marker(raw: bytes | None) -> int | None:
-    """Leading chunks present according to a marker; ``None`` if absent or unreadable."""
-    if raw is None:
-        return None
-    try:
-        doc = json.loads(raw)
-        present = doc["present"]
-    except (ValueError, TypeError, KeyError):
-        return None
-    return present if isinstance(present, int) and not isinstance(present, bool) else None
+#: longest sleep of a step that schedules nothing while a decode request waits for its
+#: markers: spinning through empty steps took ~1.5 of a 2-core box's cores and starved the
+#: prefill's save thread (its few-ms saves took seconds: the hand-offs of issue 27 timed out)
+IDLE_WAIT = 0.02
 
 
 @dataclass(frozen=True)
@@ -214,6 +154,13 @@ class MarkerWaiter:
             del self._watches[req_id]
             return WaitResult("timeout", now - w.started)
 
+    def wait_any(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until some wait has ended (``True``) or nothing is
+        watched any more; ``False`` when the time ran out."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: bool(self._results) or not self._watches or self._closed, timeout)
+
     def cancel(self, req_id: str) -> None:
         with self._cond:
             self._watches.pop(req_id, None)
@@ -242,6 +189,7 @@ class MarkerWaiter:
                 else:
                     continue
                 del self._watches[req_id]
+                self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:
@@ -329,6 +277,13 @@ class Handoffs:
         return Offer(hid, self.prefixes, chunks, state).to_params()
 
     # ------------------------------------------------------------------ decode
+    def idle(self, timeout: float = IDLE_WAIT) -> None:
+        """A step that schedules nothing while requests wait for markers: sleep until a
+        wait ends (at most ``timeout``) instead of spinning the engine through empty steps
+        (vLLM steps again at once while a request is deferred)."""
+        if self.waiter is not None and any(st.waiting for st in self._decode.values()):
+            self.waiter.wait_any(timeout)
+
     def defer(self, request: Any, claimable: int, start: int) -> bool:
         """True while the request must wait for its offer's markers (answer ``None``)."""
         req_id = request.request_id
@@ -403,8 +358,7 @@ class Handoffs:
             self.waiter.cancel(req_id)
         if st.offer is None and st.outcome == "none":
             return None
-        return {HANDOFF_PARAM: {"outcome": st.outcome, "wait_ms": round(st.waited * 1e3, 3),
-                                "hit_tokens": st.hit_tokens}}
+        return report_params(st.outcome, st.waited, st.hit_tokens)
 
     def _fallback(self, st: _DecodeState, req_id: str, reason: str) -> None:
         st.outcome = reason

@@ -269,6 +269,8 @@ class SchedulerLogic:
         meta = MooncakeConnectorMetadata(loads=self._loads, delayed_loads=self._delayed_loads)
         self._loads, self._delayed_loads = [], set()
         meta.idle_step = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        if meta.idle_step:  # nothing to compute: sleep while hand-offs wait, never spin
+            self.handoffs.idle()
         meta.preempted_req_ids = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta.preemptions_reported = hasattr(scheduler_output, "preempted_req_ids")
         for req_id in meta.preempted_req_ids:

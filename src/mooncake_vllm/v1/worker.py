@@ -41,10 +41,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_vllm.keys import KeyNamespace, handoff_key
+from mooncake_vllm.handoff_protocol import handoff_key, marker_value
+from mooncake_vllm.keys import KeyNamespace
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.v1.placement import off_compute_cores
-from mooncake_vllm.v1.handoff import marker_value
 from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
