@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import TEST_CLIENT_TTL
 from checker_cases import CONFIG
 
 from mooncake_vllm.checker import probe, run_check
@@ -127,9 +129,11 @@ def test_missing_library_fails_the_rule(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_live_master_with_a_short_client_ttl(tmp_path: Path, workdir: Path, mooncake_master: ManagedProcess) -> None:
-    """The REAL running master's --client_ttl (2 s here) is read from its command line (issue 13 item 5c)."""
+    """The REAL running master's --client_ttl (TEST_CLIENT_TTL here) is read from its command line
+    (issue 13 item 5c)."""
     short = _probe_ids(tmp_path, {**CONFIG, "master_server_address": mooncake_master.address})
-    assert "MCV-W103" in short and f"pid {mooncake_master.pid}" in short["MCV-W103"][0] and "2 s" in short["MCV-W103"][0]
+    assert "MCV-W103" in short and f"pid {mooncake_master.pid}" in short["MCV-W103"][0] \
+        and f"{TEST_CLIENT_TTL} s" in short["MCV-W103"][0]
     calm = start_master(workdir, client_ttl=10, name="calm_master")
     try:
         assert "MCV-W103" not in _probe_ids(tmp_path, {**CONFIG, "master_server_address": calm.address})

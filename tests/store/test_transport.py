@@ -194,3 +194,35 @@ def test_fetches_alternate_over_lanes_with_two_in_flight_each() -> None:
     assert max(per_lane.values()) - min(per_lane.values()) <= step
     for lane in t.lanes:
         lane.close()
+
+
+def test_a_late_marker_poll_opens_no_breaker_but_a_late_lookup_does() -> None:
+    """Pure logic over a stand-in store whose calls hang: the hand-off waiter asks again, so
+    its lateness is no outage (the lookup right after the wait must not find the pool shut)."""
+    import threading as _threading
+
+    from mooncake_vllm.config import load_store_config as _load
+
+    release = _threading.Event()
+
+    class Hanging:
+        def batch_is_exist(self, keys: list[str]) -> list[int]:
+            release.wait(5)
+            return [0] * len(keys)
+
+        def close(self) -> None:
+            release.set()
+
+    config = _load({"metadata_server": "P2PHANDSHAKE", "master_server_address": "127.0.0.1:1",
+                    "global_segment_size": "0", "local_buffer_size": "16MB", "protocol": "tcp"})
+    client = StoreClient(Hanging(), config, lookup_timeout=0.2)
+    try:
+        assert client.take_markers(["mcv/x/handoff/1"]) == [None]
+        assert client.stats.snapshot()["timeouts"] == 1 and client.healthy
+        release.set()
+        release.clear()
+        assert client.exists(["k"]) == [False]  # waits on the same hung call's box
+        assert not client.healthy  # a lookup past its box is an outage
+    finally:
+        release.set()
+        client.close()

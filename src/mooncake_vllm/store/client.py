@@ -376,7 +376,9 @@ class StoreClient:
                     t.remove(key)
             return out
 
-        got = t.run(t.markers, t.lookup_timeout, take)
+        # a late poll is asked again (the waiter's own bound ends the wait): it opens no
+        # breaker, which would turn the lookup right after the wait into a 0-block miss
+        got = t.run(t.markers, t.lookup_timeout, take, breaker=False)
         return [None] * len(keys) if isinstance(got, BaseException) else got
 
     # ------------------------------------------------------------------ close

@@ -128,33 +128,37 @@ class Transport:
 
     # ------------------------------------------------------------------ calls
     def run(self, box: TimeBox, timeout: float, fn: Callable[..., Any], *args: Any,
-            late: LateRelease | None = None) -> Any:
+            late: LateRelease | None = None, breaker: bool = True) -> Any:
         """A time-boxed call (an exception comes back as the value); failures of the
-        pool itself (deadline, refused, raised) open the breaker."""
+        pool itself (deadline, refused, raised) open the breaker, unless ``breaker`` is
+        false (a poll that will simply be asked again: its lateness is no outage)."""
         try:
             result = box.run(timeout, fn, *args,
                              on_done=late.returned if late is not None else None)
         except CallTimedOut as exc:
-            self.timed_out(exc, late)
+            self.timed_out(exc, late, breaker=breaker)
             return exc
         except CallRejected as exc:
-            self.rejected(exc)
+            self.rejected(exc, breaker=breaker)
             return exc
-        if isinstance(result, BaseException):
+        if isinstance(result, BaseException) and breaker:
             self.health.failed(f"{getattr(fn, '__name__', 'call')} raised {type(result).__name__}")
         return result
 
-    def timed_out(self, exc: CallTimedOut, late: LateRelease | None = None) -> None:
+    def timed_out(self, exc: CallTimedOut, late: LateRelease | None = None, *,
+                  breaker: bool = True) -> None:
         """Count a call abandoned at its deadline (its memory comes back when it returns)."""
         self.stats.add("timeouts")
         if late is not None:
             late.timed_out()
-        self.health.failed(str(exc))
+        if breaker:
+            self.health.failed(str(exc))
 
-    def rejected(self, exc: CallRejected) -> None:
+    def rejected(self, exc: CallRejected, *, breaker: bool = True) -> None:
         """Count a call refused because every worker of its box is held."""
         self.stats.add("rejected")
-        self.health.failed(str(exc))
+        if breaker:
+            self.health.failed(str(exc))
 
     def transfer_timeout(self, nbytes: int) -> float:
         """The deadline of a transfer of ``nbytes``: the op timeout plus :data:`MIN_RATE`."""
