@@ -38,7 +38,12 @@ def degraded_loop(llm: Any, docs: list[list[int]], seconds: float,
     """Pool hits back to back for ``seconds``; one record per request."""
     engine, out, t0, i = llm.llm_engine, [], time.monotonic(), 0
     while time.monotonic() - t0 < seconds:
-        llm.reset_prefix_cache()  # every request asks the pool, never vLLM's own cache
+        # every request asks the pool, never vLLM's own cache: the reset is refused while
+        # blocks are still held (a save in flight), so step until it is done
+        settle = time.monotonic()
+        while not llm.reset_prefix_cache() and time.monotonic() - settle < 30:
+            engine.step()
+            time.sleep(0.002)
         r = make_req(docs[i % len(docs)])
         start = time.monotonic() - t0
         serve(engine, [r])

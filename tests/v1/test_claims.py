@@ -17,12 +17,15 @@ class Clock:
         return self.now
 
 
-def prefill_steps(c0: float = 0.01, c1: float = 2e-5, c2: float = 1e-9) -> list[tuple[float, float, float]]:
+def prefill_steps(c0: float = 0.01, c1: float = 2e-5,
+                  c2: float = 1e-9) -> list[tuple[float, float, float, float]]:
     """Steps of a GPU-like engine: one request prefilling ``m`` tokens from position ``p``."""
     out = []
-    for p, m in [(0, 2048), (0, 8192), (2048, 2048), (0, 512), (8192, 8192), (0, 4096), (0, 1)]:
+    for p, m in [(0, 2048), (0, 8192), (2048, 2048), (0, 512), (8192, 8192), (0, 4096),
+                 (16384, 16384)]:
         work = m * (p + m / 2)
-        out.append((float(m), work, c0 + c1 * m + c2 * work))
+        out.append((float(m), work, float(p + m), c0 + c1 * m + c2 * work))
+    out.append((1.0, 5000.0, 5000.0, 0.011))  # a decode step: not a prefill sample
     return out
 
 
@@ -37,16 +40,28 @@ def advisor(clock: Clock, **rules: object) -> ClaimAdvisor:
 def test_models_recover_what_they_were_fed() -> None:
     clock = Clock()
     pm = PrefillModel(60.0)
-    for m, w, s in prefill_steps():
-        pm.add(clock(), m, w, s)
+    for m, w, reach, s in prefill_steps():
+        pm.add(clock(), m, w, s, reach)
+    assert len(pm.samples) == 7 and pm.reach == 32768  # the decode step is not kept
     c0, c1, c2 = pm.coefficients(clock())  # type: ignore[misc]
     assert c0 == pytest.approx(0.01, rel=1e-3) and c1 == pytest.approx(2e-5, rel=1e-3)
     assert c2 == pytest.approx(1e-9, rel=1e-3)
     assert pm.recompute(clock(), 0, 8192) == pytest.approx(2e-5 * 8192 + 1e-9 * 8192 * 4096)
     lm = LoadModel()
-    for t, s in loads(100_000.0, l0=0.0) + [(2048.0, 5.0)]:  # one outlier moves nothing
+    for t, s in loads(100_000.0):  # l0 5 ms: a small load costs more per token
         lm.add(clock(), t, s)
-    assert lm.seconds(10_000) == pytest.approx(0.1, rel=1e-3)
+    assert lm.seconds(10_000) == pytest.approx(0.005 + 0.1, rel=1e-3)
+    lm.add(clock(), 2048, 5.0)  # one outlier moves nothing
+    assert lm.seconds(10_000) == pytest.approx(0.005 + 0.1, rel=0.05)
+
+
+def test_a_prompt_longer_than_any_measured_prefill_is_claimed() -> None:
+    clock = Clock()
+    a = advisor(clock, explore_every=1e9)
+    a.background = False
+    a.observe(steps=[s for s in prefill_steps() if s[2] <= 8192], loads=loads(rate=20_000.0))
+    assert a.decide(0, 8192, BS).reason == "slow_pool"
+    assert a.decide(0, 16384, BS).reason == "unmeasured"  # attention is not extrapolated
 
 
 def test_unmeasured_claims_everything_then_a_slow_pool_is_declined_and_a_fast_one_claimed() -> None:

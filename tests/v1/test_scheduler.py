@@ -261,9 +261,10 @@ class _Clock:
 
 
 def _measured(policy: str, load_seconds: float, clock: _Clock) -> ClaimAdvisor:
-    """An advisor fed steps where 16 tokens cost 1 s, and loads of 16 tokens in ``load_seconds``."""
+    """An advisor fed prefill steps where 16 tokens cost 1 s, and loads of 16 tokens in
+    ``load_seconds``."""
     a = ClaimAdvisor(ClaimRules(policy, explore_every=1e9), clock=clock, background=False)
-    a.observe(steps=[(16.0, 16 * 8.0, 1.0), (8.0, 8 * 4.0, 0.5), (4.0, 4 * 2.0, 0.25)],
+    a.observe(steps=[(m, m * m / 2, m, m / 16) for m in (64.0, 128.0, 256.0)],
               loads=[(16.0, load_seconds)] * 4)
     return a
 
@@ -328,6 +329,6 @@ def test_step_work_names_tokens_and_attention_work() -> None:
     cached = SimpleNamespace(req_ids=["c"], resumed_req_ids=set(), new_block_ids=[None],
                              num_computed_tokens=[100])
     out = _output(new=[new], cached=cached, scheduled={"n": 4, "c": 1})
-    assert step_work(out) == (5.0, 4 * (8 + 2) + 1 * (100 + 0.5))
+    assert step_work(out) == (5.0, 4 * (8 + 2) + 1 * (100 + 0.5), 12.0)  # decodes reach nothing
     logic = _logic(FakePool())
     assert logic.build_connector_meta(out).step_work == step_work(out)

@@ -9,15 +9,18 @@ and a clock, so it is testable with a fake clock and made-up samples.
   are a least-squares fit over recent steps (each sample's weight halves every
   ``half_life`` seconds), so recomputing tokens ``[a, b)`` costs
   ``c1·(b-a) + c2·(b-a)·(a + (b-a)/2)``.
-* **Load model** — a load of ``t`` tokens costs ``t`` times the median seconds per
-  token of the last :data:`RECENT` loads (their transfer time, measured on the
-  worker), counting the tokens already being loaded ahead of it (one loader per
-  worker) and, for a background load, one engine step until vLLM schedules it.
+* **Load model** — a load of ``t`` tokens costs ``l0 + t/rate`` (fitted over recent
+  loads' transfer times, measured on the worker) times how much slower than that the
+  last :data:`RECENT` loads were, counting the tokens already being loaded ahead of
+  it (one loader per worker) and, for a background load, one engine step until vLLM
+  schedules it.
 * **Decision** — among prefixes of the hit (every chunk boundary, coarsened to at
   most :data:`CANDIDATES`), claim the one that saves the most time, and only if
   its load costs at most ``(1 - margin)`` of what recomputing it would. Without
-  enough samples of either kind the claim is made (the pool is assumed to pay
-  until measured). While claims are declined, a quarter of one hit is claimed
+  enough samples of either kind, or for a prompt reaching further than any
+  prefill step measured (attention makes recompute grow faster than linearly:
+  it is not extrapolated), the claim is made (the pool is assumed to pay until
+  measured). While claims are declined, a quarter of one hit is claimed
   every ``explore_every`` seconds, so a pool that recovers is measured again.
 
 ``policy``: ``auto`` (the above), ``always`` (every hit), ``never`` (none).
@@ -36,8 +39,14 @@ __all__ = ["CANDIDATES", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", 
 #: prefix lengths a decision weighs (chunk boundaries, evenly coarsened)
 CANDIDATES = 16
 _WINDOW = 256  #: prefill samples kept
-#: loads the load model predicts from
+#: loads the load model's shape is fitted to
+_LOAD_WINDOW = 32
+#: recent loads that say how much slower (or faster) the pool is now than its shape
 RECENT = 3
+#: the fewest tokens a step must schedule to teach the recompute model (decodes do not)
+MIN_PREFILL = 64
+#: beyond this multiple of the furthest position measured, recompute is not extrapolated
+REACH_MARGIN = 1.25
 
 
 @dataclass(frozen=True)
@@ -102,17 +111,29 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 class PrefillModel:
-    """Seconds of a forward step from its work (``Σm``, ``Σm·(p + m/2)``), fitted online."""
+    """Seconds of a prefill step from its work (``Σm``, ``Σm·(p + m/2)``), fitted online.
+
+    Only steps scheduling at least :data:`MIN_PREFILL` tokens are kept: decode steps
+    would fill the window and say nothing of what a long prompt costs. ``reach`` is
+    the furthest position a kept step computed: beyond it the model extrapolates.
+    """
 
     def __init__(self, half_life: float) -> None:
         self.half_life = half_life
         self.samples: deque[tuple[float, tuple[float, float, float], float]] = deque(maxlen=_WINDOW)
+        self._reach: deque[float] = deque(maxlen=_WINDOW)
         self._coef: list[float] | None = None
         self._fitted_at = -math.inf
 
-    def add(self, now: float, tokens: float, work: float, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
+    @property
+    def reach(self) -> float:
+        return max(self._reach, default=0.0)
+
+    def add(self, now: float, tokens: float, work: float, seconds: float,
+            reach: float = 0.0) -> None:
+        if tokens >= MIN_PREFILL and seconds > 0:
             self.samples.append((now, (1.0, float(tokens), float(work)), float(seconds)))
+            self._reach.append(float(reach or tokens))
             self._coef = None
 
     def coefficients(self, now: float) -> tuple[float, float, float] | None:
@@ -147,29 +168,49 @@ class PrefillModel:
 
 
 class LoadModel:
-    """Seconds per loaded token: the median of the last :data:`RECENT` loads.
+    """Seconds of a load: a shape ``l0 + tokens/rate`` fitted over the last
+    :data:`_LOAD_WINDOW` loads, times how much slower than that shape the last
+    :data:`RECENT` loads were (their median ratio).
 
-    Recent loads only, and their median: a pool that slows down (a busy holder, a
-    degraded link) shows in two loads, one that recovers in two probes, and one
-    outlier moves nothing."""
+    The shape knows that a small load costs more per token than a large one (a
+    quarter-hit probe says little about a whole hit per token); the recent factor
+    makes a pool that slows down (a busy holder, a degraded link) show in two loads,
+    and one that recovers in two probes, while one outlier moves nothing."""
 
-    def __init__(self) -> None:
-        self.samples: deque[tuple[float, float]] = deque(maxlen=RECENT)
+    def __init__(self, half_life: float = 60.0) -> None:
+        self.half_life = half_life
+        self.samples: deque[tuple[float, float, float]] = deque(maxlen=_LOAD_WINDOW)
         self.last_sample = -math.inf
 
     def add(self, now: float, tokens: float, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
-            self.samples.append((float(tokens), float(seconds)))
+            self.samples.append((now, float(tokens), float(seconds)))
             self.last_sample = now
 
-    def seconds(self, tokens: float) -> float | None:
+    def _shape(self, now: float) -> tuple[float, float]:
+        """``(l0, seconds per token)`` of the window (``l0`` 0 unless sizes vary)."""
+        rows = list(self.samples)
+        sizes = [t for _, t, _ in rows]
+        if max(sizes) >= 1.5 * min(sizes):
+            coef = _decayed_fit([(at, (1.0, t), y) for at, t, y in rows], now, self.half_life)
+            if coef is not None and coef[0] >= 0 and coef[1] > 0:
+                return coef[0], coef[1]
+        num = den = 0.0
+        for at, t, y in rows:
+            w = 0.5 ** (max(0.0, now - at) / self.half_life)
+            num, den = num + w * y, den + w * t
+        return 0.0, num / den
+
+    def seconds(self, tokens: float, now: float | None = None) -> float | None:
         """Predicted seconds to load ``tokens`` (``None``: not measured yet)."""
         if not self.samples:
             return None
-        per_token = sorted(s / t for t, s in self.samples)
-        mid = len(per_token) // 2
-        median = per_token[mid] if len(per_token) % 2 else (per_token[mid - 1] + per_token[mid]) / 2
-        return tokens * median
+        now = self.last_sample if now is None else now
+        l0, per_token = self._shape(now)
+        ratios = sorted(y / (l0 + t * per_token) for _, t, y in list(self.samples)[-RECENT:])
+        mid = len(ratios) // 2
+        factor = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        return factor * (l0 + tokens * per_token)
 
 
 class ClaimAdvisor:
@@ -181,17 +222,19 @@ class ClaimAdvisor:
         self.clock = clock
         self.background = background
         self.prefill = PrefillModel(rules.half_life)
-        self.loads = LoadModel()
+        self.loads = LoadModel(rules.half_life)
         self._declining_since: float | None = None
         self._last_explore = -math.inf
         self.counts: dict[str, int] = {}
 
     def observe(self, steps: Iterable[Sequence[float]] = (),
                 loads: Iterable[Sequence[float]] = ()) -> None:
-        """Worker measurements: steps ``(tokens, work, seconds)``, loads ``(tokens, seconds)``."""
+        """Worker measurements: steps ``(tokens, work[, reach], seconds)``, loads
+        ``(tokens, seconds)``."""
         now = self.clock()
-        for tokens, work, seconds in steps:
-            self.prefill.add(now, tokens, work, seconds)
+        for step in steps:
+            tokens, work, *reach, seconds = step
+            self.prefill.add(now, tokens, work, seconds, reach[0] if reach else 0.0)
         for tokens, seconds in loads:
             self.loads.add(now, tokens, seconds)
 
@@ -233,13 +276,15 @@ class ClaimAdvisor:
             return None
         if self.prefill.coefficients(now) is None:
             return None
+        if start + hit > REACH_MARGIN * self.prefill.reach:
+            return None  # never measured this far: claim, and learn what the load costs
         chunks = max(1, hit // max(1, chunk))
         stride = max(1, -(-chunks // CANDIDATES))
         lengths = sorted({min(chunks, k) * chunk for k in range(stride, chunks + stride, stride)})
         wait = self.prefill.step(now) if self.background else 0.0
         best: tuple[float, int, float, float] | None = None
         for tokens in lengths:
-            load = self.loads.seconds(backlog + tokens)
+            load = self.loads.seconds(backlog + tokens, now)
             recompute = self.prefill.recompute(now, start, start + tokens)
             if load is None or recompute is None:
                 return None

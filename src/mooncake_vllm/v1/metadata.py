@@ -52,6 +52,6 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     #: the step schedules no token (every request waits, e.g. for its background
     #: load): the workers may block briefly in ``get_finished`` for a load to end
     idle_step: bool = False
-    #: the step's work (scheduled tokens, attention work): the workers time the step
-    #: and report both to the claim policy (:mod:`~mooncake_vllm.v1.perf`)
-    step_work: tuple[float, float] | None = None
+    #: the step's work (scheduled tokens, attention work, furthest prefill position):
+    #: the workers time the step and report both to the claim policy (:mod:`~mooncake_vllm.v1.perf`)
+    step_work: tuple[float, float, float] | None = None

@@ -1,7 +1,7 @@
 """What the claim policy learns from a worker: how long its forward steps and loads took.
 
 The scheduler names each step's work in the metadata (``step_work``: scheduled
-tokens ``Σm`` and attention work ``Σm·(p + m/2)``); the worker times the step
+tokens ``Σm``, attention work ``Σm·(p + m/2)`` and the furthest position computed); the worker times the step
 from ``start_load_kv`` to ``wait_for_save`` — on CUDA with events on vLLM's
 stream (GPU time, read once the events completed, never waited for), on the host
 with the clock — and each load's transfer. Samples go to the scheduler with the
@@ -33,8 +33,8 @@ class StepTimer:
         self._device = cuda_device
         self._clock = clock
         self._lock = threading.Lock()
-        self._open: tuple[float, float, Any] | None = None  # tokens, work, start mark
-        self._unread: deque[tuple[float, float, Any, Any]] = deque(maxlen=MAX_PENDING)
+        self._open: tuple[tuple[float, ...], Any] | None = None  # the step's work, start mark
+        self._unread: deque[tuple[tuple[float, ...], Any, Any]] = deque(maxlen=MAX_PENDING)
         self._steps: list[list[float]] = []
         self._loads: list[list[float]] = []
 
@@ -47,19 +47,20 @@ class StepTimer:
         event.record(torch.cuda.current_stream(self._device))
         return event
 
-    def step_began(self, work: tuple[float, float] | None) -> None:
-        """``start_load_kv``: the forward of a step with this work follows."""
-        self._open = (work[0], work[1], self._mark()) if work and work[0] > 0 else None
+    def step_began(self, work: tuple[float, ...] | None) -> None:
+        """``start_load_kv``: the forward of a step with this work (the scheduler's
+        ``step_work``: tokens first) follows."""
+        self._open = (tuple(map(float, work)), self._mark()) if work and work[0] > 0 else None
 
     def step_ended(self) -> None:
         """``wait_for_save``: the forward pass of the open step has been issued (or ran)."""
         if self._open is None:
             return
-        tokens, work, start = self._open
+        work, start = self._open
         self._open = None
         end = self._mark()
         with self._lock:
-            self._unread.append((tokens, work, start, end))
+            self._unread.append((work, start, end))
 
     def load_done(self, tokens: int, seconds: float, loaded: int | None = None) -> None:
         """One load's transfer (loader thread or ``start_load_kv``) of ``tokens``, of which
@@ -77,7 +78,7 @@ class StepTimer:
         """Steps whose timing is known (CUDA: events completed) and loads since the last call."""
         with self._lock:
             while self._unread:
-                tokens, work, start, end = self._unread[0]
+                work, start, end = self._unread[0]
                 if self._device is None:
                     seconds = end - start
                 elif end.query():
@@ -86,6 +87,6 @@ class StepTimer:
                     break  # still running on the GPU: next time
                 self._unread.popleft()
                 if len(self._steps) < MAX_PENDING:
-                    self._steps.append([tokens, work, seconds])
+                    self._steps.append([*work, seconds])
             steps, loads, self._steps, self._loads = self._steps, self._loads, [], []
         return {"steps": steps, "loads": loads} if steps or loads else None

@@ -373,18 +373,21 @@ class SchedulerLogic:
             self.handoffs.waiter.close()
 
 
-def step_work(scheduler_output: Any) -> tuple[float, float]:
-    """``(Σm, Σm·(p + m/2))`` over the step's requests (``m`` tokens scheduled from ``p``)."""
+def step_work(scheduler_output: Any) -> tuple[float, float, float]:
+    """``(Σm, Σm·(p + m/2), reach)`` over the step's requests (``m`` tokens scheduled from
+    ``p``); ``reach``: the furthest position a prefill (``m > 1``) of the step computes."""
     scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
     cached = scheduler_output.scheduled_cached_reqs
     pairs = [(new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs]
     pairs += list(zip(cached.req_ids, cached.num_computed_tokens))
-    tokens = work = 0.0
+    tokens = work = reach = 0.0
     for req_id, computed in pairs:
         m = scheduled.get(req_id, 0)
         tokens += m
         work += m * (computed + m / 2)
-    return tokens, work
+        if m > 1:
+            reach = max(reach, float(computed + m))
+    return tokens, work, reach
 
 
 def _waiting_for_remote_kvs(request: Any) -> bool:
