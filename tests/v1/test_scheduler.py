@@ -332,3 +332,18 @@ def test_step_work_names_tokens_and_attention_work() -> None:
     assert step_work(out) == (5.0, 4 * (8 + 2) + 1 * (100 + 0.5), 12.0)  # decodes reach nothing
     logic = _logic(FakePool())
     assert logic.build_connector_meta(out).step_work == step_work(out)
+
+
+def test_a_declined_claim_does_not_save_again_what_the_pool_has() -> None:
+    clock = _Clock()
+    keys = chunk_keys(_ns(), TOKENS)
+    pool = FakePool(set(keys[:3]))  # 3 of the 4 full chunks are in the pool
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           claims=_measured("auto", 5.0, clock), clock=clock)
+    req = _request("r", TOKENS)
+    assert logic.get_num_new_matched_tokens(req, 0) == (0, False)  # slow pool: recompute
+    new = SimpleNamespace(req_id="r", num_computed_tokens=0, block_ids=([0, 1, 2, 3, 4],))
+    meta = logic.build_connector_meta(_output(new=[new], scheduled={"r": 18}))
+    assert [(j.digests, j.block_ids) for j in meta.saves] == \
+        [([k.rsplit("/", 1)[1] for k in keys[3:4]], [3])]  # only the chunk the pool lacks
+    assert logic.counters["local_hit_chunks_not_saved"] == 3

@@ -318,6 +318,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         out: dict[str, int] = {}
         if self.scheduler is not None:
             out.update({f"scheduler_{k}": v for k, v in self.scheduler.counters.items()})
+            out["scheduler_loading_tokens"] = self.scheduler.loading_tokens()
         if self.worker is not None:
             out.update({f"worker_{k}": v for k, v in self.worker.counters.items()})
         client = self.shared.get()

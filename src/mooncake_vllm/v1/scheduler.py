@@ -72,6 +72,10 @@ class RequestState:
     #: chunks [0, local_upto) are vLLM's own prefix-cache hits: this instance saved them
     #: when it computed them (or loaded them from the pool), so they are not captured again
     local_upto: int = 0
+    #: chunks [0, present_upto) the last lookup found in the pool; a declined claim
+    #: recomputes them, and saving them again would only copy 2 GB for a 16k prompt
+    #: beside the next load (measured on the H200: loads then took 2-3x as long)
+    present_upto: int = 0
     has_saves: bool = False
     #: tokens computed once the planned load lands; cleared when vLLM schedules them
     promised: int = 0
@@ -169,6 +173,8 @@ class SchedulerLogic:
         self.handoffs.after_lookup(st.req_id, start + hits)
         if hits == 0:
             return 0, False
+        if not self.handoffs.asked(st.req_id):  # a hand-off's decode reads every chunk
+            st.present_upto = max(st.present_upto, start + hits)
         hits = self._claim(start, hits)
         if hits == 0:
             return 0, False
@@ -192,7 +198,7 @@ class SchedulerLogic:
     def _claim(self, start: int, hits: int) -> int:
         """How many of ``hits`` chunks from chunk ``start`` to claim (:mod:`.claims`)."""
         bs = self.block_size
-        backlog = sum(tokens for tokens, _ in self._inflight_tokens.values())
+        backlog = self.loading_tokens()
         decision = self.claims.decide(start * bs, hits * bs, bs, backlog)
         if decision.reason == "explore":
             self.counters["claim_probes"] += 1
@@ -209,6 +215,11 @@ class SchedulerLogic:
                     "(more holders and store_clients make it faster; load_policy always claims "
                     "regardless)"))
         return decision.tokens // bs
+
+    def loading_tokens(self) -> int:
+        """Tokens of this instance's background loads not yet reported over (the backlog a
+        new claim waits behind)."""
+        return sum(tokens for tokens, _ in self._inflight_tokens.values())
 
     def observe_perf(self, perf: Any) -> None:
         """Step and load timings the workers measured (``PoolStats.data["perf"]``)."""
@@ -330,7 +341,8 @@ class SchedulerLogic:
                    block_state: Any) -> None:
         end = min(done_tokens, st.prompt_len) // self.block_size
         begin = max(st.saved_upto, st.loaded_upto)
-        local = min(st.local_upto, end) - begin  # vLLM's own prefix-cache hits: saved before
+        # vLLM's own prefix-cache hits (saved before) and chunks the pool has (a declined claim)
+        local = min(max(st.local_upto, st.present_upto), end) - begin
         if local > 0:
             self.counters["local_hit_chunks_not_saved"] += local
             begin = st.saved_upto = begin + local
