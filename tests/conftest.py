@@ -29,8 +29,12 @@ from mooncake_vllm.services import (
     started,
     stop_all,
 )
+from mooncake_vllm.stats import STRICT_ENV
 
 T = TypeVar("T")
+
+#: counting an undeclared counter name raises, in every test and every engine a test starts
+os.environ.setdefault(STRICT_ENV, "1")
 
 #: client_ttl of the test masters: dead clients are noticed within ~2 s.
 TEST_CLIENT_TTL = 2
