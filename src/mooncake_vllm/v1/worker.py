@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.keys import KeyNamespace, handoff_key
 from mooncake_vllm.layout import BlockLayout
@@ -50,6 +50,9 @@ from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
 from mooncake_vllm.v1.perf import StepTimer
+
+if TYPE_CHECKING:
+    from mooncake_vllm.v1.client import ClientSource
 
 __all__ = ["COUNTERS", "WorkerLogic"]
 
@@ -82,7 +85,8 @@ class _Marker:
 class WorkerLogic:
     """Per-worker loads, saves and save-completion tracking."""
 
-    def __init__(self, namespace: KeyNamespace, expected: ExpectedLayout, client_source: Any, *,
+    def __init__(self, namespace: KeyNamespace, expected: ExpectedLayout,
+                 client_source: ClientSource, *,
                  can_load: bool, can_save: bool, queue_size: int = 64,
                  save_deadline: float = 30.0, preempt_wait: float = 1.0,
                  clock: Any = time.monotonic, gpu_path: str = "auto",
@@ -90,7 +94,7 @@ class WorkerLogic:
         self.namespace = namespace
         self.prefix = namespace.prefix()
         self.expected = expected
-        self.source = client_source  # .get() -> StoreClient | None, .on_connect(cb)
+        self.source = client_source
         self.can_load = can_load
         self.can_save = can_save and namespace.stores  # MLA: only TP rank 0 puts
         self.gpu_path = gpu_path
