@@ -29,8 +29,12 @@ from mooncake_vllm.services import (
     started,
     stop_all,
 )
+from mooncake_vllm.stats import STRICT_ENV
 
 T = TypeVar("T")
+
+#: counting an undeclared counter name raises, in every test and every engine a test starts
+os.environ.setdefault(STRICT_ENV, "1")
 
 #: client_ttl of the test masters: dead clients are noticed within ~5 s, and a holder starved
 #: of CPU for a few seconds on a loaded 2-core box is not declared dead (with 2 s it was:

@@ -23,6 +23,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "TooLargeError",
+    "UndeclaredCounterError",
     "UnsafeHashingError",
     "UnsupportedModelError",
     "UnsupportedVersionError",
@@ -138,3 +139,8 @@ class CallTimedOut(TimeoutError):
 
 class CallRejected(ConnectionError):
     """A Mooncake call was refused: every worker of its box is busy with unanswered calls."""
+
+
+class UndeclaredCounterError(KeyError):
+    """A counter name its counters never declared (raised only when counters are strict:
+    ``$MOONCAKE_VLLM_STRICT_COUNTERS``, which the test suite sets)."""

@@ -9,12 +9,15 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from tests.md_services import HERE, child_env, free_port, readline, stop
+from tests.store.configs import client_config
 
+from mooncake_vllm.config import load_store_config
 from mooncake_vllm.errors import StoreUnavailableError
-from mooncake_vllm.store import bridge
+from mooncake_vllm.store import StoreClient, bridge
 from mooncake_vllm.metadata.backends import backend_for, http_request
 from mooncake_vllm.store.bridge import mooncake_supports_redis, resolve_metadata_url
 
@@ -152,3 +155,26 @@ def test_forked_child_leaves_the_parents_bridge_alone(md_redis_url: str) -> None
     finally:
         bridge.release_bridge(url)
     assert proc.wait(10) == 0
+
+
+def test_redis_metadata_goes_through_the_bridge(
+        mooncake_master, redis_server: str, workdir: Path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    """A seed-style config with redis:// metadata works with the PyPI wheel (no exit 134)."""
+    holder_cfg = client_config(workdir, mooncake_master.address, redis_server)
+    data = json.loads(holder_cfg.read_text()) | {"global_segment_size": "64MB"}
+    holder_cfg.write_text(json.dumps(data))
+    with caplog.at_level("WARNING"):
+        holder = StoreClient.connect(load_store_config(holder_cfg))
+    assert any("redis" in r.getMessage() for r in caplog.records)
+    try:
+        assert holder.put_value("mcv-test/redis", b"via the bridge")
+        reader = StoreClient.connect(load_store_config(client_config(
+            workdir, mooncake_master.address, redis_server)))
+        assert reader.get_value("mcv-test/redis") == b"via the bridge"
+        reader.close()
+        import redis as redis_lib
+
+        keys = redis_lib.Redis.from_url(redis_server).keys("mooncake/*")
+        assert any(k.startswith(b"mooncake/ram/") for k in keys)  # entries live in redis
+    finally:
+        holder.close()

@@ -12,7 +12,7 @@ import torch
 
 from mooncake_vllm.codec import HEADER_SIZE
 from mooncake_vllm.layout import BlockLayout
-from mooncake_vllm.store.mover import BlockMover, _copy_by_runs, _id_runs
+from mooncake_vllm.store.mover import BlockMover, _copy_by_runs, _id_runs, checksums_on_device
 from mooncake_vllm.store.slots import SlotPool
 
 NB = 24
@@ -55,3 +55,16 @@ def test_runs_and_the_choice_of_copy() -> None:
     assert _copy_by_runs([(0, 0, 8)], 8, (4, 1, 1024))  # one long run of small pieces
     assert not _copy_by_runs([(i, i * 2, 1) for i in range(8)], 8, (4, 1, 1024))
     assert _copy_by_runs([(i, i * 2, 1) for i in range(8)], 8, (4, 1, 64 << 10))
+
+
+def test_only_cuda_blocks_of_whole_words_are_checksummed_on_device() -> None:
+    host = BlockLayout.from_kv_caches([torch.zeros((2, 4, 16, 2, 8))])
+    assert host.seg_nbytes % 8 == 0 and not checksums_on_device(host)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, whole", [(8, True), (3, False)])
+def test_cuda_blocks_are_checksummed_on_device_when_whole_words(head_dim: int,
+                                                                 whole: bool) -> None:
+    kv = [torch.zeros((2, 4, 1, 1, head_dim), dtype=torch.float16, device="cuda")]
+    assert checksums_on_device(BlockLayout.from_kv_caches(kv)) is whole

@@ -15,6 +15,7 @@ from mooncake_vllm.keys import KeyNamespace, RequestExtras, chunk_keys
 from mooncake_vllm.v1.namespace import RankNamespaces
 from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.scheduler import MAX_SHARED_WAIT, SchedulerLogic, step_work
+from mooncake_vllm.v1.telemetry import Telemetry
 
 BS = 4
 
@@ -90,6 +91,19 @@ def test_lookup_needs_every_tp_rank() -> None:
     logic = _logic(pool, ranks=(r0, r1))
     assert logic.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (8, False)
     assert len(pool.calls) == 1 and len(pool.calls[0]) == 8  # one query, both ranks
+
+
+def test_a_scheduler_built_on_its_telemetrys_lookup_is_timed() -> None:
+    pool = FakePool()
+    telemetry = Telemetry(SimpleNamespace(get=lambda: None), SimpleNamespace())
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, telemetry.timed_lookup(pool),
+                           can_load=True, can_save=True)
+    telemetry.attach_scheduler(logic)
+    logic.get_num_new_matched_tokens(_request("r", TOKENS), 0)
+    stats = telemetry.take_stats()
+    assert stats is not None and len(pool.calls) == 1
+    assert stats.data["counters"]["lookups"] == 1 and len(stats.data["latency"]["lookup"]) == 1
+    assert stats.data["pool_up"] == {"scheduler": 0}
 
 
 def test_extras_change_keys() -> None:

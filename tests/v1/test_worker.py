@@ -11,6 +11,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from mooncake_vllm.store import SaveTicket, StoreClient
 from mooncake_vllm.v1.client import SharedClient
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout
+from mooncake_vllm.v1.telemetry import Telemetry
 from mooncake_vllm.v1.worker import WorkerLogic
 
 SHAPE = (16, 2, 4, 64)  # blocks, kv heads, block size, 2*head
@@ -311,6 +313,26 @@ def test_round_trip_through_a_real_pool(pool: SharedClient, workers: Any) -> Non
         # the missing block was left as it was, every other block untouched too
         assert np.array_equal(dst[name][4:], before[name][4:])
         assert np.array_equal(dst[name][0], before[name][0])
+
+
+def test_a_worker_built_on_its_telemetrys_source_is_metered(pool: SharedClient,
+                                                            workers: Any) -> None:
+    """The connector builds Telemetry first and hands the worker its metered source."""
+    ns = _ns("metered")
+    telemetry = Telemetry(pool, SimpleNamespace(), worker=ns)
+    saver = WorkerLogic(ns, EXPECTED, telemetry.source, can_load=True, can_save=True)
+    telemetry.attach_worker(saver)
+    workers(saver)
+    saver.register_kv_caches(_cache(3))
+    digests = [f"{i:032x}" for i in range(2)]
+    saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("s", digests, [1, 2])]))
+    _wait_idle(saver, 10)
+    saver.start_load_kv(MooncakeConnectorMetadata(loads=[BlockJob("l", digests, [3, 4])]))
+    stats = telemetry.take_stats()
+    assert stats is not None and telemetry.meter.who == "tp0-pp0"
+    assert stats.data["counters"]["saved_blocks"] == 2
+    assert stats.data["counters"]["loaded_blocks"] == 2
+    assert set(stats.data["latency"]) == {"save", "load"}
 
 
 #: a cache whose per-layer block pieces (512 KiB) are saved zero-copy, not coalesced

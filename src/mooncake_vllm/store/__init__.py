@@ -9,7 +9,13 @@
 ``slots``          registered staging memory in block-sized slots
 ``mover``          torch gather/scatter between KV cache and slots (host or CUDA)
 ``paths``          per-layout save capture and load verification
+``transport``      the store handles ("lanes"), their time boxes, health and stats
+``fetch``          staged loads: pipelined gets into slots, host verification
+``direct``         GPU zero-copy loads straight into the KV blocks
+``puts``           puts of a captured save, striped over the lanes
 ``client``         :class:`StoreClient`, the one client both engines use
+``bridge``         redis:// metadata for wheels without redis
+``namespaces``     register a key namespace in the pool; clear one
 =================  ==========================================================
 """
 

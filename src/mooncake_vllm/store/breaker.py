@@ -31,8 +31,9 @@ class Breaker:
     def current_cooldown(self) -> float:
         return min(self.max_cooldown, self.cooldown * (2 ** max(0, self.trips - 1)))
 
-    def allows(self, now: float) -> bool:
-        """Whether a normal call may go to the pool now (only when closed)."""
+    def allows(self) -> bool:
+        """Whether a normal call may go to the pool: only when closed, however long it
+        has been open (only a successful probe, :meth:`reset`, closes it)."""
         return self.opened_at is None
 
     def probe_due(self, now: float) -> bool:

@@ -37,6 +37,7 @@ from mooncake_vllm.store.connect import open_store
 from mooncake_vllm.store.direct import get_direct
 from mooncake_vllm.store.fetch import get_staged
 from mooncake_vllm.store.health import FailureLog, PoolHealth
+from mooncake_vllm.store.mover import checksums_on_device
 from mooncake_vllm.store.paths import LayoutPaths, SaveTicket, StagingSizes, choose_gpu_path
 from mooncake_vllm.store.puts import put_ticket
 from mooncake_vllm.store.timebox import TimeBox
@@ -180,7 +181,7 @@ class StoreClient:
             path, why = choose_gpu_path(
                 gpu_path, protocol=self.config.protocol, cuda_build=self._cuda_build(),
                 multi_buffer=self._multi and hasattr(store, "batch_get_into_multi_buffers"),
-                whole_words=layout.seg_nbytes % 8 == 0)
+                whole_words=checksums_on_device(layout))
             if path == "zero_copy" and not self._register_kv(layout, register):
                 path, why = "staged", "Mooncake refused to register the KV cache's CUDA memory"
             direct = path == "zero_copy"

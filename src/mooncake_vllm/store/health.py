@@ -43,7 +43,7 @@ class PoolHealth:
         """Whether a call may go to the pool now; starts a probe when one is due."""
         with self._lock:
             breaker = self.breaker
-            if breaker.allows(self._clock()):
+            if breaker.allows():
                 return True
             if breaker.probe_due(self._clock()) and self._prober is None and not self._closed:
                 self._prober = threading.Thread(target=self._run_probe, name="mcv-probe",

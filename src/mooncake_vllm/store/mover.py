@@ -33,7 +33,7 @@ from mooncake_vllm.codec import HEADER_SIZE
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.store.slots import Run, SlotPool
 
-__all__ = ["BlockMover", "CopyFence", "DEVICE_STAGE_BYTES"]
+__all__ = ["BlockMover", "CopyFence", "DEVICE_STAGE_BYTES", "checksums_on_device"]
 
 #: device staging per direction (each copy is cut into pieces of this size)
 DEVICE_STAGE_BYTES = 256 << 20
@@ -89,6 +89,12 @@ class CopyFence:
         return running
 
 
+def checksums_on_device(layout: BlockLayout) -> bool:
+    """Whether the GPU can checksum ``layout``'s blocks in place (wsum64 over whole 8-byte
+    words of KV in CUDA memory): what GPU zero-copy needs."""
+    return layout.on_cuda and layout.seg_nbytes % 8 == 0
+
+
 class BlockMover:
     """Gather blocks into slots and scatter slots into blocks, for one layout."""
 
@@ -114,11 +120,6 @@ class BlockMover:
             self.load_stage = torch.empty_like(self.save_stage)
         self._words: list[Any] | None = None
         self._weights: Any = None
-
-    @property
-    def can_checksum_on_device(self) -> bool:
-        """Whether blocks can be checksummed in place (CUDA, whole 8-byte words)."""
-        return self.cuda and self.layout.seg_nbytes % 8 == 0
 
     # ------------------------------------------------------------------ helpers
     def _payload(self, rows: Any) -> Any:

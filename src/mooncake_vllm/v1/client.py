@@ -12,19 +12,33 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.errors import StoreUnavailableError
 from mooncake_vllm.store import StoreClient
 from mooncake_vllm.v1.placement import off_compute_cores
 
-__all__ = ["SharedClient", "shared_client"]
+__all__ = ["ClientSource", "SharedClient", "shared_client"]
 
 log = logging.getLogger(__name__)
 
 _RETRY_SECONDS = 15.0
 _registry: dict[StoreConfig, SharedClient] = {}
 _registry_lock = threading.Lock()
+
+
+class ClientSource(Protocol):
+    """Where a connector side gets its store client (:class:`SharedClient`, or a wrapper
+    of one such as :class:`~mooncake_vllm.v1.metrics.MeteredSource`)."""
+
+    def get(self) -> StoreClient | None:
+        """The connected client, or ``None`` while the pool is away; never blocks long."""
+        ...
+
+    def on_connect(self, callback: Callable[[StoreClient], None]) -> None:
+        """Run ``callback(client)`` now if connected, else once a connection succeeds."""
+        ...
 
 
 class SharedClient:

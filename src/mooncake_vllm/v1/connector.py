@@ -152,9 +152,11 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                 ktc.kv_load_failure_policy = "recompute"
             waits = self.can_load and _installed_fact("deferred_lookup")
             load_async = settings.load_async and _installed_fact("load_error_reporting")
+            self.telemetry = Telemetry(self.shared, vllm_config)
             self.scheduler = SchedulerLogic(rank_namespaces(vllm_config, settings, tenant=tenant),
                                             block_size,
-                                            self._lookup, can_load=self.can_load,
+                                            self.telemetry.timed_lookup(self._lookup),
+                                            can_load=self.can_load,
                                             can_save=self.can_save,
                                             load_async=load_async,
                                             waiter=MarkerWaiter(store_probe(self.shared))
@@ -164,6 +166,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                             claims=ClaimAdvisor(ClaimRules(settings.load_policy),
                                                                 background=load_async),
                                             can_defer=_installed_fact("deferred_lookup"))
+            self.telemetry.attach_scheduler(self.scheduler, kv_cache_config)
             self._announce(self.scheduler.namespaces.namespaces[0])
             namespaces = self.scheduler.namespaces.namespaces
             self.shared.on_connect(lambda client: register_namespaces(client, namespaces,
@@ -173,13 +176,14 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             (namespace,) = rank_namespaces(vllm_config, settings, tenant=tenant,
                                            only=(tp_rank, pp_rank)).namespaces
             layout = expected_layout(vllm_config, pp_rank, variant=settings.layout_variant)
+            self.telemetry = Telemetry(self.shared, vllm_config, worker=namespace)
             self.worker = WorkerLogic(namespace, layout,
-                                      self.shared, can_load=self.can_load,
+                                      self.telemetry.source, can_load=self.can_load,
                                       can_save=self.can_save,
                                       queue_size=settings.save_queue_size,
                                       gpu_path=settings.gpu_path,
                                       store_clients=settings.clients_for_worker())
-        self.telemetry = Telemetry(self, vllm_config, kv_cache_config)
+            self.telemetry.attach_worker(self.worker)
         self.shared.start()
         INSTANCES.add(self)
 

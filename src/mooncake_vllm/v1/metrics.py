@@ -19,9 +19,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.stats import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from mooncake_vllm.v1.client import ClientSource
 
 try:  # vLLM >= 0.11.0 (fact connector_metrics)
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats as _StatsBase
@@ -121,7 +124,7 @@ class PoolStats(_StatsBase):
         return out
 
 
-def pool_up(source: Any) -> int:
+def pool_up(source: ClientSource) -> int:
     """1 while the source's client is connected and its breaker closed, else 0 (never blocks)."""
     client = source.get()
     if client is None:
@@ -230,9 +233,10 @@ class _MeteredClient:
 
 
 class MeteredSource:
-    """Wraps the worker's client source: every client it hands out is metered."""
+    """Wraps the worker's client source: every client it hands out is metered
+    (a :class:`~mooncake_vllm.v1.client.ClientSource` itself)."""
 
-    def __init__(self, source: Any, meter: Meter, events: Any = None) -> None:
+    def __init__(self, source: ClientSource, meter: Meter, events: Any = None) -> None:
         self._source = source
         self._meter = meter
         self._events = events

@@ -42,13 +42,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_vllm.keys import RequestExtras, chunk_digests
+from mooncake_vllm.stats import CounterNames, Counters
 from mooncake_vllm.store.health import FailureLog
 from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, request_extras
 
-__all__ = ["MAX_SHARED_WAIT", "RequestState", "SchedulerLogic", "step_work"]
+__all__ = ["COUNTERS", "MAX_SHARED_WAIT", "RequestState", "SchedulerLogic", "step_work"]
 
 Lookup = Callable[[Sequence[str]], Sequence[bool]]
 
@@ -56,6 +57,12 @@ log = logging.getLogger(__name__)
 
 #: longest a request waits for another request's load of its chunks (then it looks up)
 MAX_SHARED_WAIT = 30.0
+#: :attr:`SchedulerLogic.counters` (``handoff_*``: counted by :mod:`~mooncake_vllm.v1.handoff`)
+COUNTERS = CounterNames(
+    initial=("lookups", "hit_tokens", "load_jobs", "save_jobs", "local_hit_chunks_not_saved",
+             "declined_tokens", "claims_declined_slow_pool", "claims_declined_never",
+             "claim_probes", "waits_for_shared_load"),
+    later=frozenset({"failed_loads_not_retried"}), families=(r"handoff_[a-z_]+",))
 
 
 @dataclass
@@ -106,10 +113,7 @@ class SchedulerLogic:
         self.requests: dict[str, RequestState] = {}
         self._loads: list[BlockJob] = []
         self._delayed_loads: set[str] = set()
-        self.counters = {"lookups": 0, "hit_tokens": 0, "load_jobs": 0, "save_jobs": 0,
-                         "local_hit_chunks_not_saved": 0, "declined_tokens": 0,
-                         "claims_declined_slow_pool": 0, "claims_declined_never": 0,
-                         "claim_probes": 0, "waits_for_shared_load": 0}
+        self.counters = Counters(COUNTERS)
         self.claims = claims or ClaimAdvisor(ClaimRules("always"))
         #: the release answers ``None`` = ask again later (fact deferred_lookup)
         self.can_defer = can_defer

@@ -2,13 +2,20 @@
 
 The connector's vLLM hooks (``get_kv_connector_stats``, ``get_kv_connector_kv_cache_events``,
 ``update_connector_output``, ``take_events``) delegate here; this is the only
-place that knows which side carries what.
+place that knows which side carries what. Built before its side's logic: the
+connector hands :class:`~mooncake_vllm.v1.scheduler.SchedulerLogic` the timed
+lookup (:meth:`Telemetry.timed_lookup`) and
+:class:`~mooncake_vllm.v1.worker.WorkerLogic` the metered client source
+(:attr:`Telemetry.source`), then ``attach_scheduler`` / ``attach_worker`` name the
+logic it reads.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from mooncake_vllm.keys import KeyNamespace
 
 from mooncake_vllm.v1.events import PoolKVEvents, SchedulerEvents, WorkerEvents, kv_events_wanted
 from mooncake_vllm.v1.metrics import (
@@ -20,33 +27,50 @@ from mooncake_vllm.v1.metrics import (
     worker_counters,
 )
 
+if TYPE_CHECKING:
+    from mooncake_vllm.v1.client import ClientSource
+    from mooncake_vllm.v1.scheduler import Lookup, SchedulerLogic
+    from mooncake_vllm.v1.worker import WorkerLogic
+
 __all__ = ["Telemetry"]
 
 log = logging.getLogger(__name__)
 
 
 class Telemetry:
-    """Stats and KV events of one connector (scheduler or worker side)."""
+    """Stats and KV events of one connector side: the scheduler's, or (``worker``: its
+    rank's namespace) a worker's."""
 
-    def __init__(self, connector: Any, vllm_config: Any, kv_cache_config: Any = None) -> None:
-        self.scheduler = connector.scheduler
-        self.worker = connector.worker
-        self.shared = connector.shared
+    def __init__(self, shared: ClientSource, vllm_config: Any, *,
+                 worker: KeyNamespace | None = None) -> None:
+        self.shared = shared
+        self.scheduler: SchedulerLogic | None = None
+        self.worker: WorkerLogic | None = None
         self.scheduler_events: SchedulerEvents | None = None
         self.worker_events: WorkerEvents | None = None
-        events = kv_events_wanted(vllm_config)
-        if self.scheduler is not None:
-            self.meter = Meter("scheduler")
-            self.scheduler.lookup = self.meter.timed("lookup", self.scheduler.lookup)
-            if events:
-                self.scheduler_events = _scheduler_events(self.scheduler, kv_cache_config)
-        else:
-            ns = self.worker.namespace
-            self.meter = Meter(f"tp{ns.tp_rank}-pp{ns.pp_rank}")
-            if events:
+        self._events = kv_events_wanted(vllm_config)
+        self.meter = Meter("scheduler" if worker is None else
+                           f"tp{worker.tp_rank}-pp{worker.pp_rank}")
+        #: the worker's client source: every client it hands out is metered
+        self.source: MeteredSource | None = None
+        if worker is not None:
+            if self._events:
                 self.worker_events = WorkerEvents(self.meter.who)
-            self.source = MeteredSource(self.worker.source, self.meter, self.worker_events)
-            self.worker.source = self.source
+            self.source = MeteredSource(shared, self.meter, self.worker_events)
+
+    def timed_lookup(self, lookup: Lookup) -> Lookup:
+        """The scheduler's lookup callable, each call's duration recorded."""
+        return self.meter.timed("lookup", lookup)
+
+    def attach_scheduler(self, scheduler: SchedulerLogic, kv_cache_config: Any = None) -> None:
+        """The scheduler side's logic (built with :meth:`timed_lookup`)."""
+        self.scheduler = scheduler
+        if self._events:
+            self.scheduler_events = _scheduler_events(scheduler, kv_cache_config)
+
+    def attach_worker(self, worker: WorkerLogic) -> None:
+        """The worker side's logic (built with :attr:`source`)."""
+        self.worker = worker
 
     # ------------------------------------------------------------------ stats
     def take_stats(self) -> PoolStats | None:

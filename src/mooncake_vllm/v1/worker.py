@@ -39,18 +39,22 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.handoff_protocol import handoff_key, marker_value
 from mooncake_vllm.keys import KeyNamespace
 from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.stats import CounterNames, Counters
 from mooncake_vllm.v1.placement import off_compute_cores
 from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
 from mooncake_vllm.v1.perf import StepTimer
 
-__all__ = ["WorkerLogic"]
+if TYPE_CHECKING:
+    from mooncake_vllm.v1.client import ClientSource
+
+__all__ = ["COUNTERS", "WorkerLogic"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,14 @@ _STOP = object()
 #: load runs: the engine thread would otherwise spin through empty steps holding the
 #: GIL and starve the loader thread (a 1k-token CPU hit took ~0.9 s instead of ~0.2 s)
 IDLE_STEP_WAIT = 0.005
+#: :attr:`WorkerLogic.counters`
+COUNTERS = CounterNames(initial=(
+    "loaded_blocks", "failed_blocks", "saved_blocks",
+    "copy_fences",  # snapshot copies vLLM's stream did not wait for
+    "copy_fences_waited",  # ... still running when the blocks were freed
+    "save_jobs", "dropped_jobs", "cancelled_jobs",
+    "dropped_blocks",  # planned saves that never reached the pool
+    "holds_expired", "handoff_markers", "handoff_markers_failed"))
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,8 @@ class _Marker:
 class WorkerLogic:
     """Per-worker loads, saves and save-completion tracking."""
 
-    def __init__(self, namespace: KeyNamespace, expected: ExpectedLayout, client_source: Any, *,
+    def __init__(self, namespace: KeyNamespace, expected: ExpectedLayout,
+                 client_source: ClientSource, *,
                  can_load: bool, can_save: bool, queue_size: int = 64,
                  save_deadline: float = 30.0, preempt_wait: float = 1.0,
                  clock: Any = time.monotonic, gpu_path: str = "auto",
@@ -81,7 +94,7 @@ class WorkerLogic:
         self.namespace = namespace
         self.prefix = namespace.prefix()
         self.expected = expected
-        self.source = client_source  # .get() -> StoreClient | None, .on_connect(cb)
+        self.source = client_source
         self.can_load = can_load
         self.can_save = can_save and namespace.stores  # MLA: only TP rank 0 puts
         self.gpu_path = gpu_path
@@ -107,13 +120,14 @@ class WorkerLogic:
         self._received: set[str] = set()  # background loads over, not yet reported
         self._loads: BackgroundLoads | None = None
         self._fences: dict[str, list[Any]] = {}  # req_id -> CopyFences not yet ordered
-        self.counters = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
-                         "copy_fences": 0,  # snapshot copies vLLM's stream did not wait for
-                         "copy_fences_waited": 0,  # ... still running when the blocks were freed
-                         "save_jobs": 0, "dropped_jobs": 0, "cancelled_jobs": 0,
-                         "dropped_blocks": 0,  # planned saves that never reached the pool
-                         "holds_expired": 0, "handoff_markers": 0, "handoff_markers_failed": 0}
+        #: read freely; counted only through :meth:`_count` (engine and save threads)
+        self.counters = Counters(COUNTERS)
         self._thread: threading.Thread | None = None
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        """Add to a counter (under the lock: the engine and save threads both count)."""
+        with self._cond:  # reentrant: callers may hold it
+            self.counters[name] += amount
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: Any) -> None:
@@ -168,8 +182,7 @@ class WorkerLogic:
                         len(block_ids), exc)
             ok = [False] * len(block_ids)
         failed = [b for b, good in zip(block_ids, ok) if not good]
-        with self._cond:
-            self.counters["loaded_blocks"] += len(block_ids) - len(failed)
+        self._count("loaded_blocks", len(block_ids) - len(failed))
         if failed:
             self._fail(failed)
 
@@ -192,8 +205,8 @@ class WorkerLogic:
         failed = [b for b, good in zip(order.job.block_ids, ok) if not good]
         req = order.job.req_id
         with self._cond:
-            self.counters["loaded_blocks"] += len(ok) - len(failed)
-            self.counters["failed_blocks"] += len(failed)
+            self._count("loaded_blocks", len(ok) - len(failed))
+            self._count("failed_blocks", len(failed))
             self._load_errors.update(failed)
             left = self._loading.get(req, 1) - 1
             if left > 0:
@@ -205,7 +218,7 @@ class WorkerLogic:
 
     def _fail(self, block_ids: list[int]) -> None:
         with self._cond:
-            self.counters["failed_blocks"] += len(block_ids)
+            self._count("failed_blocks", len(block_ids))
             self._load_errors.update(block_ids)
 
     def take_load_errors(self) -> set[int]:
@@ -233,7 +246,7 @@ class WorkerLogic:
                 self._tracked.add(job.req_id)
                 self._cancelled.discard(job.req_id)
             if client is None:
-                self.counters["dropped_blocks"] += len(job.block_ids)
+                self._count("dropped_blocks", len(job.block_ids))
                 continue
             try:
                 ticket = client.prepare_save(self.keys(job.digests), self.layout, job.block_ids,
@@ -245,17 +258,17 @@ class WorkerLogic:
             if ticket.fence is not None:
                 with self._cond:
                     self._fences.setdefault(job.req_id, []).append(ticket.fence)
-                    self.counters["copy_fences"] += 1
+                    self._count("copy_fences")
             if not ticket.keys:
                 continue
             if not ticket.snapshot:
                 self._hold(job.req_id)
             if self._queue.qsize() < self._queue_size:
                 self._queue.put_nowait((job, ticket, client))
-                self.counters["save_jobs"] += 1
+                self._count("save_jobs")
             else:
-                self.counters["dropped_jobs"] += 1
-                self.counters["dropped_blocks"] += len(ticket.keys)
+                self._count("dropped_jobs")
+                self._count("dropped_blocks", len(ticket.keys))
                 client.discard(ticket)
                 if not ticket.snapshot:
                     self._job_done(job.req_id)
@@ -283,11 +296,11 @@ class WorkerLogic:
                 with self._cond:
                     cancelled = not ticket.snapshot and job.req_id in self._cancelled
                 if cancelled:  # its blocks may hold another request's KV by now
-                    self.counters["cancelled_jobs"] += 1
-                    self.counters["dropped_blocks"] += len(ticket.keys)
+                    self._count("cancelled_jobs")
+                    self._count("dropped_blocks", len(ticket.keys))
                     client.discard(ticket)
                 else:
-                    self.counters["saved_blocks"] += client.commit_save(ticket)
+                    self._count("saved_blocks", client.commit_save(ticket))
             except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
                 log.warning("mooncake-vllm: saving %d blocks failed: %s", len(job.block_ids), exc)
             finally:
@@ -306,7 +319,7 @@ class WorkerLogic:
                     lambda present: marker_value(len(marker.digests), present))
             except Exception as exc:  # noqa: BLE001 - the decode waits its bound, then recomputes
                 log.warning("mooncake-vllm: publishing hand-off marker failed: %s", exc)
-        self.counters["handoff_markers" if ok else "handoff_markers_failed"] += 1
+        self._count("handoff_markers" if ok else "handoff_markers_failed")
 
     def _order_fences(self, req_ids: Iterable[str]) -> None:
         """vLLM may reuse these requests' blocks: its stream waits for our copies of them."""
@@ -314,8 +327,7 @@ class WorkerLogic:
             fences = [f for r in req_ids for f in self._fences.pop(r, ())]
         waited = sum(fence.order() for fence in fences)
         if waited:
-            with self._cond:
-                self.counters["copy_fences_waited"] += waited
+            self._count("copy_fences_waited", waited)
 
     def _job_done(self, req_id: str) -> None:
         with self._cond:
@@ -376,7 +388,7 @@ class WorkerLogic:
             self._received -= received | done | finished
         self._order_fences(done)
         if expired:
-            self.counters["holds_expired"] += len(expired)
+            self._count("holds_expired", len(expired))
             log.warning("mooncake-vllm: released the blocks of %d finished request(s) whose "
                         "saves did not finish within %.0f s", len(expired), self._save_deadline)
         return done, received
