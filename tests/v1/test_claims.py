@@ -25,7 +25,7 @@ def prefill_steps(c0: float = 0.01, c1: float = 2e-5,
                  (16384, 16384)]:
         work = m * (p + m / 2)
         out.append((float(m), work, float(p + m), c0 + c1 * m + c2 * work))
-    out.append((1.0, 5000.0, 5000.0, 0.011))  # a decode step: not a prefill sample
+    out.append((1.0, 5000.0, 5000.0, c0))  # a decode step: the fixed cost, not a prefill sample
     return out
 
 
@@ -42,7 +42,7 @@ def test_models_recover_what_they_were_fed() -> None:
     pm = PrefillModel(60.0)
     for m, w, reach, s in prefill_steps():
         pm.add(clock(), m, w, s, reach)
-    assert len(pm.samples) == 7 and pm.reach == 32768  # the decode step is not kept
+    assert len(pm.samples) == 7 and pm.reach == 32768  # the decode step is not a prefill sample
     c0, c1, c2 = pm.coefficients(clock())  # type: ignore[misc]
     assert c0 == pytest.approx(0.01, rel=1e-3) and c1 == pytest.approx(2e-5, rel=1e-3)
     assert c2 == pytest.approx(1e-9, rel=1e-3)
@@ -141,3 +141,20 @@ def test_always_and_never() -> None:
         assert (d.tokens, d.reason) == want
     with pytest.raises(ValueError, match="load_policy"):
         ClaimRules(policy="sometimes")
+
+
+def test_chunks_of_one_size_still_measure_the_per_token_cost() -> None:
+    """vLLM prefills a long prompt in max_num_batched_tokens chunks: every prefill sample has
+    the same size, so an intercept fitted to them alone would swallow the per-token cost (and
+    the H200 run declined 16k hits that loaded in 0.27 s against a 0.48 s recompute)."""
+    clock = Clock()
+    pm = PrefillModel(60.0)
+    c0, c1, c2 = 0.012, 2.1e-5, 9e-10
+    for p in (0, 8192) * 6:
+        w = 8192 * (p + 4096)
+        pm.add(clock(), 8192, w, c0 + c1 * 8192 + c2 * w, p + 8192)
+    for _ in range(20):
+        pm.add(clock(), 1, 4000, c0 + c1 + c2 * 4000, 0)  # decodes
+    truth = c1 * 16000 + c2 * 16000 * 8000
+    assert pm.recompute(clock(), 0, 16000) == pytest.approx(truth, rel=0.02)
+    assert pm.step(clock()) == pytest.approx(c0, rel=0.01)

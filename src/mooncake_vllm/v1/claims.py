@@ -5,10 +5,10 @@ and a clock, so it is testable with a fake clock and made-up samples.
 
 * **Recompute model** — vLLM's prefill cost per token grows with its position
   (attention): a forward step over requests scheduling ``m`` tokens from
-  position ``p`` costs ``c0 + c1·Σm + c2·Σm·(p + m/2)``. The three coefficients
-  are a least-squares fit over recent steps (each sample's weight halves every
-  ``half_life`` seconds), so recomputing tokens ``[a, b)`` costs
-  ``c1·(b-a) + c2·(b-a)·(a + (b-a)/2)``.
+  position ``p`` costs ``c0 + c1·Σm + c2·Σm·(p + m/2)``: ``c0`` the median of
+  small (decode) steps, ``c1`` and ``c2`` a least-squares fit of recent prefill
+  steps above it (each sample's weight halves every ``half_life`` seconds), so
+  recomputing tokens ``[a, b)`` costs ``c1·(b-a) + c2·(b-a)·(a + (b-a)/2)``.
 * **Load model** — a load of ``t`` tokens costs ``l0 + t/rate`` (fitted over recent
   loads' transfer times, measured on the worker) times how much slower than that the
   last :data:`RECENT` loads were, counting the tokens already being loaded ahead of
@@ -113,14 +113,19 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 class PrefillModel:
     """Seconds of a prefill step from its work (``Σm``, ``Σm·(p + m/2)``), fitted online.
 
-    Only steps scheduling at least :data:`MIN_PREFILL` tokens are kept: decode steps
-    would fill the window and say nothing of what a long prompt costs. ``reach`` is
-    the furthest position a kept step computed: beyond it the model extrapolates.
+    The fixed cost of a step, ``c0``, is the median of the steps scheduling fewer than
+    :data:`MIN_PREFILL` tokens (decodes: plenty of them); ``c1`` and ``c2`` are fitted
+    to the prefill steps' time above ``c0``. Fitting all three to prefill steps alone
+    is ill-posed when they are all one chunk size (vLLM splits long prompts into
+    ``max_num_batched_tokens`` chunks): the intercept then soaks up the per-token cost.
+    ``reach`` is the furthest position a prefill step computed: beyond it the model
+    does not extrapolate.
     """
 
     def __init__(self, half_life: float) -> None:
         self.half_life = half_life
-        self.samples: deque[tuple[float, tuple[float, float, float], float]] = deque(maxlen=_WINDOW)
+        self.samples: deque[tuple[float, tuple[float, float], float]] = deque(maxlen=_WINDOW)
+        self._small: deque[float] = deque(maxlen=_WINDOW)
         self._reach: deque[float] = deque(maxlen=_WINDOW)
         self._coef: list[float] | None = None
         self._fitted_at = -math.inf
@@ -131,24 +136,34 @@ class PrefillModel:
 
     def add(self, now: float, tokens: float, work: float, seconds: float,
             reach: float = 0.0) -> None:
-        if tokens >= MIN_PREFILL and seconds > 0:
-            self.samples.append((now, (1.0, float(tokens), float(work)), float(seconds)))
+        if seconds <= 0 or tokens <= 0:
+            return
+        if tokens < MIN_PREFILL:
+            self._small.append(float(seconds))
+        else:
+            self.samples.append((now, (float(tokens), float(work)), float(seconds)))
             self._reach.append(float(reach or tokens))
-            self._coef = None
+        self._coef = None
+
+    def fixed(self) -> float:
+        """``c0``: the median small step (0 before one is measured)."""
+        small = sorted(self._small)
+        return small[len(small) // 2] if small else 0.0
 
     def coefficients(self, now: float) -> tuple[float, float, float] | None:
         """``(c0, c1, c2)`` with ``c1, c2 >= 0``, or ``None`` before enough samples."""
-        if len(self.samples) < 3:
+        if len(self.samples) < 2:
             return None
         if self._coef is None or now - self._fitted_at > self.half_life / 8:
-            rows = list(self.samples)
+            c0 = self.fixed()
+            rows = [(t, x, max(0.0, y - c0)) for t, x, y in self.samples]
             coef = _decayed_fit(rows, now, self.half_life)
-            if coef is None or coef[2] < 0:  # no curvature in the data: linear in tokens
-                lin = _decayed_fit([(t, x[:2], y) for t, x, y in rows], now, self.half_life)
-                coef = None if lin is None else [lin[0], lin[1], 0.0]
-            if coef is None or coef[1] < 0:
+            if coef is None or coef[1] < 0:  # no curvature in the data: linear in tokens
+                lin = _decayed_fit([(t, x[:1], y) for t, x, y in rows], now, self.half_life)
+                coef = None if lin is None else [lin[0], 0.0]
+            if coef is None or coef[0] < 0:
                 return None
-            self._coef, self._fitted_at = coef, now
+            self._coef, self._fitted_at = [c0, *coef], now
         c0, c1, c2 = self._coef
         return c0, c1, c2
 
@@ -163,8 +178,7 @@ class PrefillModel:
 
     def step(self, now: float) -> float:
         """The fixed cost of one engine step (seconds; 0 before it is measured)."""
-        coef = self.coefficients(now)
-        return max(0.0, coef[0]) if coef is not None else 0.0
+        return self.fixed()
 
 
 class LoadModel:
