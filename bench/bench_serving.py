@@ -47,16 +47,12 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from bench_v1_ttft import BYTES_PER_TOKEN, MODEL, _ceiling, _model, pyplot
-from engine_steps import (EngineProcess, Req, closed_loop_stats, interference, itl_stats,
-                          other_build_env, serve)
-
-from mooncake_vllm.demo.run import (INSTANCE_ENV, connector_counters, kv_transfer_config,
-                                    run_instance, wait_saves_idle)
+from engine_steps import EngineProcess, Req, closed_loop_stats, interference, itl_stats, other_build_env, serve
+from mooncake_vllm.demo.run import INSTANCE_ENV, connector_counters, kv_transfer_config, run_instance, wait_saves_idle
 from mooncake_vllm.services import LocalStack
 
 __all__ = ["main"]

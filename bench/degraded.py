@@ -16,7 +16,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["FaultSchedule", "degraded_loop", "holder_pids"]
 

@@ -11,7 +11,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compat_record import COMMAND, LEVELS, MARKERS, REPO, UNVERIFIED, facts_summary  # noqa: E402
-
 from mooncake_vllm.compat.facts_table import KNOWN_VLLM_RELEASES, LAST_V0_RELEASE, MIN_SUPPORTED_VLLM  # noqa: E402
 from mooncake_vllm.compat.versions import pep440_version  # noqa: E402
 

@@ -55,7 +55,6 @@ from compat_blocked import BLOCKED_SUFFIX, derive_blocked, record_blocked  # noq
 from compat_record import COMMAND, LEVELS, MARKERS, REPO, UNVERIFIED, facts_summary  # noqa: E402
 from compat_render import commit_text, load_upgrades, render, result_text  # noqa: E402
 from matrix_results import env_record  # noqa: E402
-
 from mooncake_vllm.compat.versions import release_of  # noqa: E402
 
 __all__ = ["JUNIT_DIR", "check", "derive", "main", "merge", "record_junit", "sanitize_junit"]

@@ -46,6 +46,11 @@ case "${1:-setup}" in
   setup) log "ready: $VENV" ;;
   demo) shift; exec "$VENV/bin/mooncake-vllm" demo "$@" ;;
   test) shift
+    # Lint and type check first (both configured in pyproject.toml); either failing fails the run.
+    log "lint: ruff check src tests bench scripts"
+    "$VENV/bin/ruff" check -q src tests bench scripts
+    log "types: mypy (the runtime layers, [tool.mypy] in pyproject.toml)"
+    "$VENV/bin/mypy" --no-error-summary
     if [ $# -eq 0 ]; then
       # Contract tests against REAL old vLLM wheels, each in its own cached env
       # (scripts/make_vllm_env.py; the full sweep is `tox -m contract`).

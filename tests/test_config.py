@@ -91,7 +91,8 @@ def test_every_problem_reported_together() -> None:
     assert fields == {"metadata_server", "master_server_address", "global_segment_size",
                       "local_buffer_size", "protocol", "device_nmae"}
     text = str(err.value)
-    assert "6 problems" in text and "rename it to \"device_name\"" in text and 'did you mean "tcp"' in text and "fix:" in text
+    assert "6 problems" in text and "rename it to \"device_name\"" in text
+    assert 'did you mean "tcp"' in text and "fix:" in text
     assert isinstance(err.value, ValueError)
 
 

@@ -104,7 +104,7 @@ def test_each_quoted_signature_matches_the_code(module: str, name: str, cls: str
                                          ("mooncake_vllm.keys", "RequestExtras")])
 def test_each_quoted_dataclass_lists_its_fields(module: str, cls: str) -> None:
     block = _CORE.split(f"class {cls}:", 1)[1].split("\nclass ", 1)[0].split("\ndef ", 1)[0]
-    body = "\n".join(l for l in block.splitlines() if "def " not in l and "@" not in l)
+    body = "\n".join(ln for ln in block.splitlines() if "def " not in ln and "@" not in ln)
     quoted = re.findall(r"(?:^|;)\s*(\w+): ", re.sub(r"#.*", "", body), flags=re.M)
     fields = [f.name for f in dataclasses.fields(getattr(importlib.import_module(module), cls))]
     assert quoted == fields

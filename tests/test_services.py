@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import signal
@@ -16,8 +15,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from tests.conftest import TEST_HOLDERS
 
 from mooncake_vllm.services import (
     SETUP_HINT,
@@ -36,6 +33,7 @@ from mooncake_vllm.services import (
     start_vllm_server,
     watch_dev_shm,
 )
+from tests.conftest import TEST_HOLDERS
 
 PY = sys.executable
 

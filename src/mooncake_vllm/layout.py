@@ -49,8 +49,8 @@ from typing import Any
 __all__ = ["KINDS", "BlockLayout", "TensorView", "bytes_kind", "layout_fingerprint"]
 
 KINDS = ("cpu", "cpu-hnd", "cpu-paged", "nhd", "nhd-interleaved", "mla", "hnc")
-_BYTES_KIND = {"cpu": "cpu", "cpu-hnd": "hnd", "cpu-paged": "paged", "nhd": "nhd", "nhd-interleaved": "nhd", "mla": "mla", "hnd": "hnd",
-               "hnc": "hnc", "nhc": "nhc"}
+_BYTES_KIND = {"cpu": "cpu", "cpu-hnd": "hnd", "cpu-paged": "paged", "nhd": "nhd", "nhd-interleaved": "nhd",
+               "mla": "mla", "hnd": "hnd", "hnc": "hnc", "nhc": "nhc"}
 #: 5-dim kinds whose inner ``[block_size, heads, head]`` may be stored heads-first
 _FIVE_DIM = ("nhd", "nhd-interleaved")
 

@@ -55,7 +55,7 @@ class CounterNames:
                 f"(names {sorted({*self.initial, *self.later})}, families {list(self.families)})")
 
 
-class Counters(dict):  # type: ignore[type-arg] - dict[str, int]; ``counters[n] += 1`` works
+class Counters(dict):  # dict[str, int]; ``counters[n] += 1`` works
     """A plain ``dict`` of counters that refuses undeclared names when strict.
 
     Starts with ``names.initial`` at 0; a ``later`` or family name starts at 0 on

@@ -177,9 +177,9 @@ def test_installed_versions_are_the_default(tmp_path: Path) -> None:
 
 
 def test_check_never_imports_vllm_or_mooncake() -> None:
-    code = ("import sys; from mooncake_vllm.cli import main; rc = main(['check', %r, '--format', 'json']);"
+    code = (f"import sys; from mooncake_vllm.cli import main; rc = main(['check', {str(V0)!r}, '--format', 'json']);"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'mooncake', 'torch')];"
-            "sys.stderr.write(repr(bad)); sys.exit(0 if not bad else 9)") % str(V0)
+            "sys.stderr.write(repr(bad)); sys.exit(0 if not bad else 9)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-500:]
 

@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests.conftest import TEST_CLIENT_TTL
 from checker_cases import CONFIG
 
 from mooncake_vllm.checker import probe, run_check
 from mooncake_vllm.services import ManagedProcess, free_port, start_holder, start_http_metadata, start_master
+from tests.conftest import TEST_CLIENT_TTL
 
 
 def _probe_ids(tmp_path: Path, config: dict[str, Any], **kwargs: Any) -> dict[str, list[str]]:

@@ -7,7 +7,12 @@ import json
 from mooncake_vllm.checker.catalogue import RULES
 from mooncake_vllm.checker.model import Finding, Where
 from mooncake_vllm.checker.report import (
-    EXIT_CLEAN, EXIT_ERRORS, EXIT_WARNINGS, SCHEMA, CheckResult, render,
+    EXIT_CLEAN,
+    EXIT_ERRORS,
+    EXIT_WARNINGS,
+    SCHEMA,
+    CheckResult,
+    render,
 )  # fmt: skip
 
 

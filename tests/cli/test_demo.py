@@ -60,7 +60,8 @@ def test_metric_totals_never_turn_broken_metrics_into_zero_hits() -> None:
 def test_demo_runs_end_to_end_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
     env = {**os.environ, "MOONCAKE_VLLM_CACHE": str(tiny_model.parent.parent)}
     proc = subprocess.run(
-        [sys.executable, "-c", "from mooncake_vllm.cli import main; raise SystemExit(main())", "demo", "--tiny", "--prompt-tokens", "300",
+        [sys.executable, "-c", "from mooncake_vllm.cli import main; raise SystemExit(main())",
+         "demo", "--tiny", "--prompt-tokens", "300",
          "--max-tokens", "4", "--workdir", str(tmp_path / "demo")],
         capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -54,7 +54,7 @@ def test_module_attribute_is_pep562(config_env, monkeypatch) -> None:
     for key, value in config_env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("VLLM_USE_V1", raising=False)
-    cls = getattr(importlib.import_module("mooncake_vllm.compat.facade"), "MooncakeStoreConnector")
+    cls = importlib.import_module("mooncake_vllm.compat.facade").MooncakeStoreConnector
     assert isinstance(cls, type) and cls.__name__ == "MooncakeStoreConnector"
     with pytest.raises(AttributeError):
         facade.NoSuchConnector  # noqa: B018

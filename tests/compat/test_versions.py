@@ -150,7 +150,8 @@ def test_shared_seed_needed_exactly_before_0_29() -> None:
 @pytest.mark.parametrize(
     ("version", "fact", "expected"),
     [("0.3.3.post2", "ships_vllm_adaptor", True), ("0.3.4", "ships_vllm_adaptor", False),
-     ("0.3.2.post1", "metadata_schemes", frozenset({"http"})), ("0.3.3", "metadata_schemes", frozenset({"http", "etcd"})),
+     ("0.3.2.post1", "metadata_schemes", frozenset({"http"})),
+     ("0.3.3", "metadata_schemes", frozenset({"http", "etcd"})),
      ("0.3.7", "metadata_schemes", frozenset({"http", "etcd", "p2p"})), ("0.3.6", "multi_buffer_apis", False),
      ("0.3.7", "multi_buffer_apis", True), ("0.3.8", "setup_dict", False), ("0.3.9", "setup_dict", True),
      ("0.3.4.post2", "negative_error_codes", False), ("0.3.5", "negative_error_codes", True),

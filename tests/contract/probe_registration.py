@@ -70,7 +70,7 @@ def _parse_cli(seed: str) -> Any:
     parser_cls = None
     for where in ("vllm.utils.argparse_utils", "vllm.utils"):
         try:
-            parser_cls = getattr(__import__(where, fromlist=["FlexibleArgumentParser"]), "FlexibleArgumentParser")
+            parser_cls = __import__(where, fromlist=["FlexibleArgumentParser"]).FlexibleArgumentParser
             break
         except (ImportError, AttributeError):
             continue

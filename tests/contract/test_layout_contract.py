@@ -310,9 +310,9 @@ def _generic_caches(layout_name: str, *, mla: bool = False, dtype=torch.bfloat16
         KVCacheGroupSpec,
         KVCacheTensor,
         MLAAttentionSpec,
+        compute_layout_strides,
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.kv_cache_interface import compute_layout_strides
     from vllm.v1.worker.utils import allocate_kv_cache
 
     layout = KVCacheLayout[layout_name]

@@ -17,7 +17,6 @@ from mooncake_vllm.metadata.backends import (
 )
 from mooncake_vllm.metadata.etcd import EtcdBackend
 from mooncake_vllm.services import start_http_metadata
-
 from tests.md_services import free_port
 
 

@@ -7,9 +7,8 @@ import signal
 import subprocess
 import sys
 
-from tests.md_services import child_env, free_port, readline, stop
-
 from mooncake_vllm.metadata.backends import backend_for, http_request
+from tests.md_services import child_env, free_port, readline, stop
 
 MAIN = "import sys; from mooncake_vllm.cli import main; sys.exit(main())"
 

@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from tests.md_services import child_env, free_port
 
 from mooncake_vllm.metadata.backends import MemoryBackend, backend_for
 from mooncake_vllm.metadata.gc import ALIVE, DEAD, UNKNOWN, collect_garbage, probe, scan
+from tests.md_services import child_env, free_port
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -9,9 +9,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from tests.md_services import Server
 
 from mooncake_vllm.metadata.backends import backend_for, http_request
+from tests.md_services import Server
 
 RPC = b'{"ip_or_host_name":"127.0.0.1","rpc_port":15228}'
 RAM = b'{"buffers":[{"addr":1,"length":2,"name":"127.0.0.1:12345"}],"name":"127.0.0.1:12345","protocol":"tcp"}'

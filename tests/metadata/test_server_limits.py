@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from tests.md_services import child_env, readline, stop
 
 from mooncake_vllm.metadata.backends import HttpBackend, http_request
+from tests.md_services import child_env, readline, stop
 
 RAM = b'{"buffers":[],"name":"127.0.0.1:12345","protocol":"tcp"}'
 

@@ -11,6 +11,7 @@ import pytest
 
 from mooncake_vllm.errors import ConfigError, UnsupportedVersionError
 from mooncake_vllm.proxy.server import ProxyConfig, ProxyServer
+
 from ._helpers import MODEL, proxy, run, sse_events, stubs, wait_for
 
 

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from mooncake_vllm.demo.run import kv_transfer_config

@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.md_services import HERE, child_env, free_port, readline, stop
-from tests.store.configs import client_config
 
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.errors import StoreUnavailableError
-from mooncake_vllm.store import StoreClient, bridge
 from mooncake_vllm.metadata.backends import backend_for, http_request
+from mooncake_vllm.store import StoreClient, bridge
 from mooncake_vllm.store.bridge import mooncake_supports_redis, resolve_metadata_url
+from tests.md_services import HERE, child_env, free_port, readline, stop
+from tests.store.configs import client_config
 
 
 def test_supports_redis_only_when_told() -> None:

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.store.configs import client_config
 
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.errors import StoreUnavailableError
 from mooncake_vllm.services import LocalStack
 from mooncake_vllm.store import StoreClient
 from mooncake_vllm.store.connect import pick_local_hostname, tcp_reachable
+from tests.store.configs import client_config
 
 
 def test_a_local_master_is_reached_over_loopback() -> None:

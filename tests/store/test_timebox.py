@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from mooncake_vllm.config import load_store_config
+from mooncake_vllm.errors import CallRejected, CallTimedOut
 from mooncake_vllm.services import LocalStack
 from mooncake_vllm.store import StoreClient
-from mooncake_vllm.errors import CallRejected, CallTimedOut
 from mooncake_vllm.store.timebox import TimeBox
 
 

@@ -6,6 +6,7 @@ import torch
 
 from mooncake_vllm.keys import KeyNamespace
 from mooncake_vllm.v0.batch import Tail, prefill_spans, tail_key
+
 from .v0_inputs import flash_caches, prefill_input
 
 BS = 16

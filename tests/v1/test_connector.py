@@ -9,17 +9,22 @@ prompts per test); the fault test has its own stack.
 from __future__ import annotations
 
 import ctypes
-import json
 import random
 import re
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from instances import ANNOUNCE, SERVE_HIT_ARGS, loads_here
+from instances import announced_namespace as _namespace
+from instances import complete as _complete
+from instances import external_hits as _external_hits
+from instances import hits as _hits
+from instances import prompt as _prompt
+from instances import tokens as _tokens
 
 from mooncake_vllm import codec
 from mooncake_vllm.config import load_store_config
@@ -27,15 +32,6 @@ from mooncake_vllm.demo.run import kv_transfer_config, run_instance
 from mooncake_vllm.keys import chunk_keys
 from mooncake_vllm.services import LocalStack, start_vllm_server
 from mooncake_vllm.store import StoreClient
-
-from instances import ANNOUNCE, SERVE_HIT_ARGS
-from instances import announced_namespace as _namespace
-from instances import complete as _complete
-from instances import external_hits as _external_hits
-from instances import hits as _hits
-from instances import loads_here
-from instances import prompt as _prompt
-from instances import tokens as _tokens
 
 pytestmark = pytest.mark.vllm
 

@@ -19,7 +19,7 @@ import pytest
 
 from mooncake_vllm.handoff_protocol import HANDOFF_PARAM, Offer, ask_params, handoff_key, marker_value
 from mooncake_vllm.keys import KeyNamespace, chunk_keys
-from mooncake_vllm.v1.handoff import IDLE_WAIT, MarkerWaiter, store_probe
+from mooncake_vllm.v1.handoff import MarkerWaiter, store_probe
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces
 from mooncake_vllm.v1.scheduler import SchedulerLogic

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import pytest
+from instances import announced_namespace, hits, prompt, tokens
 
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.demo.run import run_instance
@@ -22,8 +23,6 @@ from mooncake_vllm.demo.tiny_kinds import SLIDING_WINDOW, cached_tiny_kind
 from mooncake_vllm.keys import chunk_keys
 from mooncake_vllm.services import LocalStack
 from mooncake_vllm.store import StoreClient
-
-from instances import announced_namespace, hits, prompt, tokens
 
 pytestmark = pytest.mark.vllm
 

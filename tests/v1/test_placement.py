@@ -8,8 +8,13 @@ import threading
 import pytest
 
 from mooncake_vllm.errors import ConfigError
-from mooncake_vllm.v1.placement import (DEFAULT_NICE, THREAD_AFFINITY_ENV, THREAD_NICE_ENV,
-                                        off_compute_cores, thread_nice)
+from mooncake_vllm.v1.placement import (
+    DEFAULT_NICE,
+    THREAD_AFFINITY_ENV,
+    THREAD_NICE_ENV,
+    off_compute_cores,
+    thread_nice,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from mooncake_vllm.keys import KeyNamespace, RequestExtras, chunk_keys
-from mooncake_vllm.v1.namespace import RankNamespaces
 from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
+from mooncake_vllm.v1.namespace import RankNamespaces
 from mooncake_vllm.v1.scheduler import MAX_SHARED_WAIT, SchedulerLogic, step_work
 from mooncake_vllm.v1.telemetry import Telemetry
 

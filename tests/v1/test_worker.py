@@ -20,7 +20,7 @@ import pytest
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.keys import KeyNamespace
-from mooncake_vllm.store import SaveTicket, StoreClient
+from mooncake_vllm.store import SaveTicket
 from mooncake_vllm.v1.client import SharedClient
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout
@@ -377,7 +377,7 @@ def test_a_block_reused_before_its_save_ran_is_never_served(pool: SharedClient, 
     loader.register_kv_caches(dst)
     loader.start_load_kv(MooncakeConnectorMetadata(loads=[BlockJob("l", digests, [1, 2])]))
     errors = loader.take_load_errors()
-    for name, t in dst.items():
+    for t in dst.values():
         assert not np.any(t[1:3] == 7.0)  # never the new occupant's bytes
     if shape == BIG:
         assert errors == {1, 2}

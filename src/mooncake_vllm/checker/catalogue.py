@@ -296,8 +296,8 @@ _ALL: tuple[Rule, ...] = (
          "mooncake §2 protocol, rdma_devices", probe=True),
     Rule("MCV-E104", ERROR, "mooncake-libraries-missing",
          "{lib} of the Mooncake extension cannot find {missing}",
-         "auditwheel leaves libibverbs, libnuma, libcurl and the CUDA runtime out of the wheels; `import mooncake.store` "
-         "fails with ImportError.",
+         "auditwheel leaves libibverbs, libnuma, libcurl and the CUDA runtime out of the wheels; "
+         "`import mooncake.store` fails with ImportError.",
          "{fix}",
          "mooncake §10 System libraries", probe=True),
     Rule("MCV-W103", WARNING, "live-client-ttl-short",

@@ -17,7 +17,17 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from mooncake_vllm.checker.model import (
-    HOLDER, MASTER, METADATA, OTHER, PIP, PROXY, VLLM, Deployment, Launch, MooncakeConfigFile, Where,
+    HOLDER,
+    MASTER,
+    METADATA,
+    OTHER,
+    PIP,
+    PROXY,
+    VLLM,
+    Deployment,
+    Launch,
+    MooncakeConfigFile,
+    Where,
 )  # fmt: skip
 from mooncake_vllm.config import CONFIG_ENV
 from mooncake_vllm.errors import ConfigError, ConfigProblem, NotRegularFileError, TooLargeError

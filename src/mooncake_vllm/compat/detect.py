@@ -124,7 +124,8 @@ def parse_use_v1(raw: str | None) -> bool | None:
         return bool(int(value))
     except ValueError:
         raise UnsupportedVersionError(
-            f"VLLM_USE_V1={raw!r} is not a number; vLLM reads it as bool(int(value)). Fix: set VLLM_USE_V1=1 or unset it."
+            f"VLLM_USE_V1={raw!r} is not a number; vLLM reads it as bool(int(value)). "
+            "Fix: set VLLM_USE_V1=1 or unset it."
         ) from None
 
 
@@ -191,7 +192,8 @@ def check_mooncake_for_vllm(vllm_version: str, mooncake_version: str, *, in_tree
             f"Mooncake from source (the wheel hides the adaptor inside the mooncake package), or upgrade "
             f"vLLM to >= 0.8.5, which imports mooncake.store."
         )
-    if in_tree_store and facts.min_mooncake_in_tree_store and mooncake < pep440_version(facts.min_mooncake_in_tree_store):
+    if (in_tree_store and facts.min_mooncake_in_tree_store
+            and mooncake < pep440_version(facts.min_mooncake_in_tree_store)):
         raise UnsupportedVersionError(
             f"vLLM {vllm_version}'s MooncakeStoreConnector needs Mooncake >= {facts.min_mooncake_in_tree_store} "
             f"(setup(dict), multi-buffer APIs), but {mooncake_version} is installed. Fix: "

@@ -32,7 +32,7 @@ from mooncake_vllm.compat.facts import installed_facts
 from mooncake_vllm.compat.versions import mooncake_facts
 from mooncake_vllm.errors import UnsupportedVersionError
 
-__all__ = ["CLASS_PATHS", "MooncakeStoreConnector", "engine_from_stack", "resolve"]
+__all__ = ["CLASS_PATHS", "MooncakeStoreConnector", "engine_from_stack", "resolve"]  # noqa: F822 (PEP 562 __getattr__)
 
 CONNECTOR_NAME = "MooncakeStoreConnector"
 #: Where each engine's class lives.
@@ -49,7 +49,7 @@ _STACK_DEPTH = 12
 
 def engine_from_stack(frame: FrameType | None = None, depth: int = _STACK_DEPTH) -> str | None:
     """``"v0"``/``"v1"`` if a vLLM factory method for one engine is on the call stack."""
-    f = frame if frame is not None else sys._getframe(1)
+    f: FrameType | None = frame if frame is not None else sys._getframe(1)
     for _ in range(depth):
         if f is None:
             break

@@ -9,9 +9,10 @@ before the first row, and the folding of rows into one record per release live i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = [
     "Change",
@@ -171,7 +172,8 @@ VLLM_CHANGES: tuple[Change, ...] = (
        offline_drops_idle_step_stats=True),
     _c("0.20.0", "vllm §6: external module path takes priority over the registry",
        module_path_beats_registry=True, v1_claim="module-path"),
-    _c("0.21.0", "vllm §6/§10/mooncake §10: in-tree V1 MooncakeStoreConnector; kv_cache_config required; Mooncake >= 0.3.9",
+    _c("0.21.0", "vllm §6/§10/mooncake §10: in-tree V1 MooncakeStoreConnector; kv_cache_config required; "
+       "Mooncake >= 0.3.9",
        in_tree_v1_store=True, v1_name="taken", v1_claim="module-path", v1_ctor_args=(3, 3),
        factory_api="create_connector(config, role, kv_cache_config)", min_mooncake_in_tree_store="0.3.9"),
     _c("0.22.0", "vllm §10: store config 'mode'; segment 0 requires mode=standalone-store",
@@ -211,7 +213,8 @@ MOONCAKE_CHANGES: tuple[Change, ...] = (
        negative_error_codes=True, batch_zero_copy=True, replicate_config=True, master_port_flag="--rpc_port",
        default_lease_ttl_ms=5000),
     _c("0.3.6", "mooncake §6: embedded HTTP metadata server in the master", embedded_http_metadata=True),
-    _c("0.3.7", "mooncake §2/§3/§6/§7: setup keywords; multi-buffer APIs; monitor always on; P2PHANDSHAKE for the store",
+    _c("0.3.7", "mooncake §2/§3/§6/§7: setup keywords; multi-buffer APIs; monitor always on; "
+       "P2PHANDSHAKE for the store",
        setup_keywords=True, multi_buffer_apis=True, client_monitor="always",
        metadata_schemes=frozenset({"http", "etcd", "p2p"})),
     _c("0.3.7.post1", "mooncake §10: mooncake-transfer-engine-non-cuda distribution", non_cuda_wheel=True),

@@ -17,10 +17,11 @@ Mooncake versions compare fully (``0.3.3.post2 < 0.3.4``), because its
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -307,7 +308,7 @@ def check_tables() -> None:
     """Sanity check of both tables (rows sorted, naming real fields); run by the tests."""
     for changes, cls, key in ((VLLM_CHANGES, VllmFacts, _rel_key), (MOONCAKE_CHANGES, MooncakeFacts, pep440_version)):
         names = {f.name for f in fields(cls)}
-        prev = None
+        prev: Any = None
         for change in changes:
             unknown = set(change.facts) - names
             if unknown:

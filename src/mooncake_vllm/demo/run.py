@@ -337,7 +337,7 @@ def run_instance(model: str | os.PathLike, prompts: Sequence[Sequence[int]], wor
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            raise RuntimeError(f"{name} did not finish within {timeout:.0f} s; log {log_path}")
+            raise RuntimeError(f"{name} did not finish within {timeout:.0f} s; log {log_path}") from None
     if rc != 0 or not out_path.exists():
         tail = log_path.read_text(errors="replace")[-4000:]
         raise RuntimeError(f"{name} exited with {rc}; log {log_path}:\n{tail}")

@@ -54,7 +54,7 @@ def tiny_model_params(**overrides: Any) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"unknown tiny-model parameter(s) {sorted(unknown)}; known: {sorted(params)}")
     params.update(overrides)
-    params["python"] = "%d.%d" % sys.version_info[:2]  # the tokenizer's training corpus
+    params["python"] = f"{sys.version_info[0]}.{sys.version_info[1]}"  # the tokenizer's training corpus
     params["vocab_size"] = VOCAB_SIZE
     return params
 

@@ -38,7 +38,7 @@ class MetadataBackend(ABC):
     def list(self, prefix: str = "mooncake/") -> list[str]:
         """Every key starting with ``prefix``, sorted."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a no-op default; backends holding connections override it)
         """Release connections (idempotent)."""
 
     def __enter__(self) -> MetadataBackend:

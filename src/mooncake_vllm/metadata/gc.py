@@ -271,7 +271,7 @@ def collect_garbage(backend: MetadataBackend, *, apply: bool = False, timeout: f
             break
         sleep(max(0.0, grace) / max(1, rounds - 1))
         candidates = _still_dead(backend, candidates, timeout, master, report)
-    for (cluster, segment), entries in candidates.items():
+    for (_cluster, segment), entries in candidates.items():
         _delete_segment(backend, segment, entries, timeout, master, report)
     return report
 

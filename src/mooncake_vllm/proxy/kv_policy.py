@@ -260,7 +260,8 @@ class KvRouter:
         self.mean_prompt = n if not self.mean_prompt else 0.9 * self.mean_prompt + 0.1 * n
         pick = choose(n, local, pool, [c.in_flight for c in candidates], self.mean_prompt, self.weights, start)
         key.predicted[kind] = pick.local_tokens + pick.pool_tokens
-        self.counters[("decisions", kind, "local" if pick.local_tokens else "pool" if pick.pool_tokens else "cold")] += 1
+        where = "local" if pick.local_tokens else "pool" if pick.pool_tokens else "cold"
+        self.counters[("decisions", kind, where)] += 1
         self.counters[("predicted_local_tokens", kind)] += pick.local_tokens
         self.counters[("predicted_pool_tokens", kind)] += pick.pool_tokens
         self.counters[("prompt_tokens", kind)] += n

@@ -15,10 +15,10 @@ from typing import Any
 from mooncake_vllm.services.mooncake import client_env
 from mooncake_vllm.services.process import (
     ManagedProcess,
-    with_port_retry,
     find_binary,
     free_port,
     http_probe,
+    with_port_retry,
 )
 
 __all__ = ["kv_cache_size", "start_etcd", "start_redis", "start_vllm_server", "vllm_env"]

@@ -18,10 +18,10 @@ from mooncake_vllm.config import CONFIG_ENV
 from mooncake_vllm.services.process import (
     ManagedProcess,
     ServiceError,
-    with_port_retry,
     find_binary,
     free_port,
     http_probe,
+    with_port_retry,
 )
 
 __all__ = [
@@ -423,7 +423,7 @@ class LocalStack:
             for i in range(self.holder_count):
                 name = "pool_holder" if i == 0 else f"pool_holder{i}"
                 port = self.ports["holder"] if i == 0 else None
-                self.holders.append(self._step("holder", lambda: start_holder(
+                self.holders.append(self._step("holder", lambda port=port, name=name: start_holder(
                     self.workdir, self.master_address, self.metadata_url, each,
                     self.local_buffer_size, kind=self.holder_kind, port=port, name=name)))
         except BaseException:

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.addresses import MetadataURL
+from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.errors import StoreUnavailableError
 from mooncake_vllm.store.codes import call
 
@@ -49,7 +49,7 @@ def tcp_reachable(host: str, port: int, timeout: float) -> str | None:
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return None
-    except socket.timeout:
+    except TimeoutError:
         return f"no answer within {timeout:.1f} s"
     except OSError as exc:
         return exc.strerror or str(exc)
@@ -124,7 +124,8 @@ def _setup(config: StoreConfig, metadata: str, timeout: float,
     hostname = config.local_hostname or pick_local_hostname(host)
     _preflight(config, metadata, timeout)
     if store_factory is None:
-        from mooncake.store import MooncakeDistributedStore as store_factory  # noqa: N813
+        from mooncake.store import MooncakeDistributedStore
+        store_factory = MooncakeDistributedStore
     store = store_factory()
     args = (hostname, metadata, config.global_segment_size, config.local_buffer_size,
             config.protocol, config.device_name, config.master_server_address)

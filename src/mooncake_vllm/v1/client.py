@@ -36,7 +36,7 @@ class ClientSource(Protocol):
         """The connected client, or ``None`` while the pool is away; never blocks long."""
         ...
 
-    def on_connect(self, callback: Callable[[StoreClient], None]) -> None:
+    def on_connect(self, callback: Callable[[StoreClient], object]) -> None:
         """Run ``callback(client)`` now if connected, else once a connection succeeds."""
         ...
 
@@ -56,7 +56,7 @@ class SharedClient:
         self._last_attempt = 0.0
         self._connecting = False
         self._warned = False
-        self._listeners: list[Callable[[StoreClient], None]] = []
+        self._listeners: list[Callable[[StoreClient], object]] = []
 
     def start(self) -> StoreClient | None:
         """Connect now (bounded by the timeout); warn once and carry on if the pool is away."""
@@ -86,7 +86,7 @@ class SharedClient:
                          daemon=True).start()
         return None
 
-    def on_connect(self, callback: Callable[[StoreClient], None]) -> None:
+    def on_connect(self, callback: Callable[[StoreClient], object]) -> None:
         """Run ``callback(client)`` now if connected, else once a connection succeeds."""
         with self._lock:
             client = self._client

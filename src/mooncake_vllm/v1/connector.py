@@ -42,12 +42,12 @@ from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.store.namespaces import clear_namespaces, register_namespaces
 from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.client import SharedClient, shared_client
-from mooncake_vllm.v1.placement import thread_nice
 from mooncake_vllm.v1.handoff import MarkerWaiter, pool_ready, store_probe
 from mooncake_vllm.v1.kv_groups import check_kv_cache_config, check_kv_caches
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.metrics import PoolStats, build_prom_metrics
 from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
+from mooncake_vllm.v1.placement import thread_nice
 from mooncake_vllm.v1.scheduler import SchedulerLogic
 from mooncake_vllm.v1.telemetry import Telemetry
 from mooncake_vllm.v1.worker import WorkerLogic
@@ -177,6 +177,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                            only=(tp_rank, pp_rank)).namespaces
             layout = expected_layout(vllm_config, pp_rank, variant=settings.layout_variant)
             self.telemetry = Telemetry(self.shared, vllm_config, worker=namespace)
+            assert self.telemetry.source is not None  # a worker's Telemetry meters its clients
             self.worker = WorkerLogic(namespace, layout,
                                       self.telemetry.source, can_load=self.can_load,
                                       can_save=self.can_save,

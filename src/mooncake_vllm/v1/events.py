@@ -34,7 +34,7 @@ from mooncake_vllm.compat.facts import installed_facts
 try:  # vLLM >= 0.13.0 (fact connector_kv_events)
     from vllm.distributed.kv_events import KVConnectorKVEvents as _EventsBase
 except ImportError:  # pragma: no cover - older releases never collect connector events
-    _EventsBase = object  # type: ignore[assignment,misc]
+    _EventsBase = object
 
 __all__ = ["POOL_MEDIUM", "PoolKVEvents", "SchedulerEvents", "WorkerEvents", "kv_events_wanted"]
 
@@ -55,7 +55,7 @@ def kv_events_wanted(vllm_config: Any) -> bool:
     return facts is not None and facts.connector_kv_events
 
 
-class PoolKVEvents(_EventsBase):  # type: ignore[misc]
+class PoolKVEvents(_EventsBase):
     """One step's pool observations of one or more workers: ``(side, kind, digest)`` records.
 
     vLLM's output aggregator merges the workers' containers; only our scheduler

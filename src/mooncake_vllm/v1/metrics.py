@@ -89,7 +89,7 @@ class PoolStats(_StatsBase):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "latency": {}, "pool_up": {}}
+        self.data: dict[str, Any] = {"counters": {}, "latency": {}, "pool_up": {}}
 
     def is_empty(self) -> bool:
         return not any(self.data.get(part) for part in ("counters", "latency", "pool_up", "perf"))
@@ -249,7 +249,7 @@ class MeteredSource:
         """The unwrapped client (or None)."""
         return self._source.get()
 
-    def on_connect(self, callback: Callable[[Any], None]) -> None:
+    def on_connect(self, callback: Callable[[Any], object]) -> None:
         self._source.on_connect(callback)
 
 

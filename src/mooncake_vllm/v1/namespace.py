@@ -106,7 +106,7 @@ def _cpu_page_kind() -> str:
     itself decides (``_use_ipex``)."""
     for module in ("vllm.v1.attention.backends.cpu_attn", "vllm.attention.ops.ipex_attn"):
         try:
-            use_ipex = getattr(importlib.import_module(module), "_use_ipex")
+            use_ipex = importlib.import_module(module)._use_ipex
         except (ImportError, AttributeError):
             continue
         return "cpu-ipex" if use_ipex else "cpu-paged"
@@ -151,13 +151,13 @@ def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
     if cpu_view == "2bflat":
         # [2, B, N*H*D]: a K page and a V page per block, ordered as the page kind says
         kind, predicted = "cpu-paged", _cpu_page_kind()
-        shape = (2, block_size * heads * head_size)
+        shape: tuple[int, ...] = (2, block_size * heads * head_size)
     elif cpu_view == "2bhnd":
         # [2, B, H, N, D]: K and V apart, heads first; "cpu" keeps it apart from a GPU's HND
         isa = _cpu_isa(vllm_config, block_size, head_size)
         kind, predicted = "cpu-hnd", "cpu" + (f"-{isa}" if isa else "")
         heads_first = heads > 1 and block_size > 1
-        shape: tuple[int, ...] = (2, block_size, heads, head_size)
+        shape = (2, block_size, heads, head_size)
     elif cpu_kv:  # "bhnc"
         kind, predicted = "cpu", _cpu_isa(vllm_config, block_size, head_size)
         shape = (heads, block_size, 2 * head_size)

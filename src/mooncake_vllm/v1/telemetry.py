@@ -16,7 +16,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.keys import KeyNamespace
-
 from mooncake_vllm.v1.events import PoolKVEvents, SchedulerEvents, WorkerEvents, kv_events_wanted
 from mooncake_vllm.v1.metrics import (
     Meter,
@@ -77,6 +76,7 @@ class Telemetry:
         """This side's changes since the last call (vLLM asks once per step)."""
         if self.scheduler is not None:
             return self.meter.take(scheduler_counters(self.scheduler), pool_up(self.shared))
+        assert self.source is not None and self.worker is not None  # the worker side
         client = self.source.raw()
         stats = self.meter.take(worker_counters(self.worker, client), pool_up(self.shared))
         perf = self.worker.timer.take()
@@ -92,6 +92,7 @@ class Telemetry:
     def planned(self, meta: Any) -> None:
         """Scheduler side, after each step's metadata: name the chunks it moves."""
         if self.scheduler_events is not None:
+            assert self.scheduler is not None  # scheduler_events come with attach_scheduler
             self.scheduler_events.planned(meta, self.scheduler.requests)
 
     def received(self, connector_output: Any) -> None:

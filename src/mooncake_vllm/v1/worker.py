@@ -45,11 +45,11 @@ from mooncake_vllm.handoff_protocol import handoff_key, marker_value
 from mooncake_vllm.keys import KeyNamespace
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.stats import CounterNames, Counters
-from mooncake_vllm.v1.placement import off_compute_cores
 from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
 from mooncake_vllm.v1.perf import StepTimer
+from mooncake_vllm.v1.placement import off_compute_cores
 
 if TYPE_CHECKING:
     from mooncake_vllm.v1.client import ClientSource
@@ -171,6 +171,7 @@ class WorkerLogic:
         if client is None:
             self._fail(block_ids)
             return
+        assert self.layout is not None  # no client without a layout (above)
         keys = [k for job in jobs for k in self.keys(job.digests)]
         started = time.perf_counter()
         try:
