@@ -222,6 +222,11 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         return meta if isinstance(meta, MooncakeConnectorMetadata) else None
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:  # the step timer starts here: the forward pass follows
+            self.worker.step_bound(self._meta())
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.worker is not None:
             self.worker.start_load_kv(self._meta())

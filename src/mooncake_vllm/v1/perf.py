@@ -48,8 +48,9 @@ class StepTimer:
         return event
 
     def step_began(self, work: tuple[float, ...] | None) -> None:
-        """``start_load_kv``: the forward of a step with this work (the scheduler's
-        ``step_work``: tokens first) follows."""
+        """``bind_connector_metadata``: the forward of a step with this work (the scheduler's
+        ``step_work``: tokens first) follows. Not ``start_load_kv``: vLLM >= 0.32 calls it
+        after launching the forward when the step has no synchronous loads."""
         self._open = (tuple(map(float, work)), self._mark()) if work and work[0] > 0 else None
 
     def step_ended(self) -> None:

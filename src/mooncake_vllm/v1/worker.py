@@ -148,12 +148,16 @@ class WorkerLogic:
         return [f"{self.prefix}/{d}" for d in digests]
 
     # ------------------------------------------------------------------ loads
+    def step_bound(self, meta: MooncakeConnectorMetadata | None) -> None:
+        """vLLM bound this step's metadata: its forward pass follows (every release binds
+        before the forward; vLLM >= 0.32 starts async loads only after launching it)."""
+        self.timer.step_began(meta.step_work if meta is not None else None)
+
     def start_load_kv(self, meta: MooncakeConnectorMetadata | None) -> None:
         """Issue this step's loads; failures go to :meth:`take_load_errors`."""
         self._idle_step = meta is not None and meta.idle_step
         if meta is None:
             return
-        self.timer.step_began(meta.step_work)
         self._order_fences(meta.preempted_req_ids)  # before this forward may write them
         if meta.delayed_loads:
             with self._cond:
