@@ -23,7 +23,7 @@ import threading
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -34,8 +34,15 @@ from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
 from mooncake_vllm.proxy.kv_index import LOCAL, POOL, BlockIndex, CostWeights, choose
 from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey
 
-if TYPE_CHECKING:
-    from mooncake_vllm.proxy.server import ProxyServer
+
+class ProxyServer(Protocol):
+    """What this module reads of ``proxy.server.ProxyServer`` (no import back up)."""
+
+    pool: Any
+    session: Any
+    config: Any
+    kv: Any
+    policies: Any
 
 __all__ = ["KvRouter", "PromptKey", "attach", "parse_replay", "prompt_key", "start"]
 

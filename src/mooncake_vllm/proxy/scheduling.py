@@ -5,17 +5,15 @@ from __future__ import annotations
 import abc
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.proxy.instances import Instance
 
-if TYPE_CHECKING:
-    from mooncake_vllm.proxy.kv_policy import KvRouter
-
 __all__ = [
     "POLICIES",
     "KvAwarePolicy",
+    "Router",
     "LeastLoadedPolicy",
     "PrefixAwarePolicy",
     "RoundRobinPolicy",
@@ -102,6 +100,19 @@ class PrefixAwarePolicy(SchedulingPolicy):
         return best if best.in_flight <= least.in_flight + self.slack else least
 
 
+class Router(Protocol):
+    """What ``kv_aware`` asks of the shared KV index (``proxy.kv_policy.KvRouter``)."""
+
+    counters: Any
+
+    def sync(self, kind: str, instances: Sequence[Instance]) -> None: ...
+
+    def fallback_reason(self, key: RoutingKey) -> str: ...
+
+    def decide(self, kind: str, candidates: Sequence[Instance], key: Any,
+               start: int) -> Instance | None: ...
+
+
 class KvAwarePolicy(SchedulingPolicy):
     """Cheapest expected prefill (own-cache hit first, a pool hit anywhere) weighed
     against load, from the instances' KV events (:mod:`.kv_policy`); routes like
@@ -109,7 +120,7 @@ class KvAwarePolicy(SchedulingPolicy):
 
     name = "kv_aware"
 
-    def __init__(self, router: KvRouter | None = None, kind: str = "decode") -> None:
+    def __init__(self, router: Router | None = None, kind: str = "decode") -> None:
         self.router = router
         self.kind = kind
         self._fallback = PrefixAwarePolicy()
