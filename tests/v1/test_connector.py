@@ -172,7 +172,10 @@ def test_no_rss_growth_over_300_requests(run: Any, saved: dict) -> None:
     than the ~94 MiB they load, so a leak of every loaded block (or of a quarter of them) fails."""
     warm, total, n_prompts = 50, 300, 50
     prompts = [_prompt(100 + i % n_prompts, 400) for i in range(total)]  # each prompt 6×; after the first: hits
-    m = run("memory", prompts, max_tokens=1, ttft_only=True, reset_prefix_cache=True)
+    # every repeat must load (the leak is in the load path): the tiny model recomputes 400 tokens
+    # faster than it loads them, so load_policy auto would rightly decline most of them
+    m = run("memory", prompts, max_tokens=1, ttft_only=True, reset_prefix_cache=True,
+            kv_config=kv_transfer_config("kv_both", extra={"load_policy": "always"}))
     rss = [r["rss_kb"] for r in m["results"]]
     per_request = _claimable(prompts[0]) // BS
     assert per_request == 12
