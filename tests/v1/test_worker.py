@@ -516,3 +516,22 @@ def test_an_idle_step_waits_briefly_for_a_running_load_and_a_busy_one_never(
             assert time.monotonic() < deadline
             _, received = loader.get_finished(set())
         assert received == {"w"}
+
+
+def test_a_step_is_timed_from_binding_its_metadata_not_from_start_load_kv(workers: Any) -> None:
+    """vLLM >= 0.32 calls start_load_kv after launching the forward (no synchronous loads):
+    timing from it measured ~50 us steps on the CPU engine, and the claim policy then found
+    recomputing free. The step runs between binding the metadata and wait_for_save."""
+    client = _GatedClient()
+    w = WorkerLogic(_ns("timer"), EXPECTED, _Source(client), can_load=True, can_save=True)
+    workers(w)
+    w.register_kv_caches(_cache(0))
+    meta = MooncakeConnectorMetadata(step_work=(512.0, 131072.0, 512.0))
+    w.step_bound(meta)
+    time.sleep(0.05)  # the forward pass
+    w.start_load_kv(meta)  # after the forward, as vLLM 0.32 does
+    w.wait_for_save(meta)
+    perf = w.timer.take()
+    assert perf is not None and len(perf["steps"]) == 1
+    tokens, work, reach, seconds = perf["steps"][0]
+    assert (tokens, work, reach) == (512.0, 131072.0, 512.0) and seconds >= 0.045
