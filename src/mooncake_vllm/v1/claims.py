@@ -215,16 +215,21 @@ class LoadModel:
             num, den = num + w * y, den + w * t
         return 0.0, num / den
 
-    def seconds(self, tokens: float, now: float | None = None) -> float | None:
-        """Predicted seconds to load ``tokens`` (``None``: not measured yet)."""
+    def predictor(self, now: float) -> Callable[[float], float] | None:
+        """Seconds to load a number of tokens, as of ``now`` (``None``: not measured yet);
+        fitted once, for a decision that weighs several prefixes."""
         if not self.samples:
             return None
-        now = self.last_sample if now is None else now
         l0, per_token = self._shape(now)
         ratios = sorted(y / (l0 + t * per_token) for _, t, y in list(self.samples)[-RECENT:])
         mid = len(ratios) // 2
         factor = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-        return factor * (l0 + tokens * per_token)
+        return lambda tokens: factor * (l0 + tokens * per_token)
+
+    def seconds(self, tokens: float, now: float | None = None) -> float | None:
+        """Predicted seconds to load ``tokens`` (``None``: not measured yet)."""
+        predict = self.predictor(self.last_sample if now is None else now)
+        return None if predict is None else predict(tokens)
 
 
 class ClaimAdvisor:
@@ -296,13 +301,15 @@ class ClaimAdvisor:
         stride = max(1, -(-chunks // CANDIDATES))
         lengths = sorted({min(chunks, k) * chunk for k in range(stride, chunks + stride, stride)})
         wait = self.prefill.step(now) if self.background else 0.0
+        load_seconds = self.loads.predictor(now)
+        if load_seconds is None:
+            return None
         best: tuple[float, int, float, float] | None = None
         for tokens in lengths:
-            load = self.loads.seconds(backlog + tokens, now)
             recompute = self.prefill.recompute(now, start, start + tokens)
-            if load is None or recompute is None:
+            if recompute is None:
                 return None
-            load += wait
+            load = load_seconds(backlog + tokens) + wait
             saving = recompute - load
             if best is None or saving > best[0]:
                 best = (saving, tokens, load, recompute)
