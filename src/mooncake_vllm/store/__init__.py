@@ -16,6 +16,7 @@
 ``client``         :class:`StoreClient`, the one client both engines use
 ``bridge``         redis:// metadata for wheels without redis
 ``namespaces``     register a key namespace in the pool; clear one
+``misses``         misses caused by an error, counted by cause, logged with the fix
 =================  ==========================================================
 """
 
