@@ -17,6 +17,7 @@
 ``bridge``         redis:// metadata for wheels without redis
 ``namespaces``     register a key namespace in the pool; clear one
 ``misses``         misses caused by an error, counted by cause, logged with the fix
+``holders``        a hung holder suspended (probed per holder), not the whole pool
 =================  ==========================================================
 """
 

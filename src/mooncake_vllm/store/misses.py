@@ -23,11 +23,11 @@ __all__ = ["LOOKUP_CAUSES", "MISS_CAUSES", "MISS_PREFIX", "miss_counts", "missed
 MISS_PREFIX = "miss_"
 #: cause -> (what happened, the fix); the one home of both
 MISS_CAUSES: Mapping[str, tuple[str, str]] = {
-    "pool_away": ("a lookup answered 'miss' without asking: the pool is marked unavailable "
+    "pool_away": ("a lookup answered 'miss' without asking: the pool is marked away "
                   "(circuit breaker open) after calls failed",
                   "check that mooncake_master at {master} runs and is reachable from this host; "
                   "misses stop once a probe finds it answering"),
-    "breaker_open": ("a planned load was skipped: the pool is marked unavailable (circuit "
+    "breaker_open": ("a planned load was skipped: the pool is marked away (circuit "
                      "breaker open) after calls failed",
                      "check that mooncake_master at {master} runs and is reachable from this host; "
                      "misses stop once a probe finds it answering"),
