@@ -98,7 +98,7 @@ def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat
 
             model = model or cached_tiny_model()
             targets, ref = _vllm_fleet(fleet, model, pd)
-            load = HttpLoad(targets, ref, model.name, clients, seconds, vocab=VOCAB_SIZE,
+            load = HttpLoad(targets, ref, str(model), clients, seconds, vocab=VOCAB_SIZE,
                             documents=_documents(16, VOCAB_SIZE), flooding=lambda: fleet.flooding)
             metrics = {n: str(fleet.procs[n].url) for n in ("v1", "v2", "p", "d") if n in fleet.procs}
         sampler = Sampler(lambda: {n: u for n, u in metrics.items() if fleet.procs[n].alive()},

@@ -89,18 +89,20 @@ class Fleet:
 
     def start(self, name: str, **kw: Any) -> ManagedProcess:
         """(Re)start role ``name`` on its host, on the ports it had (master, metadata)."""
+        if name not in ("master", "meta") and not name.startswith("h"):
+            proc = self.start_vllm(name, **kw)
+            self.procs[name] = proc
+            return proc
         where = self.place(name)
         if name == "master":
             proc = start_master(self.workdir, self.client_ttl, port=self.ports["master"],
                                 metrics_port=self.ports["master_metrics"], placement=where)
         elif name == "meta":
             proc = start_http_metadata(self.workdir, "embedded", port=self.ports["meta"], placement=where)
-        elif name.startswith("h"):
+        else:
             proc = start_holder(self.workdir, str(self.procs["master"].address),
                                 str(self.procs["meta"].url), self.segment_size, 32 << 20,
                                 name=f"holder-{name}", placement=where)
-        else:
-            proc = self.start_vllm(name, **kw)
         self.procs[name] = proc
         return proc
 

@@ -108,8 +108,9 @@ def get_staged(transport: Transport, paths: LayoutPaths, keys: Sequence[str],
         fetch = inflight.popleft()
         got = _finish(transport, paths, fetch, block_ids, after, background)
         if isinstance(got, str):  # timed out or failed: the rest is a miss, slots come back late
-            for rest in inflight:
+            for rest in inflight:  # given up too: their workers are handed on while spares last
                 rest.late.timed_out()
+                rest.lane.transfers.abandon(rest.future)
             inflight.clear()
             broken, cause, done = True, got, fetch.pos
             break
@@ -147,7 +148,8 @@ def _start(transport: Transport, lane: Lane, paths: LayoutPaths, pos: int,
                                        on_done=late.returned, wait=transport.lookup_timeout)
     except CallRejected as exc:
         pool.release(runs)
-        transport.rejected(exc)
+        # every worker hangs on a transfer: a holder, or the pool? (the master answers or not)
+        transport.rejected(exc, breaker=not transport.holders.master_answers())
         return "load_rejected"
     return Fetch(pos, keys, runs, future, late, time.perf_counter(), lane)
 

@@ -88,13 +88,18 @@ class TimeBox:
         try:
             return fut.result(timeout=timeout)
         except FutureTimeout:
-            with self._lock:
-                spare = len(self._abandoned) < self._spare and not fut.done()
-                if spare:
-                    self._abandoned.add(id(fut))
-            if spare:
-                self._slots.release()  # its worker stays held; a spare thread serves the next
+            self.abandon(fut)
             raise CallTimedOut(f"{self.name}: no answer within {timeout:.1f} s") from None
+
+    def abandon(self, fut: Future[Any]) -> None:
+        """The caller gives up on ``fut``: while spares last, its slot is handed on at once
+        (its worker stays held until it returns; a spare thread serves the next call)."""
+        with self._lock:
+            spare = len(self._abandoned) < self._spare and not fut.done()
+            if spare:
+                self._abandoned.add(id(fut))
+        if spare:
+            self._slots.release()
 
     def close(self) -> None:
         self._closed = True
