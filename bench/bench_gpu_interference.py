@@ -86,6 +86,13 @@ def _serve(engine: Any, reqs: list[Req], clients: int = 1, steps: list[float] | 
     serve(engine, reqs, clients=clients, detokenize=False, steps=steps)  # no tokenizer here
 
 
+def _counters() -> dict[str, int]:
+    """Our connector's counters in this process ({} without it)."""
+    from mooncake_vllm.demo.run import connector_counters
+
+    return connector_counters()
+
+
 def _settle(llm: Any, timeout: float) -> float:
     """Step until every block is free again (saves written), then our workers idle; seconds."""
     t0 = time.monotonic()
@@ -166,8 +173,12 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         questions = pr["questions"][rep % len(pr["questions"])]
         reqs = [req(docs[i % len(docs)] + q, p["out_tokens"]) for i, q in enumerate(questions)]
         HOOKS.take()
+        before = _counters()
         _serve(engine, reqs, p["clients"], steps=steps)
+        after = _counters()
         return {**closed_loop_stats(reqs), "cached": [r.cached for r in reqs], "settle_s": settle,
+                "connector_delta": {k: v - before.get(k, 0) for k, v in after.items()
+                                    if v != before.get(k, 0)},
                 "steps": {"n": len(steps), "sum_s": sum(steps), "p50_s": pct(steps, 0.5),
                           "p99_s": pct(steps, 0.99)},
                 "hooks": HOOKS.take(), "rep": rep}
@@ -219,8 +230,7 @@ def _worker(spec: dict[str, Any]) -> None:
             info["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
         except AttributeError:
             pass
-        if spec["kv_config"] is not None and "kv_connector_module_path" not in spec["kv_config"] \
-                and os.environ.get("MOONCAKE_VLLM_DISABLE") != "1":
+        if spec["kv_config"] is not None and os.environ.get("MOONCAKE_VLLM_DISABLE") != "1":
             from mooncake_vllm.v1.connector import MooncakeStoreConnector
             HOOKS.install(MooncakeStoreConnector)
         (out / "ready").write_text(json.dumps(info))

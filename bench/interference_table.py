@@ -81,6 +81,12 @@ def _mixed_row(reps: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_p99_ms": statistics.median(m["ttft_p99_s"] for m in reps) * 1e3,
         "itl_p99_ms": statistics.median(m["itl_p99_s"] for m in reps) * 1e3,
         "reps": len(reps), "throughput_per_rep": [round(m["throughput_tok_s"], 1) for m in reps]}
+    delta: dict[str, int] = {}
+    for m in reps:
+        for name, value in (m.get("connector_delta") or {}).items():
+            delta[name] = delta.get(name, 0) + value
+    if delta:
+        row["connector_delta"] = delta
     steps = [m["steps"] for m in reps if m.get("steps")]
     if steps:
         n, total = sum(s["n"] for s in steps), sum(s["sum_s"] for s in steps)
