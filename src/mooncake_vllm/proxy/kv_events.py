@@ -86,6 +86,11 @@ class EventSubscriber:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def running(self) -> bool:
+        """Started and not stopped."""
+        return self._thread is not None and not self._stop.is_set()
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()

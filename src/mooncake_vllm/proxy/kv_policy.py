@@ -157,12 +157,17 @@ class KvRouter:
         return got is not None
 
     def _replay_loop(self) -> None:
-        clients = {topic: ReplayClient(ep) for topic, ep in self.replay.items()}
+        clients: dict[str, ReplayClient] = {}
         try:
             while not self._stop.is_set():
-                for topic, client in clients.items():
+                with self._lock:
+                    want = dict(self.replay)
+                for topic in [t for t, c in clients.items() if want.get(t) != c.endpoint]:
+                    clients.pop(topic).close()
+                for topic, ep in want.items():
                     if self._stop.is_set():
                         break
+                    client = clients.get(topic) or clients.setdefault(topic, ReplayClient(ep))
                     self.catch_up(topic, client)
                 self._wake.wait(self.sync_interval)
                 self._wake.clear()
@@ -170,12 +175,28 @@ class KvRouter:
             for client in clients.values():
                 client.close()
 
+    def set_replay(self, topic: str, endpoint: str | None) -> None:
+        """Fetch ``topic``'s missed batches from ``endpoint`` from now on (None: stop); an
+        instance added through the admin API gets its replay socket here."""
+        with self._lock:
+            if endpoint:
+                self.replay[topic] = endpoint
+            else:
+                self.replay.pop(topic, None)
+                self._pending.pop(topic, None)
+        if endpoint and self._replayer is None and self.subscriber.running:
+            self._start_replayer()
+        self._wake.set()
+
+    def _start_replayer(self) -> None:
+        self._replayer = threading.Thread(target=self._replay_loop, name="kv-replay", daemon=True)
+        self._replayer.start()
+
     def start(self) -> None:
         """Start the subscriber and, for instances with a replay socket, the catch-up thread."""
         self.subscriber.start()
         if self.replay:
-            self._replayer = threading.Thread(target=self._replay_loop, name="kv-replay", daemon=True)
-            self._replayer.start()
+            self._start_replayer()
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
