@@ -62,6 +62,7 @@ class PromptKey:
     tokens: list[int] | None
     hashes: dict[int, list[int]] = field(default_factory=dict)  # block size -> normalised hashes
     predicted: dict[str, int] = field(default_factory=dict)  # instance kind -> predicted hit tokens
+    charged: dict[str, tuple[str, float]] = field(default_factory=dict)  # kind -> (instance, queued work)
 
 
 class KvRouter:
@@ -79,6 +80,11 @@ class KvRouter:
         self.disabled = ""  # why predictions are off for good
         self.lost = ""  # why the event stream is down (cleared by the next batch)
         self.mean_prompt = 0.0
+        self.heard: set[str] = set()  # instances whose events (live or replayed) arrived since they joined
+        self.unheard_requests: dict[str, int] = defaultdict(int)  # full-block prompts sent to one not heard
+        self.silent_after = 3  # that many, and an instance not heard is taken for one that publishes nothing
+        self.mean_work = 0.0  # predicted prefill work per routed request (recomputed-token units)
+        self.pending: dict[str, float] = defaultdict(float)  # instance -> routed prefill work not yet done
         self._in_rotation: dict[str, set[str]] = {}
         self._logged: set[str] = set()
         self._samples: deque[dict[str, Any]] = deque(maxlen=8)  # first blocks of prompts, for _detect
@@ -98,6 +104,7 @@ class KvRouter:
         for the replay of what is missing when the instance has a replay socket."""
         with self._lock:
             self.lost = ""
+            self.heard.add(topic)
             idx = self._index(topic)
             live_last, self._live_last[topic] = self._live_last.get(topic), seq
             last = idx.last_seq
@@ -146,6 +153,7 @@ class KvRouter:
                 self.counters[("replays", "failed")] += 1
             else:
                 self.counters[("replays", "ok")] += 1
+                self.heard.add(topic)  # its publisher answers: it publishes, maybe nothing yet
                 self.counters[("replayed_batches",)] += len(got)
             for seq, events in [*(got or ()), *self._pending.pop(topic, ())]:
                 if idx.last_seq is None or seq > idx.last_seq:
@@ -258,6 +266,8 @@ class KvRouter:
                             self.counters[("index_drops", "left_rotation")] += 1
                         idx.last_seq = None  # a restarted instance counts from 0 again
                         self._live_last.pop(key, None)
+                    self.heard.discard(key)
+                    self.unheard_requests.pop(key, None)
 
     def fallback_reason(self, key: RoutingKey) -> str:
         """Why ``key`` cannot be routed by prediction ("" if it can)."""
@@ -272,12 +282,21 @@ class KvRouter:
         return ""
 
     def decide(self, kind: str, candidates: Sequence[Instance], key: PromptKey, start: int) -> Instance | None:
-        """The cheapest candidate, or None when no index has a block size yet."""
+        """The cheapest candidate; None when no index has a block size yet, or a candidate
+        publishes no events (``no_events``: its empty index would read as "holds nothing")."""
         assert key.tokens is not None
         with self._lock:
             size = next((i.block_size for i in self.indexes.values() if i.block_size), None)
             if size is None:
                 return None
+            silent = [c.key for c in candidates
+                      if c.key not in self.heard and self.unheard_requests.get(c.key, 0) >= self.silent_after]
+        if silent:
+            self._log_once(f"silent:{silent[0]}", "kv_aware routes like prefix: instance %s published no KV "
+                           "events after %d requests of full blocks; start it with --kv-events-config (see "
+                           "--kv-events) or remove it", silent[0], self.unheard_requests.get(silent[0], 0))
+            return None
+        with self._lock:
             hashes = key.hashes.get(size)
             if hashes is None:
                 hashes = key.hashes[size] = (self.hasher or self.hashers[0]).block_hashes(key.tokens, size)
@@ -286,14 +305,49 @@ class KvRouter:
             pool = max((i.prefix_blocks(hashes, POOL) for i in self.indexes.values()), default=0) * size
         n = len(key.tokens)
         self.mean_prompt = n if not self.mean_prompt else 0.9 * self.mean_prompt + 0.1 * n
-        pick = choose(n, local, pool, [c.in_flight for c in candidates], self.mean_prompt, self.weights, start)
+        self.settle(kind, key)  # a retry: the first pick's work is not queued there any more
+        pick = choose(n, local, pool, [self.queued(c) for c in candidates], self.weights, start)
+        chosen = candidates[pick.index]
+        self.mean_work = pick.work if not self.mean_work else 0.9 * self.mean_work + 0.1 * pick.work
+        self.pending[chosen.key] += pick.work
+        key.charged[kind] = (chosen.key, pick.work)
         key.predicted[kind] = pick.local_tokens + pick.pool_tokens
         where = "local" if pick.local_tokens else "pool" if pick.pool_tokens else "cold"
         self.counters[("decisions", kind, where)] += 1
         self.counters[("predicted_local_tokens", kind)] += pick.local_tokens
         self.counters[("predicted_pool_tokens", kind)] += pick.pool_tokens
         self.counters[("prompt_tokens", kind)] += n
-        return candidates[pick.index]
+        return chosen
+
+    def queued(self, inst: Instance) -> float:
+        """Work ahead of a new request on ``inst`` (recomputed-token units): the prefill work
+        routed there and not yet done, a share of the mean prompt per request in flight
+        (decode steps), and the mean work of each request its engine reports beyond ours."""
+        others = max(0, inst.load - inst.in_flight)
+        per_request = self.weights.per_request * self.mean_prompt
+        return max(0.0, self.pending.get(inst.key, 0.0)) + per_request * (inst.in_flight + others) \
+            + self.mean_work * others
+
+    def routed(self, inst: Instance, key: RoutingKey) -> None:
+        """``key`` went to ``inst`` (by prediction or fallback): count it against an instance
+        not heard yet when the prompt has a full block (vLLM publishes nothing for less)."""
+        if inst.key in self.heard or not isinstance(key, PromptKey) or key.tokens is None:
+            return
+        size = next((i.block_size for i in self.indexes.values() if i.block_size), None)
+        if size is not None and len(key.tokens) >= size:
+            self.unheard_requests[inst.key] += 1
+
+    def settle(self, kind: str, key: RoutingKey) -> None:
+        """The prefill of ``key``'s ``kind`` request is done (its first token came back, or it
+        ended): its work no longer queues before others. Idempotent."""
+        charge = key.charged.pop(kind, None) if isinstance(key, PromptKey) else None
+        if charge is not None:
+            inst, work = charge
+            left = self.pending.get(inst, 0.0) - work
+            if left > 1e-6:
+                self.pending[inst] = left
+            else:
+                self.pending.pop(inst, None)
 
     def observe(self, kind: str, key: RoutingKey, answer: Any) -> None:
         """Count what the instance reports it served from cache (``usage.prompt_tokens_details``)."""
