@@ -283,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--smoke", action="store_true", help="tiny version: 2 instances, 2 policies, minutes")
     size.add_argument("--dev", action="store_true", help="the 2-core dev box's preset (3 instances, 2 repeats)")
     ap.add_argument("--repeats", type=int, help="run the configurations this many times, interleaved")
+    ap.add_argument("--kv-mib", type=int, help="each instance's KV cache, MiB (the preset's otherwise): below "
+                    "the documents' total, round_robin cannot keep every document on every instance")
+    ap.add_argument("--docs", type=int, help="shared documents (the preset's otherwise)")
+    ap.add_argument("--tag", default="", help="suffix of the output files' names")
     ap.add_argument("--out", type=Path, default=Path("docs/bench-results"))
     ap.add_argument("--configs", nargs="+", help="subset of the configurations")
     args = ap.parse_args(argv)
@@ -291,9 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         p["configs"] = args.configs
     if args.repeats:
         p["repeats"] = args.repeats
+    if args.kv_mib:
+        p["kv_bytes"] = args.kv_mib << 20
+    if args.docs:
+        p["docs"] = args.docs
     args.out.mkdir(parents=True, exist_ok=True)
     report = asyncio.run(_main(p, args.out, args.smoke, lambda m: print(f"[bench] {m}", file=sys.stderr)))
-    name = "bench_routing_smoke" if args.smoke else "bench_routing_dev" if args.dev else "bench_routing"
+    name = ("bench_routing_smoke" if args.smoke else "bench_routing_dev" if args.dev else "bench_routing") + args.tag
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
     _plot(report, args.out / f"{name}.png")
     print(json.dumps(report["derived"], indent=2))

@@ -90,3 +90,27 @@ def test_an_instance_that_publishes_nothing_turns_routing_to_prefix(caplog: pyte
     # leaving rotation forgets that it was heard
     router.sync("decode", [a])
     assert b.key not in router.heard
+
+
+def test_the_pool_costs_what_the_instances_really_load() -> None:
+    """Predicted pool tokens the instances recompute instead (their load policy declined) make
+    the pool cost like a recompute; loaded ones keep ``weights.pool``."""
+    router, _ = _router()
+    a, b = _fleet(2)
+    a.engine = EngineLoad(at=1e18, max_age=1e18, pool_hit_tokens=1000)
+    b.engine = EngineLoad(at=1e18, max_age=1e18)
+    router.calibrate([a, b])  # the starting point
+    router._pool_predicted += 1000  # routed for 1000 pool tokens, none loaded
+    for _ in range(10):
+        router.calibrate([a, b])
+        router._pool_predicted += 1000
+    assert router.pool_realized < 0.05
+    assert router.effective_weights().pool > 0.95
+    a.engine = EngineLoad(at=1e18, max_age=1e18, pool_hit_tokens=0)  # restarted: counters from 0
+    router.calibrate([a, b])
+    for k in range(1, 11):  # now every predicted token is loaded
+        router._pool_predicted += 1000
+        a.engine = EngineLoad(at=1e18, max_age=1e18, pool_hit_tokens=1000 * k)
+        router.calibrate([a, b])
+    assert router.pool_realized > 0.95
+    assert abs(router.effective_weights().pool - router.weights.pool) < 0.05

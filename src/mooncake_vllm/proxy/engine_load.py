@@ -94,6 +94,7 @@ class _Server(Protocol):
     session: aiohttp.ClientSession | None
     pool: Any
     config: Any
+    kv: Any  # kv_aware's router (it calibrates the pool's cost from the answers), or None
 
 
 async def scrape(session: aiohttp.ClientSession, inst: _Target, timeout: float, max_age: float) -> bool:
@@ -123,6 +124,8 @@ async def poll_loop(server: _Server) -> None:
         if server.session is not None and insts:
             await asyncio.gather(*(scrape(server.session, i, server.config.health_timeout, 3 * interval)
                                    for i in insts), return_exceptions=True)
+            if server.kv is not None:
+                server.kv.calibrate(insts)
         await asyncio.sleep(interval)
 
 

@@ -22,7 +22,7 @@ import os
 import threading
 from collections import defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import aiohttp
@@ -85,6 +85,12 @@ class KvRouter:
         self.silent_after = 3  # that many, and an instance not heard is taken for one that publishes nothing
         self.mean_work = 0.0  # predicted prefill work per routed request (recomputed-token units)
         self.pending: dict[str, float] = defaultdict(float)  # instance -> routed prefill work not yet done
+        #: the share of predicted pool tokens the instances really loaded (their own counters): they
+        #: recompute what their load policy declines, so a pool token costs this much of ``weights.pool``
+        #: and the rest of a recompute
+        self.pool_realized = 1.0
+        self._pool_predicted = 0  # pool tokens predicted for routed requests, ever
+        self._pool_base: tuple[int, float] | None = None  # (predicted, the engines' pool hits) last time
         self._in_rotation: dict[str, set[str]] = {}
         self._logged: set[str] = set()
         self._samples: deque[dict[str, Any]] = deque(maxlen=8)  # first blocks of prompts, for _detect
@@ -306,7 +312,7 @@ class KvRouter:
         n = len(key.tokens)
         self.mean_prompt = n if not self.mean_prompt else 0.9 * self.mean_prompt + 0.1 * n
         self.settle(kind, key)  # a retry: the first pick's work is not queued there any more
-        pick = choose(n, local, pool, [self.queued(c) for c in candidates], self.weights, start)
+        pick = choose(n, local, pool, [self.queued(c) for c in candidates], self.effective_weights(), start)
         chosen = candidates[pick.index]
         self.mean_work = pick.work if not self.mean_work else 0.9 * self.mean_work + 0.1 * pick.work
         self.pending[chosen.key] += pick.work
@@ -316,8 +322,33 @@ class KvRouter:
         self.counters[("decisions", kind, where)] += 1
         self.counters[("predicted_local_tokens", kind)] += pick.local_tokens
         self.counters[("predicted_pool_tokens", kind)] += pick.pool_tokens
+        self._pool_predicted += pick.pool_tokens
         self.counters[("prompt_tokens", kind)] += n
         return chosen
+
+    def effective_weights(self) -> CostWeights:
+        """``weights`` with the pool's cost as realized: a declined load is a recompute."""
+        r = self.pool_realized
+        return replace(self.weights, pool=r * self.weights.pool + (1.0 - r))
+
+    def calibrate(self, instances: Sequence[Instance], min_tokens: int = 256) -> None:
+        """Compare the pool tokens the instances report loaded (``engine_load``) with those
+        predicted since the last time, once ``min_tokens`` were predicted; a restarted
+        engine (its counter went back) starts the comparison again."""
+        engines = [i.engine for i in instances if i.engine is not None]
+        if not engines:
+            return
+        got = sum(e.pool_hit_tokens for e in engines)
+        base = self._pool_base
+        if base is None or got < base[1]:
+            self._pool_base = (self._pool_predicted, got)
+            return
+        predicted = self._pool_predicted - base[0]
+        if predicted < min_tokens:
+            return
+        ratio = min(1.0, max(0.0, (got - base[1]) / predicted))
+        self.pool_realized = 0.7 * self.pool_realized + 0.3 * ratio
+        self._pool_base = (self._pool_predicted, got)
 
     def queued(self, inst: Instance) -> float:
         """Work ahead of a new request on ``inst`` (recomputed-token units): the prefill work
@@ -375,6 +406,8 @@ class KvRouter:
             lab = dict(zip(_LABELS.get(name, ()), labels))
             text = ",".join(f'{k}="{v}"' for k, v in lab.items())
             out.append(f"{metric}{{{text}}} {n}" if text else f"{metric} {n}")
+        out.append("# TYPE mooncake_proxy_kv_aware_pool_realized gauge")
+        out.append(f"mooncake_proxy_kv_aware_pool_realized {self.pool_realized:.3f}")
         out.append("# TYPE mooncake_proxy_kv_aware_index_blocks gauge")
         out += [f'mooncake_proxy_kv_aware_index_blocks{{instance="{k}"}} {n}' for k, n in sorted(blocks.items())]
         return "\n".join(out) + "\n"
