@@ -46,8 +46,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "connectors' handoff_timeout); "
                              "p2p: vLLM V1 MultiConnector(MooncakeConnector + MooncakeStoreConnector); "
                              "kv_both: no prefill step, each request to one kv_both instance (--decode)")
-    parser.add_argument("--kv-events", default="tcp://127.0.0.1:5557", metavar="tcp://HOST:PORT",
-                        help="kv_aware: the proxy binds a ZMQ SUB socket here; start each instance with "
+    parser.add_argument("--kv-events", default="tcp://127.0.0.1:5557", metavar="tcp://HOST:PORT|auto",
+                        help="kv_aware: the proxy binds a ZMQ SUB socket here (auto: a free loopback port, "
+                             "logged at start and in /status; for several proxies on one host); "
+                             "start each instance with "
                              "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                              "\"endpoint\": \"<this>\", \"topic\": \"<its host:port>\"}' and "
                              "--enable-prompt-tokens-details (for the hit counters)")

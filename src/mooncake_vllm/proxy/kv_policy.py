@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import threading
 from collections import defaultdict, deque
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ import aiohttp
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.proxy.instances import Instance, parse_endpoint
-from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient
+from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient, vllm_args
 from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
 from mooncake_vllm.proxy.kv_index import LOCAL, POOL, BlockIndex, CostWeights, choose
 from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey
@@ -479,10 +480,14 @@ async def _resolve_version(server: ProxyServer, router: KvRouter) -> None:
 
 
 async def start(server: ProxyServer) -> None:
-    """Start the event subscriber and learn the instances' release (says at start when
-    their hashes cannot be predicted)."""
+    """Start the event subscriber, say where it listens (and the flags an instance needs),
+    and learn the instances' release (says at start when their hashes cannot be predicted)."""
     assert server.kv is not None
+    sub = server.kv.subscriber
     server.kv.start()
+    if await asyncio.to_thread(sub.bound.wait, 5.0):
+        log.info("kv_aware: KV events on %s; start each instance with %s", sub.bound_endpoint,
+                 " ".join(shlex.quote(a) for a in vllm_args(str(sub.bound_endpoint), "<its host:port>")))
     await _resolve_version(server, server.kv)
 
 
