@@ -33,11 +33,13 @@ from mooncake_vllm.services.process import (
     stop_all,
     tcp_probe,
 )
+from mooncake_vllm.services.tier import DiskTier
 
 __all__ = [
     "HOLDER_KINDS",
     "METADATA_KINDS",
     "SETUP_HINT",
+    "DiskTier",
     "LocalStack",
     "ManagedProcess",
     "ServiceError",
