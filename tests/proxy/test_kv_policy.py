@@ -218,6 +218,29 @@ def test_kv_replay_in_an_add_needs_kv_aware() -> None:
     run(go)
 
 
+def test_auto_events_endpoints_let_two_proxies_share_a_host() -> None:
+    async def go() -> None:
+        async with stubs(1) as ups, \
+                proxy([], ups, flow="kv_both", scheduling="kv_aware", kv_events="auto") as (s1, base1, client), \
+                proxy([], ups, flow="kv_both", scheduling="kv_aware", kv_events="auto") as (s2, _base2, _c2):
+            eps = [s.kv.subscriber.bound_endpoint for s in (s1, s2)]
+            assert all(e and e.startswith("tcp://127.0.0.1:") for e in eps) and eps[0] != eps[1]
+            async with client.get(base1 + "/status") as r:
+                assert (await r.json())["kv_events"] == eps[0]
+            pub = Publisher(str(eps[0]), ups[0].address)
+            try:
+                for _ in range(100):
+                    pub.send(_stored(DOC))
+                    if len(s1.kv.indexes.get(ups[0].address, ())) >= 10:
+                        break
+                    await asyncio.sleep(0.05)
+                assert len(s1.kv.indexes[ups[0].address]) >= 10 and not s2.kv.indexes
+            finally:
+                pub.close()
+
+    run(go)
+
+
 def test_kv_replay_items_are_checked() -> None:
     from mooncake_vllm.errors import ConfigError
     from mooncake_vllm.proxy.kv_policy import parse_replay

@@ -276,6 +276,7 @@ async def handle_status(server: ProxyState, _request: web.Request) -> web.Respon
         "p2p_mode": server.p2p_mode,
         "scheduling": server.config.scheduling,
         "admin_api": "enabled" if server.config.admin_api_key else "disabled (ADMIN_API_KEY not set)",
+        **({"kv_events": server.kv.subscriber.bound_endpoint} if server.kv is not None else {}),
         **_counts(server),
         "instances": {k: [i.status() for i in server.pool.of_kind(k)] for k in KINDS},
     }
