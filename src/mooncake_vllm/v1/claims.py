@@ -261,6 +261,9 @@ class ClaimAdvisor:
         self._declining_since: float | None = None
         self._last_explore = -math.inf
         self.counts: dict[str, int] = {}
+        #: the last decisions: ``(clock, start, hit, decision)`` (what an operator or a bench
+        #: compares with what the requests then took)
+        self.recent: deque[tuple[float, int, int, Decision]] = deque(maxlen=_WINDOW)
 
     def observe(self, steps: Iterable[Sequence[float]] = (),
                 loads: Iterable[Sequence[float]] = ()) -> None:
@@ -278,7 +281,17 @@ class ClaimAdvisor:
         to claim; ``backlog``: tokens already being loaded ahead of this one."""
         d = self._decide(start, hit, chunk, backlog)
         self.counts[d.reason] = self.counts.get(d.reason, 0) + 1
+        self.recent.append((self.clock(), start, hit, d))
         return d
+
+    def snapshot(self) -> dict[str, object]:
+        """The models' state and the recent decisions, as plain data."""
+        now = self.clock()
+        return {"coefficients": self.prefill.coefficients(now), "reach": self.prefill.reach,
+                "prefill_samples": [[t, *x, y] for t, x, y in self.prefill.samples],
+                "load_samples": [list(x) for x in self.loads.samples], "counts": dict(self.counts),
+                "decisions": [[at, start, hit, d.tokens, d.reason, d.predicted_load,
+                               d.predicted_recompute] for at, start, hit, d in self.recent]}
 
     def _decide(self, start: int, hit: int, chunk: int, backlog: int) -> Decision:
         policy = self.rules.policy
