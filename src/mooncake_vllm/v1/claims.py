@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CANDIDATES", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
+__all__ = ["CANDIDATES", "MIN_FIT", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
 
 #: prefix lengths a decision weighs (chunk boundaries, evenly coarsened)
 CANDIDATES = 16
@@ -47,8 +47,12 @@ _WINDOW = 256  #: prefill samples kept
 _LOAD_WINDOW = 32
 #: recent loads that say how much slower (or faster) the pool is now than its shape
 RECENT = 3
-#: the fewest tokens a step must schedule to teach the recompute model (decodes do not)
+#: steps scheduling fewer tokens are decodes: their median is the fixed cost of a step
 MIN_PREFILL = 64
+#: the fewest tokens a step must schedule to teach the per-token costs. Below this a step's
+#: time is its fixed cost and noise (on an H200 a 64-token prefill took 16-41 ms, a decode
+#: 19 ms: three of them fitted 210 us/token, 10x the truth, and every 2k hit was claimed)
+MIN_FIT = 512
 #: beyond this multiple of the furthest position measured, recompute is not extrapolated
 REACH_MARGIN = 1.25
 
@@ -119,8 +123,8 @@ class PrefillModel:
 
     The fixed cost of a step, ``c0``, is the median of the steps scheduling fewer than
     :data:`MIN_PREFILL` tokens (decodes: plenty of them); ``c1`` and ``c2`` are fitted
-    to the prefill steps' time above ``c0``. Fitting all three to prefill steps alone
-    is ill-posed when they are all one chunk size (vLLM splits long prompts into
+    to the time above ``c0`` of prefill steps of at least :data:`MIN_FIT` tokens. Fitting
+    all three to prefill steps alone is ill-posed when they are all one chunk size (vLLM splits long prompts into
     ``max_num_batched_tokens`` chunks): the intercept then soaks up the per-token cost.
     ``reach`` is the furthest position a prefill step computed: beyond it the model
     does not extrapolate.
@@ -144,7 +148,7 @@ class PrefillModel:
             return
         if tokens < MIN_PREFILL:
             self._small.append(float(seconds))
-        else:
+        elif tokens >= MIN_FIT:
             self.samples.append((now, (float(tokens), float(work)), float(seconds)))
             self._reach.append(float(reach or tokens))
         self._coef = None
