@@ -62,7 +62,7 @@ COUNTERS = CounterNames(
     initial=("lookups", "hit_tokens", "load_jobs", "save_jobs", "local_hit_chunks_not_saved",
              "declined_tokens", "claims_declined_slow_pool", "claims_declined_never",
              "claim_probes", "waits_for_shared_load"),
-    later=frozenset({"failed_loads_not_retried"}), families=(r"handoff_[a-z_]+",))
+    later=frozenset({"failed_loads_not_retried", "perf_reports"}), families=(r"handoff_[a-z_]+",))
 
 
 @dataclass
@@ -228,6 +228,7 @@ class SchedulerLogic:
     def observe_perf(self, perf: Any) -> None:
         """Step and load timings the workers measured (``PoolStats.data["perf"]``)."""
         if isinstance(perf, dict):
+            self.counters["perf_reports"] += 1
             self.claims.observe(steps=perf.get("steps", ()), loads=perf.get("loads", ()))
 
     def loads_over(self, req_ids: Iterable[str]) -> None:
