@@ -80,7 +80,7 @@ def connector(mode: str, role: str, prefix: str, *, example_dir: Path | None = N
 
 def ensure_tokenizer(model: Path) -> None:
     """A word-level tokenizer (``t<id>``) over the model's whole vocabulary, where the model has
-    none (scripts/gpu/make_model.py writes none): the OpenAI server needs one to stream text."""
+    none (scripts/gpu/make_model.py writes none): the OpenAI server needs one."""
     if (model / "tokenizer.json").exists():
         return
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -149,27 +149,28 @@ class Fleet:
 
 # ----------------------------------------------------------------------------- requests
 def stream(url: str, model: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy completion: client TTFT, inter-token gaps, the text."""
+    """One streamed greedy completion: client TTFT, inter-token gaps (between chunks that carry
+    tokens), the token ids (``return_token_ids``: a token may decode to no text yet)."""
     body = json.dumps({"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
+                       "ignore_eos": True, "stream": True, "return_token_ids": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     stamps: list[float] = []
-    text: list[str] = []
+    tokens: list[int] = []
     with urllib.request.urlopen(req, timeout=600) as resp:
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
-            piece = "".join(c.get("text", "") for c in chunk.get("choices", []))
-            if piece:
+            new = [t for c in chunk.get("choices", []) for t in (c.get("token_ids") or ())]
+            if new:
                 stamps.append(time.perf_counter())
-                text.append(piece)
+                tokens += new
     if not stamps:
-        raise RuntimeError(f"{url}: a stream with no text")
+        raise RuntimeError(f"{url}: a stream with no token ids")
     return {"ttft_s": stamps[0] - t0, "itl_s": [b - a for a, b in zip(stamps, stamps[1:])],
-            "text": "".join(text)}
+            "tokens": tokens}
 
 
 def metric(url: str, name: str) -> float | None:
@@ -187,18 +188,18 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def serve_prompts(url: str, model: str, prompts: dict[int, list[list[int]]], max_tokens: int
-                  ) -> tuple[dict[str, Any], dict[str, str]]:
+                  ) -> tuple[dict[str, Any], dict[str, list[int]]]:
     """Every prompt once, one after the other: per length TTFT and ITL, and each answer."""
     stream(url, model, [7] * 40, 2)  # warm-up: a prompt no later one shares a block with
     per_len: dict[str, Any] = {}
-    answers: dict[str, str] = {}
+    answers: dict[str, list[int]] = {}
     for n, group in prompts.items():
         ttfts, itls = [], []
         for i, ids in enumerate(group):
             r = stream(url, model, ids, max_tokens)
             ttfts.append(r["ttft_s"])
             itls += r["itl_s"]
-            answers[f"{n}/{i}"] = r["text"]
+            answers[f"{n}/{i}"] = r["tokens"]
         per_len[str(n)] = {"ttft_s_p50": _pct(ttfts, 0.5), "ttft_s_mean": round(statistics.fmean(ttfts), 5),
                            "itl_s_p50": _pct(itls, 0.5), "itl_s_p99": _pct(itls, 0.99), "samples": len(ttfts)}
     return per_len, answers
@@ -215,7 +216,7 @@ def counters(procs: dict[str, ManagedProcess]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- modes
 def run_mode(mode: str, fleet: Fleet, prompts: dict[int, list[list[int]]], args: argparse.Namespace,
-             reference: dict[str, str] | None) -> dict[str, Any]:
+             reference: dict[str, list[int]] | None) -> dict[str, Any]:
     prefix = f"issue26-{mode}-{os.getpid()}"
     model = fleet.model_name
     res: dict[str, Any] = {"mode": mode}
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             base_env = {"MOONCAKE_CONFIG_PATH": os.environ.get("MOONCAKE_CONFIG_PATH", "/tmp/mc/config.json")}
         vocab = int(json.loads((args.model / "config.json").read_text())["vocab_size"])
         prompts = make_prompts(lengths, per_length, vocab)
-        reference: dict[str, str] | None = None
+        reference: dict[str, list[int]] | None = None
         for mode in modes:
             print(f"[multi] === {mode} {time.strftime('%T')}", flush=True)
             with ExitStack() as mode_stack:
