@@ -65,8 +65,9 @@ def run(tiny_model: Path, module_local_stack: LocalStack,
 
     def _run(name: str, kv_config: dict[str, Any] | None, **kw: Any) -> dict:
         role = "kv_both" if kv_config is not None else "none"  # none: no connector at all
+        env = {**module_local_stack.env(), **kw.pop("env", {})}
         return run_instance(tiny_model, PROMPTS, work, kv_config=kv_config, role=role,
-                            env=module_local_stack.env(), name=name, **kw)
+                            env=env, name=name, **kw)
 
     return _run
 
@@ -86,8 +87,8 @@ def test_multi_connector_saves_loads_reports_and_recovers(
     assert ca.get("scheduler_perf_reports", 0) > 0, ca
     # the pool's KV events: worker records reach our scheduler side, which names the blocks
     assert ca.get("scheduler_stored_events", 0) == CHUNKS, ca
-    # the parent's load-failure policy is ours: recompute
-    assert "kv_load_failure_policy" not in a["log"] or "recompute" in a["log"]
+    # the parent's load-failure policy (vLLM's scheduler reads the parent's, default fail) is ours
+    assert "MultiConnector's kv_load_failure_policy fail -> recompute" in a["log"]
 
     # B: a fresh instance, ExampleConnector empty: ours is the child that loads
     b = run("multi-b", multi_config("kv_both", tmp_path / "ex-b"))
@@ -107,3 +108,17 @@ def test_multi_connector_saves_loads_reports_and_recovers(
     if loads_here():
         assert c["connector"]["worker_failed_blocks"] > 0
         assert c["connector"]["worker_loaded_blocks"] == 0
+
+
+def test_plugin_off_with_a_module_path_child_is_refused_at_start(run: Any, tmp_path: Path) -> None:
+    """With the plugin off the name is vLLM's in-tree class (>= 0.21): MultiConnector would
+    rebuild our stats with its code, so our child refuses to start, saying why."""
+    from mooncake_vllm.compat import installed_facts
+
+    facts = installed_facts()
+    if facts is None or not facts.in_tree_v1_store:
+        pytest.skip("no in-tree MooncakeStoreConnector to take the name")
+    cfg = multi_config("kv_both", tmp_path / "ex")
+    cfg["kv_connector_extra_config"]["connectors"][1]["kv_connector_module_path"] = "mooncake_vllm.v1.connector"
+    with pytest.raises(RuntimeError, match="MOONCAKE_VLLM_DISABLE=1 or VLLM_PLUGINS"):
+        run("multi-off", cfg, env={"MOONCAKE_VLLM_DISABLE": "1"})
