@@ -93,7 +93,7 @@ STORE_COUNTERS = CounterNames(
     later=frozenset({
         "lookup_errors", "load_failed", "load_no_slot", "lost_segment_reads",
         "unverifiable_on_gpu", "timeouts", "rejected", "saves_skipped", "saves_abandoned",
-        "saves_dropped_no_slot", "save_raced"}),
+        "saves_dropped_no_slot", "save_raced", "put_retries_full"}),
     families=(r"(put|get)_failed_[a-z_]+",))
 
 

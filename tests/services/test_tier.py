@@ -1,0 +1,84 @@
+"""The pool's disk tier (services/tier.py, the put retry in store/puts.py) on a real master and
+holder: values beyond DRAM spill to disk and stay verified hits; a value corrupted on disk is
+a miss, counted."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mooncake_vllm.config import load_store_config
+from mooncake_vllm.keys import KeyNamespace, chunk_keys
+from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.services import DiskTier, LocalStack, ServiceError
+from mooncake_vllm.store import StoreClient
+from tests.conftest import TEST_CLIENT_TTL
+
+DRAM = 16 << 20  # one holder's DRAM: a third of what the test puts
+BLOCKS = 96  # 256 KiB each: 24 MiB of values
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    work = tmp_path_factory.mktemp("tier")
+    stack = LocalStack(work, segment_size=DRAM, local_buffer_size=32 << 20, client_ttl=TEST_CLIENT_TTL,
+                       holders=1, holder="mooncake_client", disk=DiskTier(work / "ssd", 256 << 20)).start()
+    yield stack
+    stack.stop()
+
+
+def _disk_only(stack: LocalStack, keys: list[str]) -> list[str]:
+    """The keys the master says have only a disk replica (DRAM evicted them)."""
+    assert stack.master is not None
+    url = f"{stack.master.url}/batch_query_keys?keys={','.join(keys)}"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        data = json.loads(resp.read())["data"]
+    return [k for k in keys if data[k]["ok"] and not data[k]["values"] and data[k]["local_disk_values"]]
+
+
+def test_values_beyond_dram_spill_to_disk_stay_verified_hits_and_a_corrupt_one_is_a_miss(
+        tiered: LocalStack) -> None:
+    config = load_store_config(tiered.config_path)
+    assert config.ssd_offload and config.global_segment_size == 0  # what `up --ssd` writes
+    rng = np.random.default_rng(30)
+    kv = [rng.standard_normal((BLOCKS * 2, 2, 16, 1024), dtype=np.float32) for _ in range(2)]
+    layout = BlockLayout.from_kv_caches(kv)
+    keys = chunk_keys(KeyNamespace("tier", "float32", layout.fingerprint, 16), list(range(BLOCKS * 16)))
+    with StoreClient.connect(config) as client:
+        client.register_layout(layout)
+        assert client.put_blocks(keys, layout, list(range(BLOCKS))) == BLOCKS  # 1.5x DRAM: none dropped
+        time.sleep(2.5)  # two offload heartbeats: every value is on disk
+        spilled = _disk_only(tiered, keys)
+        assert len(spilled) >= BLOCKS // 3, "DRAM holds a third: the rest must be disk-only"
+        assert client.get_blocks(keys, layout, list(range(BLOCKS, 2 * BLOCKS))) == [True] * BLOCKS
+        for t in kv:
+            assert np.array_equal(t[BLOCKS:], t[:BLOCKS])  # every value, DRAM or disk, intact
+        # corrupt one disk-only value in its file: a miss, counted, never served
+        victim = _disk_only(tiered, keys)[0]
+        files = [f for f in (tiered.workdir / "ssd").rglob("*") if f.is_file() and f.name.endswith(
+            victim.replace("/", "_")) or f.name.endswith(victim.rsplit("/", 1)[-1])]
+        assert files, f"no disk file for {victim}"
+        data = bytearray(files[0].read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        files[0].write_bytes(bytes(data))
+        before = client.stats.snapshot()["corrupt"]
+        assert client.get_blocks([victim], layout, [0]) == [False]
+        assert client.stats.snapshot()["corrupt"] == before + 1
+    assert tiered.alive()
+
+
+def test_a_disk_tier_directory_that_is_not_ours_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "data.bin").write_bytes(b"user data")
+    with pytest.raises(ServiceError, match="not one of ours"):
+        DiskTier(tmp_path, 1 << 30).holder_dir("h")
+    assert (tmp_path / "h" / "data.bin").exists()
+    ours = DiskTier(tmp_path, 1 << 30).holder_dir("g")
+    (ours / "old").write_text("stale")
+    assert not (DiskTier(tmp_path, 1 << 30).holder_dir("g") / "old").exists()  # a cache: emptied
