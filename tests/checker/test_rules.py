@@ -96,6 +96,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "MCV-W040": (dict(script=serve(OURS), target_vllm="0.10.2"), dict(script=serve(OURS), target_vllm="0.11.1")),
     "MCV-W041": (dict(script=serve(OURS, extra=_EVENTS), target_vllm="0.12.0"),
                  dict(script=serve(OURS, extra=_EVENTS), target_vllm="0.13.0")),
+    "MCV-W031": (dict(script=serve(multi("kv_producer")) + serve(multi("kv_consumer")) + serve()),
+                 dict(script=serve(multi("kv_producer")) + serve(multi("kv_consumer"))
+                      + serve(env="MOONCAKE_CONFIG_PATH=mooncake.json VLLM_KV_CACHE_LAYOUT=HND"))),
     "MCV-W015": (dict(script=serve(), config=CONFIG, target_vllm="0.8.4", target_mooncake="0.3.3.post2"),
                  dict(script=serve(), config=CONFIG, target_vllm="0.8.5", target_mooncake="0.3.3.post2")),
 }
@@ -182,3 +185,18 @@ def test_metrics_rule_names_the_log_only_release_and_events_need_the_flag(tmp_pa
     (w040,) = [f for f in result.findings if f.id == "MCV-W040"]
     assert "KV Transfer metrics" in w040.message
     assert "MCV-W041" not in {f.id for f in result.findings}  # no --kv-events-config: nothing to miss
+
+
+def test_p2p_proxy_command_names_each_prefills_bootstrap_port(tmp_path: Path) -> None:
+    """The suggested proxy line carries ``host:port@bootstrap``: the seed sets 50052."""
+    from mooncake_vllm.checker import run_check
+
+    script = (serve(multi("kv_producer"), env="MOONCAKE_CONFIG_PATH=m.json VLLM_MOONCAKE_BOOTSTRAP_PORT=50052")
+              + serve(multi("kv_producer"), env="MOONCAKE_CONFIG_PATH=m.json")
+              + serve(multi("kv_consumer"))
+              + "python3 disagg_proxy_demo.py --model m --prefill h1:8100 h2:8101 --decode h3:8200\n")
+    (tmp_path / "launch.sh").write_text(script)
+    result, _ = run_check([tmp_path], target_vllm="0.24.0", target_mooncake="0.3.13.post1")
+    fix = next(f for f in result.findings if f.id == "MCV-E011").fix
+    assert "--prefill h1:8100@50052 h2:8101@8998 --decode h3:8200" in fix
+    assert "--flow p2p --target-vllm 0.24.0" in fix

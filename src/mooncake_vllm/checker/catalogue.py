@@ -190,6 +190,15 @@ _ALL: tuple[Rule, ...] = (
          "{why}",
          "run `{proxy_fix}` instead (health checks, safe admin API, store and p2p flows)",
          "vllm §12; peers §1.5"),
+    Rule("MCV-W031", WARNING, "plain-store-beside-p2p-pairs",
+         "{instance} runs MooncakeStoreConnector alone beside P2P + store pairs: its KV layout is NHD, theirs "
+         "{layout}, so it never hits the blocks they save",
+         "The pairs' MultiConnector asks vLLM for the P2P MooncakeConnector's KV layout ({layout}); the KV "
+         "layout is part of the pool's key namespace, so blocks saved by the pairs and by a plain store instance "
+         "never match (a silent 0% hit rate between them).",
+         "start that instance with VLLM_KV_CACHE_LAYOUT={layout} (a layout it keys by too), or give it the "
+         "pairs' MultiConnector config",
+         "vllm §9 MooncakeConnector layout; keys.py namespace; issue 26"),
     Rule("MCV-W011", WARNING, "admin-api-without-key",
          "{proxy} exposes admin endpoints but ADMIN_API_KEY is not set",
          "The /instances/add endpoint answers 500 (demo proxy) or is disabled without a key; when set, it is the "
@@ -294,6 +303,14 @@ _ALL: tuple[Rule, ...] = (
          "The RDMA transport needs an InfiniBand/RoCE device listed under /sys/class/infiniband.",
          "use \"protocol\": \"tcp\" on this host, or set device_name to one of the present devices",
          "mooncake §2 protocol, rdma_devices", probe=True),
+    Rule("MCV-E105", ERROR, "p2p-rdma-without-device",
+         "{instance}: the P2P MooncakeConnector uses protocol rdma (its default), but this host has no RDMA "
+         "device (/sys/class/infiniband is empty or missing)",
+         "vLLM's P2P MooncakeConnector starts its own Transfer Engine with kv_connector_extra_config's "
+         "mooncake_protocol, not the MOONCAKE_CONFIG_PATH protocol; with rdma and no NIC its worker fails at start "
+         "(\"Mooncake Transfer Engine initialization failed\") and the instance never serves.",
+         "{how}",
+         "vllm §9 MooncakeConnector setup; issue 26", probe=True),
     Rule("MCV-E104", ERROR, "mooncake-libraries-missing",
          "{lib} of the Mooncake extension cannot find {missing}",
          "auditwheel leaves libibverbs, libnuma, libcurl and the CUDA runtime out of the wheels; "

@@ -40,8 +40,8 @@ try:  # vLLM >= 0.11.1
 except ImportError:  # pragma: no cover
     _PromBase = None
 
-__all__ = ["COUNTERS", "METRIC_PREFIX", "OPS", "Meter", "MeteredSource", "PoolPromMetrics",
-           "PoolStats", "build_prom_metrics", "pool_up"]
+__all__ = ["COUNTERS", "MAX_EVENT_RECORDS", "METRIC_PREFIX", "OPS", "Meter", "MeteredSource",
+           "PoolPromMetrics", "PoolStats", "build_prom_metrics", "own_stats", "pool_up"]
 
 #: Every exported metric is named ``vllm:mooncake_vllm_<name>``.
 METRIC_PREFIX = "vllm:mooncake_vllm_"
@@ -77,13 +77,19 @@ OPS: Mapping[str, str] = {
     "save": "Seconds per batched block save into the pool (worker side).",
 }
 _MAX_SAMPLES = 1024  # per operation and report: a stalled front end never grows us unbounded
+#: pool KV-event records one PoolStats carries at most (the newest kept, the rest counted in
+#: ``events_dropped``): they ride every step's stats to the scheduler side and on to the front end
+MAX_EVENT_RECORDS = 4096
 #: store-client counters (``StoreStats``) that are dropped saves
 _STORE_DROPS = ("saves_skipped", "saves_dropped_no_slot", "saves_abandoned")
 
 
 @dataclass
 class PoolStats(_StatsBase):
-    """One interval's deltas: ``{"counters": {...}, "latency": {op: [s]}, "pool_up": {who: 0|1}}``.
+    """One interval's deltas: ``{"counters": {...}, "latency": {op: [s]}, "pool_up": {who: 0|1}}``,
+    and for our scheduler side ``"perf"`` (the claim policy's timings) and ``"events"`` (the
+    workers' pool KV-event records ``[side, kind, digest]``: vLLM's ``MultiConnector`` forwards
+    no worker events, every connector's stats).
 
     Plain dicts, lists and numbers only: vLLM sends it between processes.
     """
@@ -96,7 +102,18 @@ class PoolStats(_StatsBase):
         self.data: dict[str, Any] = {"counters": {}, "latency": {}, "pool_up": {}}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(part) for part in ("counters", "latency", "pool_up", "perf"))
+        return not any(self.data.get(part) for part in ("counters", "latency", "pool_up", "perf",
+                                                         "events"))
+
+    def add_events(self, records: Any, dropped: int = 0) -> None:
+        """Append pool KV-event records, keeping the newest :data:`MAX_EVENT_RECORDS`."""
+        mine = self.data.setdefault("events", [])
+        mine.extend([list(r) for r in records])
+        over = len(mine) - MAX_EVENT_RECORDS
+        if over > 0:
+            del mine[:over]
+        if over > 0 or dropped:
+            self.data["events_dropped"] = self.data.get("events_dropped", 0) + max(over, 0) + dropped
 
     def aggregate(self, other: Any) -> PoolStats:
         """Add ``other``'s counters, append its samples, take its pool-up values."""
@@ -113,6 +130,8 @@ class PoolStats(_StatsBase):
         mine.setdefault("pool_up", {}).update(data.get("pool_up", {}))
         for kind, samples in data.get("perf", {}).items():  # the claim policy's timings
             mine.setdefault("perf", {}).setdefault(kind, []).extend(samples)
+        if data.get("events") or data.get("events_dropped"):
+            self.add_events(data.get("events", ()), int(data.get("events_dropped", 0)))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -126,6 +145,20 @@ class PoolStats(_StatsBase):
         if ups:
             out["pool_up"] = min(ups.values())
         return out
+
+
+def own_stats(stats: Any) -> dict[str, Any]:
+    """Our :class:`PoolStats` data in what vLLM hands ``update_connector_output``: ours, or our
+    entry of ``MultiConnector``'s per-class stats (``{}`` when there is none)."""
+    data = getattr(stats, "data", None)
+    if not isinstance(data, dict):
+        return {}
+    if isinstance(stats, PoolStats):
+        return data
+    for entry in data.values():  # MultiKVConnectorStats: class name -> that child's stats
+        if isinstance(entry, PoolStats):
+            return entry.data
+    return {}
 
 
 def pool_up(source: ClientSource) -> int:

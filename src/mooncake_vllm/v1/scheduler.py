@@ -63,7 +63,7 @@ COUNTERS = CounterNames(
              "declined_tokens", "claims_declined_slow_pool", "claims_declined_never",
              "claims_declined_reach_probe",
              "claim_probes", "waits_for_shared_load"),
-    later=frozenset({"failed_loads_not_retried"}), families=(r"handoff_[a-z_]+",))
+    later=frozenset({"failed_loads_not_retried", "perf_reports"}), families=(r"handoff_[a-z_]+",))
 
 
 @dataclass
@@ -229,6 +229,7 @@ class SchedulerLogic:
     def observe_perf(self, perf: Any) -> None:
         """Step and load timings the workers measured (``PoolStats.data["perf"]``)."""
         if isinstance(perf, dict):
+            self.counters["perf_reports"] += 1
             self.claims.observe(steps=perf.get("steps", ()), loads=perf.get("loads", ()))
 
     def loads_over(self, req_ids: Iterable[str]) -> None:
