@@ -284,18 +284,25 @@ class KvRouter:
             return "version_unknown"
         if self.lost:
             return "stream_lost"
+        if self.block_size() is None:
+            return "no_events"
         if not isinstance(key, PromptKey) or key.tokens is None:
             return "no_tokens"
         return ""
+
+    def block_size(self) -> int | None:
+        """The instances' block size, from their first ``BlockStored``; None before any."""
+        with self._lock:
+            return next((i.block_size for i in self.indexes.values() if i.block_size), None)
 
     def decide(self, kind: str, candidates: Sequence[Instance], key: PromptKey, start: int) -> Instance | None:
         """The cheapest candidate; None when no index has a block size yet, or a candidate
         publishes no events (``no_events``: its empty index would read as "holds nothing")."""
         assert key.tokens is not None
+        size = self.block_size()
+        if size is None:
+            return None
         with self._lock:
-            size = next((i.block_size for i in self.indexes.values() if i.block_size), None)
-            if size is None:
-                return None
             silent = [c.key for c in candidates
                       if c.key not in self.heard and self.unheard_requests.get(c.key, 0) >= self.silent_after]
         if silent:
@@ -365,7 +372,7 @@ class KvRouter:
         not heard yet when the prompt has a full block (vLLM publishes nothing for less)."""
         if inst.key in self.heard or not isinstance(key, PromptKey) or key.tokens is None:
             return
-        size = next((i.block_size for i in self.indexes.values() if i.block_size), None)
+        size = self.block_size()
         if size is not None and len(key.tokens) >= size:
             self.unheard_requests[inst.key] += 1
 
@@ -428,6 +435,8 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
     if router is not None and not router.hashers and not router.disabled:
         await _resolve_version(server, router)
     if router is None or router.disabled or any(body.get(f) is not None for f in _UNPREDICTABLE):
+        return PromptKey(prefix, None)
+    if router.block_size() is None:  # no instance published a block yet: nothing to compare, no /tokenize
         return PromptKey(prefix, None)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
