@@ -20,6 +20,7 @@ from mooncake_vllm.services.mooncake import (
     start_master,
     watch_dev_shm,
 )
+from mooncake_vllm.services.placement import LOOPBACK, Placement
 from mooncake_vllm.services.process import (
     SETUP_HINT,
     ManagedProcess,
@@ -36,10 +37,12 @@ from mooncake_vllm.services.process import (
 
 __all__ = [
     "HOLDER_KINDS",
+    "LOOPBACK",
     "METADATA_KINDS",
     "SETUP_HINT",
     "LocalStack",
     "ManagedProcess",
+    "Placement",
     "ServiceError",
     "clean_dev_shm",
     "cli_argv",
