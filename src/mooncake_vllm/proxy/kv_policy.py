@@ -21,6 +21,7 @@ import logging
 import os
 import shlex
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -451,8 +452,9 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
     insts = server.pool.available("decode") or server.pool.available("prefill")
     if not insts or server.session is None:
         return PromptKey(prefix, None)
-    inst = insts[len(prefix) % len(insts)]
+    inst = min(insts, key=lambda i: (i.load, i.requests))  # its API server answers soonest
     timeout = aiohttp.ClientTimeout(total=server.config.kv_tokenize_timeout)
+    t0 = time.perf_counter()
     try:
         async with server.session.post(inst.url + "/tokenize", data=json.dumps({"model": body.get("model"), **req}),
                                        headers={"Content-Type": "application/json"}, timeout=timeout) as up:
@@ -462,6 +464,9 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(tokens, list):
             raise ValueError("no tokens in the answer")
+        # what kv_aware adds to every request's time to first token
+        router.counters[("tokenize_microseconds",)] += int((time.perf_counter() - t0) * 1e6)
+        router.counters[("tokenizations",)] += 1
         return PromptKey(prefix, tokens)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         router.counters[("fallbacks", "tokenize", type(exc).__name__)] += 1
