@@ -105,6 +105,8 @@ def test_routes_to_the_holder_drops_on_gap_and_never_to_an_unhealthy_one() -> No
                 assert _metric(text, 'mooncake_proxy_kv_aware_index_drops_total{reason="left_rotation"}') == 1
                 assert _metric(text, 'mooncake_proxy_kv_aware_decisions_total{kind="decode",outcome="local"}') == 4
                 assert _metric(text, 'mooncake_proxy_kv_aware_predicted_local_tokens_total{kind="decode"}') == 160
+                assert _metric(text, "mooncake_proxy_kv_aware_tokenizations_total") == 5
+                assert _metric(text, "mooncake_proxy_kv_aware_tokenize_microseconds_total") > 0
             finally:
                 for p in pubs:
                     p.close()
