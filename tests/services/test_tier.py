@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from mooncake_vllm.config import load_store_config
+from mooncake_vllm.inventory import pool_tiers, scan_pool
 from mooncake_vllm.keys import KeyNamespace, chunk_keys
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.services import DiskTier, LocalStack, ServiceError
@@ -59,6 +60,12 @@ def test_values_beyond_dram_spill_to_disk_stay_verified_hits_and_a_corrupt_one_i
         assert client.get_blocks(keys, layout, list(range(BLOCKS, 2 * BLOCKS))) == [True] * BLOCKS
         for t in kv:
             assert np.array_equal(t[BLOCKS:], t[:BLOCKS])  # every value, DRAM or disk, intact
+        assert tiered.master is not None  # `pool stats`: where the values are, both tiers' use
+        entry = scan_pool(tiered.master.url).entries[keys[0].split("/")[1]]
+        assert entry.keys == entry.on_disk == BLOCKS and entry.in_dram is not None and entry.in_dram < BLOCKS
+        tiers = pool_tiers(tiered.master.url)
+        assert tiers["disk_reads"] >= len(spilled) and tiers["dram_capacity_bytes"] == DRAM
+        assert tiers["disk_used_bytes"] >= BLOCKS * layout.block_nbytes and tiers["dram_evicted_values"] > 0
         # corrupt one disk-only value in its file: a miss, counted, never served
         victim = _disk_only(tiered, keys)[0]
         files = [f for f in (tiered.workdir / "ssd").rglob("*") if f.is_file() and f.name.endswith(
