@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mooncake_vllm.checker import run_check
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.inventory import pool_tiers, scan_pool
 from mooncake_vllm.keys import KeyNamespace, chunk_keys
@@ -78,6 +79,11 @@ def test_values_beyond_dram_spill_to_disk_stay_verified_hits_and_a_corrupt_one_i
         assert client.get_blocks([victim], layout, [0]) == [False]
         assert client.stats.snapshot()["corrupt"] == before + 1
     assert tiered.alive()
+
+
+def test_the_probe_finds_the_tier_the_config_asks_for(tiered: LocalStack) -> None:
+    result, _ = run_check([tiered.config_path], target_vllm="0.32.0", target_mooncake="0.3.13.post1", probe=True)
+    assert not {"MCV-W106", "MCV-W021", "MCV-E016"} & {f.id for f in result.findings}
 
 
 def test_a_disk_tier_directory_that_is_not_ours_is_refused(tmp_path: Path) -> None:
