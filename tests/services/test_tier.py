@@ -26,11 +26,12 @@ DRAM = 16 << 20  # one holder's DRAM: a third of what the test puts
 BLOCKS = 96  # 256 KiB each: 24 MiB of values
 
 
-@pytest.fixture(scope="module")
-def tiered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+@pytest.fixture(scope="module", params=["mooncake_client", "python"])
+def tiered(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """A pool of one holder (the wheel's mooncake_client, or `mooncake-vllm holder --ssd`)."""
     work = tmp_path_factory.mktemp("tier")
     stack = LocalStack(work, segment_size=DRAM, local_buffer_size=32 << 20, client_ttl=TEST_CLIENT_TTL,
-                       holders=1, holder="mooncake_client", disk=DiskTier(work / "ssd", 256 << 20)).start()
+                       holders=1, holder=request.param, disk=DiskTier(work / "ssd", 256 << 20)).start()
     yield stack
     stack.stop()
 
@@ -95,3 +96,21 @@ def test_a_disk_tier_directory_that_is_not_ours_is_refused(tmp_path: Path) -> No
     ours = DiskTier(tmp_path, 1 << 30).holder_dir("g")
     (ours / "old").write_text("stale")
     assert not (DiskTier(tmp_path, 1 << 30).holder_dir("g") / "old").exists()  # a cache: emptied
+
+
+def test_a_holder_takes_the_tier_from_its_config_where_it_means_something(tmp_path: Path) -> None:
+    import argparse
+
+    from mooncake_vllm.cli import holder
+
+    cfg = tmp_path / "cfg.json"  # a pure client's config naming the holder's directory is refused
+    cfg.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE", "master_server_address": "127.0.0.1:1",
+                               "global_segment_size": "0", "enable_ssd_offload": True,
+                               "ssd_offload_path": "/nvme/mc"}))
+    parser = argparse.ArgumentParser()
+    holder.configure(parser)
+    data = holder._settings(parser.parse_args(["--config", str(cfg), "--segment-size", "1GB"]))
+    config = load_store_config(data)
+    assert config.ssd_offload and config.ssd_offload_path == "/nvme/mc" and config.global_segment_size == 1 << 30
+    flag = holder._settings(parser.parse_args(["--master", "h:1", "--metadata", "P2PHANDSHAKE", "--ssd", "d"]))
+    assert load_store_config(flag).ssd_offload_path == str(Path("d").resolve())
