@@ -20,6 +20,7 @@ from mooncake_vllm.services import (
     SETUP_HINT,
     LocalStack,
     ManagedProcess,
+    Placement,
     ServiceError,
     clean_dev_shm,
     client_env,
@@ -29,6 +30,7 @@ from mooncake_vllm.services import (
     running,
     start_holder,
     start_http_metadata,
+    start_master,
     start_redis,
     start_vllm_server,
     watch_dev_shm,
@@ -423,3 +425,35 @@ def test_interrupted_pytest_session_leaves_nothing_running(tmp_path: Path, sig: 
         if session.poll() is None:
             session.kill()
             session.wait()
+
+
+def _netns_or_skip(name: str, addr: str) -> Placement:
+    """A bare namespace (our soak prefix and subnet) with ``addr`` on a veth to the root one."""
+    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode != 0:
+        pytest.skip("network namespaces cannot be made here (needs root and iproute2)")
+    veth = name[:9] + "-v"
+    for cmd in (["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name],
+                ["ip", "addr", "add", "10.231.7.249/30", "dev", veth], ["ip", "link", "set", veth, "up"],
+                ["ip", "-n", name, "addr", "add", f"{addr}/30", "dev", "eth0"],
+                ["ip", "-n", name, "link", "set", "eth0", "up"], ["ip", "-n", name, "link", "set", "lo", "up"]):
+        subprocess.run(cmd, check=True, capture_output=True)
+    return Placement(addr, name)
+
+
+def test_services_placed_in_a_network_namespace(workdir: Path) -> None:
+    """Master, metadata and holder run inside a namespace on its address: readiness is seen
+    there (its own socket table), they are reached from here, and stop by PID as usual."""
+    where = _netns_or_skip("mvsoak-test", "10.231.7.250")
+    try:
+        master = start_master(workdir, placement=where)
+        meta = start_http_metadata(workdir, "embedded", placement=where)
+        holder = start_holder(workdir, str(master.address), str(meta.url), 32 << 20, placement=where)
+        assert master.address is not None and master.address.startswith("10.231.7.250:")
+        assert holder.argv[1:4] == ["netns", "exec", "mvsoak-test"]
+        with urllib.request.urlopen(f"{master.url}/metrics/summary", timeout=5) as resp:
+            assert "/ 32.00 MB" in resp.read().decode()  # the holder mounted its segment
+        for proc in (holder, meta, master):
+            proc.stop()
+            assert not proc.alive()
+    finally:
+        subprocess.run(["ip", "netns", "del", "mvsoak-test"], capture_output=True)

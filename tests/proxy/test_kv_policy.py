@@ -13,7 +13,7 @@ from mooncake_vllm.proxy.kv_hashes import PromptHasher
 from mooncake_vllm.proxy.stub import StubUpstream
 from mooncake_vllm.services import free_port
 
-from ._helpers import proxy, run, stubs, wait_for
+from ._helpers import ADMIN_KEY, proxy, run, stubs, wait_for
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 zmq = pytest.importorskip("zmq")
@@ -170,6 +170,73 @@ def test_batches_the_live_stream_lost_come_from_the_replay_socket() -> None:
                     assert _metric(text, "mooncake_proxy_kv_aware_index_drops_total") == 0
             finally:
                 pub.shutdown()
+
+    run(go)
+
+
+def test_an_instance_added_through_the_admin_api_gets_its_replay_socket() -> None:
+    """Its live stream goes nowhere (an endpoint nobody binds): only its replay socket, named in
+    ``/instances/add``, can fill its index; removing it stops the replay."""
+    async def go() -> None:
+        endpoint, nowhere = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        replay = f"tcp://127.0.0.1:{free_port()}"
+        async with stubs(2) as ups, proxy([], ups[:1], flow="kv_both", scheduling="kv_aware", kv_events=endpoint,
+                                          admin_api_key=ADMIN_KEY) as (server, base, client):
+            pub = kv_events.ZmqEventPublisher(0, endpoint=nowhere, replay_endpoint=replay, topic=ups[1].address)
+            try:
+                pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored(DOC)]))
+                for bad, needle in (("127.0.0.1:1", "not tcp://HOST:PORT"),):
+                    async with client.post(base + "/instances/add", headers={"X-API-Key": ADMIN_KEY},
+                                           json={"type": "decode", "instance": ups[1].address, "kv_replay": bad}) as r:
+                        assert r.status == 400 and needle in await r.text()
+                async with client.post(base + "/instances/add", headers={"X-API-Key": ADMIN_KEY},
+                                       json={"type": "decode", "instance": ups[1].address, "kv_replay": replay}) as r:
+                    assert r.status == 200, await r.text()
+                    assert (await r.json())["kv_replay"] == replay
+                await wait_for(lambda: len(server.kv.indexes.get(ups[1].address, ())) >= 10)
+                for _ in range(2):
+                    await _complete(client, base, DOC + " question")
+                assert [len(u.received) for u in ups] == [0, 2]
+                async with client.post(base + "/instances/remove", headers={"X-API-Key": ADMIN_KEY},
+                                       json={"type": "decode", "instance": ups[1].address}) as r:
+                    assert r.status == 200, await r.text()
+                assert ups[1].address not in server.kv.replay
+            finally:
+                pub.shutdown()
+
+    run(go)
+
+
+def test_kv_replay_in_an_add_needs_kv_aware() -> None:
+    async def go() -> None:
+        async with stubs(2) as ups, proxy([], ups[:1], flow="kv_both", admin_api_key=ADMIN_KEY) as (_s, base, client):
+            async with client.post(base + "/instances/add", headers={"X-API-Key": ADMIN_KEY},
+                                   json={"type": "decode", "instance": ups[1].address,
+                                         "kv_replay": "tcp://127.0.0.1:5600"}) as r:
+                assert r.status == 400 and "only kv_aware" in await r.text()
+
+    run(go)
+
+
+def test_auto_events_endpoints_let_two_proxies_share_a_host() -> None:
+    async def go() -> None:
+        async with stubs(1) as ups, \
+                proxy([], ups, flow="kv_both", scheduling="kv_aware", kv_events="auto") as (s1, base1, client), \
+                proxy([], ups, flow="kv_both", scheduling="kv_aware", kv_events="auto") as (s2, _base2, _c2):
+            eps = [s.kv.subscriber.bound_endpoint for s in (s1, s2)]
+            assert all(e and e.startswith("tcp://127.0.0.1:") for e in eps) and eps[0] != eps[1]
+            async with client.get(base1 + "/status") as r:
+                assert (await r.json())["kv_events"] == eps[0]
+            pub = Publisher(str(eps[0]), ups[0].address)
+            try:
+                for _ in range(100):
+                    pub.send(_stored(DOC))
+                    if len(s1.kv.indexes.get(ups[0].address, ())) >= 10:
+                        break
+                    await asyncio.sleep(0.05)
+                assert len(s1.kv.indexes[ups[0].address]) >= 10 and not s2.kv.indexes
+            finally:
+                pub.close()
 
     run(go)
 

@@ -20,6 +20,7 @@ from mooncake_vllm.services.mooncake import (
     start_master,
     watch_dev_shm,
 )
+from mooncake_vllm.services.placement import LOOPBACK, Placement
 from mooncake_vllm.services.process import (
     SETUP_HINT,
     ManagedProcess,
@@ -37,11 +38,13 @@ from mooncake_vllm.services.tier import DiskTier
 
 __all__ = [
     "HOLDER_KINDS",
+    "LOOPBACK",
     "METADATA_KINDS",
     "SETUP_HINT",
     "DiskTier",
     "LocalStack",
     "ManagedProcess",
+    "Placement",
     "ServiceError",
     "clean_dev_shm",
     "cli_argv",

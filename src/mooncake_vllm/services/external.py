@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_vllm.services.mooncake import client_env
+from mooncake_vllm.services.placement import LOOPBACK, Placement
 from mooncake_vllm.services.process import (
     ManagedProcess,
     find_binary,
@@ -137,15 +138,18 @@ def start_vllm_server(
     extra_args: tuple[str, ...] = (),
     timeout: float | None = None,
     name: str = "vllm",
+    placement: Placement = LOOPBACK,
 ) -> ManagedProcess:
-    """Start vLLM's OpenAI server on CPU (float32, block 32, 64 MiB KV, eager) on 127.0.0.1.
+    """Start vLLM's OpenAI server on CPU (float32, block 32, 64 MiB KV, eager) on ``placement``
+    (default 127.0.0.1; its Mooncake clients advertise that address too).
 
     Ready when ``GET /v1/models`` answers 200 (within ``timeout``, default
     ``$MOONCAKE_VLLM_SERVER_TIMEOUT`` or 300 s: 20-30 s on an idle 2-core box, far
-    more when the cores are shared); ``.url`` is ``http://127.0.0.1:P``.
+    more when the cores are shared); ``.url`` is ``http://HOST:P``.
     ``env`` is added on top of :func:`vllm_env` (e.g. MOONCAKE_CONFIG_PATH).
     """
     wd = Path(workdir)
+    host = placement.host
     size, size_env = kv_cache_size(64 << 20)
     size_args = [f"--{k.replace('_', '-')}={v}" for k, v in size.items()]
     env = {**size_env, **(env or {})}
@@ -153,19 +157,19 @@ def start_vllm_server(
 
     def launch(p: int) -> ManagedProcess:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                "--host", "127.0.0.1", "--port", str(p), "--dtype", "float32", "--block-size", "32",
+                "--host", host, "--port", str(p), "--dtype", "float32", "--block-size", "32",
                 "--max-model-len", "2048", *size_args, "--enforce-eager", *extra_args]
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         run_dir = wd / f"{name}-{p}"
         sockets = _short_dir()
-        proc = ManagedProcess(name, argv, workdir=run_dir, env=vllm_env(run_dir, env, socket_dir=sockets),
-                              port=p)
+        proc = ManagedProcess(name, placement.wrap(argv), workdir=run_dir, port=p,
+                              env=vllm_env(run_dir, {**client_env(host), **env}, socket_dir=sockets))
         proc.after_stop.append(lambda _p: shutil.rmtree(sockets, ignore_errors=True))
         proc.start()
-        proc.address, proc.url = f"127.0.0.1:{p}", f"http://127.0.0.1:{p}"
+        proc.address, proc.url = f"{host}:{p}", f"http://{host}:{p}"
         models = http_probe(f"{proc.url}/v1/models", lambda s, b: s == 200)
         proc.wait_ready(lambda: proc.listens_on(p) and models(), wait, "serving /v1/models on " + proc.url)
         return proc
 
-    return with_port_retry(launch, port, name)
+    return with_port_retry(launch, port, name, placement)

@@ -1,7 +1,9 @@
 """Mooncake services on loopback: master, HTTP metadata, pool holder, and the LocalStack.
 
-Everything binds 127.0.0.1 (except the listeners Mooncake clients always open on
-the wildcard address, see running-on-cpu.md 1.4) and uses free ports.
+Everything binds 127.0.0.1 (except the listeners Mooncake clients always open on the
+wildcard address, see running-on-cpu.md 1.4) and uses free ports; a
+:class:`~mooncake_vllm.services.placement.Placement` puts a service elsewhere (a simulated
+host: an address in a network namespace).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mooncake_vllm.config import CONFIG_ENV
+from mooncake_vllm.services.placement import LOOPBACK, Placement
 from mooncake_vllm.services.process import (
     ManagedProcess,
     ServiceError,
@@ -46,25 +49,25 @@ P2P = "P2PHANDSHAKE"
 Progress = Callable[[str, str, str], None]
 
 
-def client_env() -> dict[str, str]:
+def client_env(host: str = "127.0.0.1") -> dict[str, str]:
     """MC_* variables every Mooncake client we start (or a test starts) should get.
 
-    Advertise loopback, fail ``setup`` in seconds rather than ~90 s on a wrong
+    Advertise ``host`` (loopback unless placed elsewhere), fail ``setup`` in seconds rather than ~90 s on a wrong
     master, bound each master RPC to 2 s, and silence glog INFO.
     """
     return {
-        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        "MC_TCP_BIND_ADDRESS": host,
         "MC_STORE_CLIENT_SETUP_RETRIES": "1",
         "MC_RPC_TIMEOUT_MS": "2000",
         "MC_LOG_LEVEL": "ERROR",
     }
 
 
-def _env() -> dict[str, str]:
+def _env(host: str = "127.0.0.1") -> dict[str, str]:
     """Environment of our Mooncake servers/holders: client_env() but with glog INFO kept
     (their logs are attached to failing tests)."""
     env = dict(os.environ)
-    env.update(client_env())
+    env.update(client_env(host))
     env.pop("MC_LOG_LEVEL", None)
     return env
 
@@ -175,34 +178,36 @@ def start_master(
     extra_args: Sequence[str] = (),
     timeout: float = 30.0,
     name: str = "mooncake_master",
+    placement: Placement = LOOPBACK,
 ) -> ManagedProcess:
-    """Start ``mooncake_master`` on 127.0.0.1 (RPC and metrics); ready when both answer.
+    """Start ``mooncake_master`` on ``placement`` (RPC and metrics); ready when both answer.
 
-    The result has ``.address`` ("127.0.0.1:P", the ``master_server_address``)
+    The result has ``.address`` ("HOST:P", the ``master_server_address``)
     and ``.url`` (the metrics base URL).
     """
+    host = placement.host
     binary = find_binary("mooncake_master", name)
 
     def launch(rpc_port: int) -> ManagedProcess:
         mport = metrics_port or free_port()
-        argv = [
+        argv = placement.wrap([
             binary,
-            "--rpc_address=127.0.0.1",
+            f"--rpc_address={host}",
             f"--rpc_port={rpc_port}",
-            "--metrics_host=127.0.0.1",
+            f"--metrics_host={host}",
             f"--metrics_port={mport}",
             f"--client_ttl={client_ttl}",
             *extra_args,
-        ]
-        proc = watch_dev_shm(ManagedProcess(name, argv, workdir=workdir, env=_env(), port=rpc_port)).start()
-        proc.address = f"127.0.0.1:{rpc_port}"
-        proc.url = f"http://127.0.0.1:{mport}"
+        ])
+        proc = watch_dev_shm(ManagedProcess(name, argv, workdir=workdir, env=_env(host), port=rpc_port)).start()
+        proc.address = f"{host}:{rpc_port}"
+        proc.url = f"http://{host}:{mport}"
         serving = http_probe(f"{proc.url}/metrics/summary", lambda s, b: s == 200 and b"service_ready=true" in b)
         proc.wait_ready(lambda: proc.listens_on(rpc_port) and proc.listens_on(mport) and serving(),
                         timeout, "serving on " + proc.address)
         return proc
 
-    return with_port_retry(launch, port, name)
+    return with_port_retry(launch, port, name, placement)
 
 
 def start_http_metadata(
@@ -213,25 +218,27 @@ def start_http_metadata(
     port: int | None = None,
     extra_args: Sequence[str] = (),
     timeout: float = 30.0,
+    placement: Placement = LOOPBACK,
 ) -> ManagedProcess:
-    """Start an HTTP metadata server on 127.0.0.1; ``.url`` is ``http://127.0.0.1:P/metadata``.
+    """Start an HTTP metadata server on ``placement``; ``.url`` is ``http://HOST:P/metadata``.
 
     ``kind="mooncake"`` runs the wheel's ``mooncake_http_metadata_server``;
     ``kind="embedded"`` runs ours (``python -m mooncake_vllm.metadata.server``)
     with ``backend`` ("memory" or a redis/etcd URL it understands).
     """
+    host = placement.host
     if kind == "mooncake":
         name = "mooncake_http_metadata_server"
         binary = find_binary(name, "metadata server")
 
         def argv(p: int) -> list[str]:
-            return [binary, "--host", "127.0.0.1", "--port", str(p), *extra_args]
+            return [binary, "--host", host, "--port", str(p), *extra_args]
 
     elif kind == "embedded":
         name = "metadata_server"
 
         def argv(p: int) -> list[str]:
-            return [sys.executable, "-m", "mooncake_vllm.metadata.server", "--host", "127.0.0.1",
+            return [sys.executable, "-m", "mooncake_vllm.metadata.server", "--host", host,
                     "--port", str(p), "--backend", backend, *extra_args]
 
     else:
@@ -239,15 +246,15 @@ def start_http_metadata(
                          f"(P2PHANDSHAKE needs no server)")
 
     def launch(p: int) -> ManagedProcess:
-        proc = ManagedProcess(name, argv(p), workdir=workdir, env=_env(), port=p).start()
-        proc.url = f"http://127.0.0.1:{p}/metadata"
-        proc.address = f"127.0.0.1:{p}"
+        proc = ManagedProcess(name, placement.wrap(argv(p)), workdir=workdir, env=_env(host), port=p).start()
+        proc.url = f"http://{host}:{p}/metadata"
+        proc.address = f"{host}:{p}"
         # Any HTTP answer to a GET of an absent key (404) means it serves.
         answers = http_probe(f"{proc.url}?key=mooncake-vllm%2Fprobe")
         proc.wait_ready(lambda: proc.listens_on(p) and answers(), timeout, "serving on " + proc.url)
         return proc
 
-    return with_port_retry(launch, port, name)
+    return with_port_retry(launch, port, name, placement)
 
 
 def start_holder(
@@ -261,6 +268,7 @@ def start_holder(
     port: int | None = None,
     timeout: float = 30.0,
     name: str = "pool_holder",
+    placement: Placement = LOOPBACK,
     disk: tuple[Path, int] | None = None,
 ) -> ManagedProcess:
     """Start a process that mounts ``segment_size`` bytes of pool memory and keeps it.
@@ -270,9 +278,11 @@ def start_holder(
     ``setup(..., 0, ...)``, and data outlives them); ``kind="python"`` runs
     ``mooncake-vllm holder``; ``kind="auto"`` picks mooncake_client when the wheel
     has it (Mooncake >= 0.3.8), else the Python holder. Ready once its segment is mounted.
+    ``placement``: the address peers reach it at and the namespace it runs in.
     ``disk``: (directory, bytes) of its disk tier (``services.tier``; the master needs
     ``--enable_offload=true``).
     """
+    host = placement.host
     if kind not in HOLDER_KINDS:
         raise ValueError(f"holder kind: got {kind!r}, expected one of {HOLDER_KINDS}")
     if segment_size <= 0:
@@ -287,7 +297,7 @@ def start_holder(
         binary = find_binary("mooncake_client", name)
 
         def argv(p: int) -> list[str]:
-            return [binary, "--host=127.0.0.1", f"--port={p}", f"--global_segment_size={segment_size}",
+            return [binary, f"--host={host}", f"--port={p}", f"--global_segment_size={segment_size}",
                     f"--local_buffer_size={local_buffer}", f"--master_server_address={master}",
                     f"--metadata_server={metadata}", "--protocol=tcp",
                     *(["--enable_offload=true"] if disk else [])]
@@ -295,20 +305,21 @@ def start_holder(
         def argv(p: int) -> list[str]:
             return [*cli_argv("holder"), "--master", master,
                     "--metadata", metadata, "--segment-size", str(segment_size),
-                    "--local-buffer", str(local_buffer), "--ready-port", str(p),
+                    "--local-buffer", str(local_buffer), "--ready-port", str(p), "--host", host,
                     *(["--ssd", str(disk[0]), "--ssd-size", str(disk[1])] if disk else [])]
-    env = _env()
+    env = _env(host)
     if disk:
         env.update(holder_env(*disk))
 
     def launch(p: int) -> ManagedProcess:
-        proc = watch_dev_shm(ManagedProcess(name, argv(p), workdir=workdir, env=env, port=p)).start()
-        proc.address = f"127.0.0.1:{p}"
+        proc = watch_dev_shm(ManagedProcess(name, placement.wrap(argv(p)), workdir=workdir, env=env,
+                                            port=p)).start()
+        proc.address = f"{host}:{p}"
         # Both kinds open their port only after setup() mounted the segment.
         proc.wait_ready(lambda: proc.listens_on(p), timeout, "holding a mounted segment")
         return proc
 
-    return with_port_retry(launch, port, name)
+    return with_port_retry(launch, port, name, placement)
 
 
 # -- the local stack ------------------------------------------------------------------

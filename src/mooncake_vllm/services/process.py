@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from mooncake_vllm.errors import ServiceError
+from mooncake_vllm.services.placement import LOOPBACK, Placement
 
 __all__ = [
     "SETUP_HINT",
@@ -110,7 +111,8 @@ def http_probe(url: str, ok: Callable[[int, bytes], bool] | None = None) -> Call
 
 
 def listening_ports(pids: Sequence[int]) -> set[int]:
-    """TCP ports in LISTEN state owned by any of ``pids`` (Linux /proc, IPv4 and IPv6)."""
+    """TCP ports in LISTEN state owned by any of ``pids`` (Linux /proc, IPv4 and IPv6; each in its
+    own network namespace)."""
     inodes: set[str] = set()
     for pid in pids:
         try:
@@ -124,7 +126,9 @@ def listening_ports(pids: Sequence[int]) -> set[int]:
         except OSError:
             continue
     ports: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    # each process's own table: a process in another network namespace (a Placement's
+    # netns) lists its sockets there, not in ours
+    for table in _tcp_tables(pids):
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:
@@ -134,6 +138,21 @@ def listening_ports(pids: Sequence[int]) -> set[int]:
             if len(f) > 9 and f[3] == "0A" and f[9] in inodes:  # 0A = LISTEN
                 ports.add(int(f[1].rsplit(":", 1)[1], 16))
     return ports
+
+
+def _tcp_tables(pids: Sequence[int]) -> list[str]:
+    """``/proc/<pid>/net/tcp{,6}`` once per network namespace among ``pids``."""
+    seen: set[str] = set()
+    tables: list[str] = []
+    for pid in pids:
+        try:
+            netns = os.readlink(f"/proc/{pid}/ns/net")
+        except OSError:
+            continue
+        if netns not in seen:
+            seen.add(netns)
+            tables += [f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"]
+    return tables
 
 
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec
@@ -352,12 +371,13 @@ def _bind_failed(exc: ServiceError) -> bool:
 
 
 def with_port_retry(launch: Callable[[int], ManagedProcess], port: int | None,
-                    component: str = "service") -> ManagedProcess:
+                    component: str = "service", placement: Placement = LOOPBACK) -> ManagedProcess:
     """Run ``launch(port)``; if the port was ours to pick and got taken meanwhile, retry.
 
-    An explicit ``port`` that is already taken is refused up front, naming ``component``.
+    An explicit ``port`` that is already taken is refused up front, naming ``component``
+    (checked here only on loopback: another namespace's ports are its own).
     """
-    if port and not port_is_free(port):
+    if port and placement.netns is None and not port_is_free(port):
         raise ServiceError(f"{component}: port 127.0.0.1:{port} is already in use by another program; "
                            f"choose another port or leave it unset to get a free one")
     attempts = 1 if port else 3

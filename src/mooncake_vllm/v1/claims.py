@@ -17,11 +17,15 @@ and a clock, so it is testable with a fake clock and made-up samples.
 * **Decision** — among prefixes of the hit (every chunk boundary, coarsened to at
   most :data:`CANDIDATES`), claim the one that saves the most time, and only if
   its load costs at most ``(1 - margin)`` of what recomputing it would. Without
-  enough samples of either kind, or for a prompt reaching further than any
-  prefill step measured (attention makes recompute grow faster than linearly:
-  it is not extrapolated), the claim is made (the pool is assumed to pay until
-  measured). While claims are declined, a quarter of one hit is claimed
-  every ``explore_every`` seconds, so a pool that recovers is measured again.
+  enough samples of either kind the claim is made (the pool is assumed to pay
+  until measured). A prompt reaching further than any prefill step measured is
+  weighed against a *floor* of its recompute (attention makes recompute grow
+  faster than linearly, so each token past the reach costs at least what the
+  token at the reach did): a load that beats the floor is claimed; one that
+  does not is declined once (``reach_probe``), so vLLM recomputes it and the
+  model learns that far. While claims are declined, a quarter of one hit is
+  claimed every ``explore_every`` seconds, so a pool that recovers is measured
+  again.
 
 ``policy``: ``auto`` (the above), ``always`` (every hit), ``never`` (none).
 """
@@ -73,7 +77,7 @@ class Decision:
     """How many of the hit's tokens to claim, and why."""
 
     tokens: int
-    reason: str  #: claimed | unmeasured | explore | always | slow_pool | never
+    reason: str  #: claimed | unmeasured | explore | always | slow_pool | reach_probe | never
     predicted_load: float = math.nan  #: seconds, for the claimed (or best) prefix
     predicted_recompute: float = math.nan
 
@@ -175,6 +179,18 @@ class PrefillModel:
         _, c1, c2 = coef
         n = end - start
         return c1 * n + c2 * n * (start + n / 2)
+
+    def recompute_floor(self, now: float, start: int, end: int) -> float | None:
+        """A lower bound of :meth:`recompute` that holds past the reach: the fitted cost
+        up to the reach, then every further token at the cost of the token at the reach
+        (a token's cost only grows with its position)."""
+        coef = self.coefficients(now)
+        if coef is None:
+            return None
+        _, c1, c2 = coef
+        reach = max(float(start), min(float(end), self.reach))
+        within = c1 * (reach - start) + c2 * (reach - start) * (start + (reach - start) / 2)
+        return within + (end - reach) * (c1 + c2 * reach)
 
     def step(self, now: float) -> float:
         """The fixed cost of one engine step (seconds; 0 before it is measured)."""
@@ -278,6 +294,9 @@ class ClaimAdvisor:
         if tokens > 0 and load <= (1.0 - self.rules.margin) * recompute:
             self._declining_since = None
             return Decision(tokens, "claimed", load, recompute)
+        if start + hit > REACH_MARGIN * self.prefill.reach:
+            # only a floor of the recompute was known: recompute once, to measure that far
+            return Decision(0, "reach_probe", load, recompute)
         if self._declining_since is None:
             self._declining_since = now
         explore_due = (now - max(self._last_explore, self.loads.last_sample)
@@ -295,8 +314,8 @@ class ClaimAdvisor:
             return None
         if self.prefill.coefficients(now) is None:
             return None
-        if start + hit > REACH_MARGIN * self.prefill.reach:
-            return None  # never measured this far: claim, and learn what the load costs
+        beyond = start + hit > REACH_MARGIN * self.prefill.reach
+        recompute_of = self.prefill.recompute_floor if beyond else self.prefill.recompute
         chunks = max(1, hit // max(1, chunk))
         stride = max(1, -(-chunks // CANDIDATES))
         lengths = sorted({min(chunks, k) * chunk for k in range(stride, chunks + stride, stride)})
@@ -306,7 +325,7 @@ class ClaimAdvisor:
             return None
         best: tuple[float, int, float, float] | None = None
         for tokens in lengths:
-            recompute = self.prefill.recompute(now, start, start + tokens)
+            recompute = recompute_of(now, start, start + tokens)
             if recompute is None:
                 return None
             load = load_seconds(backlog + tokens) + wait

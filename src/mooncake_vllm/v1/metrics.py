@@ -62,6 +62,10 @@ COUNTERS: Mapping[str, str] = {
     "claims_declined_slow_pool": "Lookups whose hit was not claimed: the pool measured slower "
                                  "than recompute (load_policy auto).",
     "claims_declined_never": "Lookups whose hit was not claimed: load_policy never.",
+    "claims_declined_reach_probe": "Lookups whose hit was not claimed because the prompt reached "
+                                   "further than any prefill measured and its load did not beat "
+                                   "a floor of its recompute: vLLM recomputed it once, to measure "
+                                   "that far (load_policy auto).",
     "claim_probes": "Partial claims made while declining, to measure the pool again.",
     "waits_for_shared_load": "Requests deferred while another request's load brought their "
                              "blocks (one load per block).",
@@ -178,7 +182,8 @@ class Meter:
 
 #: scheduler-side counters exported under their own names
 _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declined_slow_pool",
-                      "claims_declined_never", "claim_probes", "waits_for_shared_load")
+                      "claims_declined_never", "claims_declined_reach_probe", "claim_probes",
+                      "waits_for_shared_load")
 
 
 def scheduler_counters(scheduler: Any) -> dict[str, int]:
