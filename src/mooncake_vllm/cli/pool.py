@@ -112,7 +112,8 @@ def _tiers_line(t: dict[str, int]) -> str:
         cap = t.get(f"{tier}_capacity_bytes")
         return f"{t.get(f'{tier}_used_bytes', '?')} / {cap if cap is not None else '?'} bytes"
 
-    line = f"  DRAM {used('dram')}, {t.get('dram_evicted_values', '?')} value(s) evicted"
+    # the master exports its eviction counters from the first eviction on
+    line = f"  DRAM {used('dram')}, {t.get('dram_evicted_values', 0)} value(s) evicted"
     if not t.get("disk_capacity_bytes"):
         return line + "; no disk tier (evicted values are gone: `mooncake-vllm up --ssd DIR`)"
     return (line + f"; disk {used('disk')}, {t.get('disk_values', '?')} value(s), "
