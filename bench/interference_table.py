@@ -65,7 +65,7 @@ def _serving_columns(row: dict[str, Any], run: dict[str, Any]) -> None:
         row["mixed"] = _mixed_row(reps)
     if misses and "error" not in misses:
         row["miss_ttft_ms"] = {n: statistics.median(m["ttft_s"]) * 1e3
-                               for n, m in misses.items() if n != "connector"}
+                               for n, m in misses.items() if n.isdigit()}  # lengths, not "connector"/"advisor"
         counters = misses.get("connector") or {}
         row["copy_fences"] = [counters.get("worker_copy_fences"),
                               counters.get("worker_copy_fences_waited")]
