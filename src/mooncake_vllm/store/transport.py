@@ -32,9 +32,10 @@ from mooncake_vllm.errors import CallRejected, CallTimedOut
 from mooncake_vllm.stats import StoreStats
 from mooncake_vllm.store.codes import Code, call, describe, is_fatal
 from mooncake_vllm.store.health import FailureLog, PoolHealth
+from mooncake_vllm.store.holders import HolderGuard
 from mooncake_vllm.store.timebox import LateRelease, TimeBox
 
-__all__ = ["MIN_RATE", "Lane", "Transport"]
+__all__ = ["FULL_WAITS", "MIN_RATE", "Lane", "Transport"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,13 @@ log = logging.getLogger(__name__)
 MIN_RATE = 200e6
 #: after "pool full", skip saves this long (backpressure, not an error storm)
 FULL_BACKOFF = 5.0
+#: with a disk tier (``enable_ssd_offload``) "full" means DRAM holds values not yet on disk,
+#: which the holders write within one offload heartbeat (1 s as we start them), and the master
+#: then evicts a few at a time: keys a put finds it so are put again after waits growing
+#: from the first to the second value, until a retry stores none for the third (seconds);
+#: saves pause only TIER_FULL_BACKOFF after one still refused
+FULL_WAITS = (0.05, 0.4, 2.0)
+TIER_FULL_BACKOFF = 1.0
 
 
 class Lane:
@@ -50,8 +58,10 @@ class Lane:
     def __init__(self, store: Any, index: int) -> None:
         self.store = store
         self.index = index
-        #: loads: two fetches in flight per lane (verifying one overlaps the next)
-        self.transfers = TimeBox(f"transfer{index}", 2)
+        #: loads: two fetches in flight per lane (verifying one overlaps the next); two spare
+        #: workers take over from fetches abandoned on a hung holder (HolderGuard), so the
+        #: other holders' loads are not refused while it hangs
+        self.transfers = TimeBox(f"transfer{index}", 2, spare=2)
         #: puts of the save thread, never competing with loads
         self.saves = TimeBox(f"save{index}", 1)
 
@@ -84,8 +94,13 @@ class Transport:
         self.health = PoolHealth(config.master_server_address, self.probe, self.stats,
                                  cooldown=cooldown)
         self.failures = FailureLog()
+        #: per-holder time box: a hung holder costs its blocks, not the whole pool
+        self.holders = HolderGuard(self, cooldown=cooldown)
         self.closed = False
         self.full_until = 0.0
+        #: waits before retrying puts refused for a full pool: only with a disk tier (DRAM-only
+        #: pools evict on their own and a refused save is dropped, as before)
+        self.full_waits: tuple[float, float, float] | None = FULL_WAITS if config.ssd_offload else None
         self._cleanup = cleanup
         self._regions: list[tuple[int, int]] = []
         self._lanes_lock = threading.Lock()
@@ -198,7 +213,8 @@ class Transport:
             self.failures.warn(f"{op}{code}", f"mooncake-vllm: {n} block {op}(s) failed with "
                                f"{describe(code)}")
             if code == Code.NO_AVAILABLE_HANDLE:
-                self.full_until = time.monotonic() + FULL_BACKOFF
+                backoff = TIER_FULL_BACKOFF if self.full_waits else FULL_BACKOFF
+                self.full_until = time.monotonic() + backoff
         if any(is_fatal(c) for c in failed):
             self.health.failed(f"batch {op} returned {sorted(set(failed))}")
         return failed
@@ -210,6 +226,7 @@ class Transport:
             return
         self.closed = True
         self.health.close()
+        self.holders.close()
         for box in (self.lookups, self.save_lookups, self.publish, self.markers):
             box.close()
         for lane in self.lanes:

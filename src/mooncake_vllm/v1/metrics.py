@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.stats import LATENCY_BUCKETS
+from mooncake_vllm.store.misses import LOOKUP_CAUSES, MISS_CAUSES, miss_counts
 
 if TYPE_CHECKING:
     from mooncake_vllm.v1.client import ClientSource
@@ -40,8 +41,8 @@ try:  # vLLM >= 0.11.1
 except ImportError:  # pragma: no cover
     _PromBase = None
 
-__all__ = ["COUNTERS", "METRIC_PREFIX", "OPS", "Meter", "MeteredSource", "PoolPromMetrics",
-           "PoolStats", "build_prom_metrics", "pool_up"]
+__all__ = ["COUNTERS", "MAX_EVENT_RECORDS", "METRIC_PREFIX", "MISS_SERIES", "OPS", "Meter", "MeteredSource",
+           "PoolPromMetrics", "PoolStats", "build_prom_metrics", "own_stats", "pool_up"]
 
 #: Every exported metric is named ``vllm:mooncake_vllm_<name>``.
 METRIC_PREFIX = "vllm:mooncake_vllm_"
@@ -62,10 +63,17 @@ COUNTERS: Mapping[str, str] = {
     "claims_declined_slow_pool": "Lookups whose hit was not claimed: the pool measured slower "
                                  "than recompute (load_policy auto).",
     "claims_declined_never": "Lookups whose hit was not claimed: load_policy never.",
+    "claims_declined_reach_probe": "Lookups whose hit was not claimed because the prompt reached "
+                                   "further than any prefill measured and its load did not beat "
+                                   "a floor of its recompute: vLLM recomputed it once, to measure "
+                                   "that far (load_policy auto).",
     "claim_probes": "Partial claims made while declining, to measure the pool again.",
     "waits_for_shared_load": "Requests deferred while another request's load brought their "
                              "blocks (one load per block).",
 }
+#: the labelled counter of misses caused by an error (``{cause}``: store/misses.MISS_CAUSES);
+#: in the per-step deltas each cause is the counter ``miss_causes:<cause>``
+MISS_SERIES = "miss_causes"
 #: timed operation -> help text of its latency histogram
 OPS: Mapping[str, str] = {
     "lookup": "Seconds per pool lookup (scheduler side).",
@@ -73,13 +81,19 @@ OPS: Mapping[str, str] = {
     "save": "Seconds per batched block save into the pool (worker side).",
 }
 _MAX_SAMPLES = 1024  # per operation and report: a stalled front end never grows us unbounded
+#: pool KV-event records one PoolStats carries at most (the newest kept, the rest counted in
+#: ``events_dropped``): they ride every step's stats to the scheduler side and on to the front end
+MAX_EVENT_RECORDS = 4096
 #: store-client counters (``StoreStats``) that are dropped saves
 _STORE_DROPS = ("saves_skipped", "saves_dropped_no_slot", "saves_abandoned")
 
 
 @dataclass
 class PoolStats(_StatsBase):
-    """One interval's deltas: ``{"counters": {...}, "latency": {op: [s]}, "pool_up": {who: 0|1}}``.
+    """One interval's deltas: ``{"counters": {...}, "latency": {op: [s]}, "pool_up": {who: 0|1}}``,
+    and for our scheduler side ``"perf"`` (the claim policy's timings) and ``"events"`` (the
+    workers' pool KV-event records ``[side, kind, digest]``: vLLM's ``MultiConnector`` forwards
+    no worker events, every connector's stats).
 
     Plain dicts, lists and numbers only: vLLM sends it between processes.
     """
@@ -92,7 +106,18 @@ class PoolStats(_StatsBase):
         self.data: dict[str, Any] = {"counters": {}, "latency": {}, "pool_up": {}}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(part) for part in ("counters", "latency", "pool_up", "perf"))
+        return not any(self.data.get(part) for part in ("counters", "latency", "pool_up", "perf",
+                                                         "events"))
+
+    def add_events(self, records: Any, dropped: int = 0) -> None:
+        """Append pool KV-event records, keeping the newest :data:`MAX_EVENT_RECORDS`."""
+        mine = self.data.setdefault("events", [])
+        mine.extend([list(r) for r in records])
+        over = len(mine) - MAX_EVENT_RECORDS
+        if over > 0:
+            del mine[:over]
+        if over > 0 or dropped:
+            self.data["events_dropped"] = self.data.get("events_dropped", 0) + max(over, 0) + dropped
 
     def aggregate(self, other: Any) -> PoolStats:
         """Add ``other``'s counters, append its samples, take its pool-up values."""
@@ -109,6 +134,8 @@ class PoolStats(_StatsBase):
         mine.setdefault("pool_up", {}).update(data.get("pool_up", {}))
         for kind, samples in data.get("perf", {}).items():  # the claim policy's timings
             mine.setdefault("perf", {}).setdefault(kind, []).extend(samples)
+        if data.get("events") or data.get("events_dropped"):
+            self.add_events(data.get("events", ()), int(data.get("events_dropped", 0)))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -122,6 +149,20 @@ class PoolStats(_StatsBase):
         if ups:
             out["pool_up"] = min(ups.values())
         return out
+
+
+def own_stats(stats: Any) -> dict[str, Any]:
+    """Our :class:`PoolStats` data in what vLLM hands ``update_connector_output``: ours, or our
+    entry of ``MultiConnector``'s per-class stats (``{}`` when there is none)."""
+    data = getattr(stats, "data", None)
+    if not isinstance(data, dict):
+        return {}
+    if isinstance(stats, PoolStats):
+        return data
+    for entry in data.values():  # MultiKVConnectorStats: class name -> that child's stats
+        if isinstance(entry, PoolStats):
+            return entry.data
+    return {}
 
 
 def pool_up(source: ClientSource) -> int:
@@ -178,12 +219,24 @@ class Meter:
 
 #: scheduler-side counters exported under their own names
 _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declined_slow_pool",
-                      "claims_declined_never", "claim_probes", "waits_for_shared_load")
+                      "claims_declined_never", "claims_declined_reach_probe", "claim_probes",
+                      "waits_for_shared_load")
 
 
-def scheduler_counters(scheduler: Any) -> dict[str, int]:
-    """The scheduler side's cumulative counters, by exported name."""
-    return {name: scheduler.counters[name] for name in _SCHEDULER_EXPORTS}
+def scheduler_counters(scheduler: Any, client: Any = None) -> dict[str, int]:
+    """The scheduler side's cumulative counters, by exported name (``client``: its store
+    client, whose lookup misses caused by an error are exported by cause)."""
+    out = {name: scheduler.counters[name] for name in _SCHEDULER_EXPORTS}
+    if client is not None:
+        out.update(_miss_causes(client, lookups=True))
+    return out
+
+
+def _miss_causes(client: Any, *, lookups: bool) -> dict[str, int]:
+    """``miss_causes:<cause>`` of one side: lookups (scheduler) or loads (worker); the two
+    sides may share one client in one process, so each exports only its own causes."""
+    return {f"{MISS_SERIES}:{cause}": n for cause, n in miss_counts(client.stats.snapshot()).items()
+            if (cause in LOOKUP_CAUSES) == lookups}
 
 
 def worker_counters(worker: Any, client: Any) -> dict[str, int]:
@@ -194,9 +247,12 @@ def worker_counters(worker: Any, client: Any) -> dict[str, int]:
     if client is not None:  # the store client's own drops (only the worker saves)
         store = client.stats.snapshot()
         dropped += sum(store.get(name, 0) for name in _STORE_DROPS)
-    return {"loaded_blocks": c["loaded_blocks"], "loaded_bytes": c["loaded_blocks"] * nbytes,
-            "failed_blocks": c["failed_blocks"], "saved_blocks": c["saved_blocks"],
-            "saved_bytes": c["saved_blocks"] * nbytes, "dropped_blocks": dropped}
+    out = {"loaded_blocks": c["loaded_blocks"], "loaded_bytes": c["loaded_blocks"] * nbytes,
+           "failed_blocks": c["failed_blocks"], "saved_blocks": c["saved_blocks"],
+           "saved_bytes": c["saved_blocks"] * nbytes, "dropped_blocks": dropped}
+    if client is not None:
+        out.update(_miss_causes(client, lookups=False))
+    return out
 
 
 class _MeteredClient:
@@ -271,6 +327,11 @@ class PoolPromMetrics(_PromBase or object):  # type: ignore[misc]
             op: metric_types[Histogram](name=f"{METRIC_PREFIX}{op}_seconds", documentation=doc,
                                         labelnames=names, buckets=list(LATENCY_BUCKETS))
             for op, doc in OPS.items()}
+        self._misses = metric_types[Counter](
+            name=f"{METRIC_PREFIX}{MISS_SERIES}", labelnames=[*names, "cause"],
+            documentation="Pool misses (blocks) caused by an error, by cause (pool_away, "
+                          "lookup_failed, breaker_open, load_timeout, load_rejected, load_error, "
+                          "lost_segment, corrupt, no_slot); the log names each cause's fix.")
         self._up = metric_types[Gauge](
             name=f"{METRIC_PREFIX}pool_up", labelnames=[*names, "side"],
             documentation="1 while this side's Mooncake pool client is connected and its "
@@ -278,6 +339,8 @@ class PoolPromMetrics(_PromBase or object):  # type: ignore[misc]
         for values in self._values.values():  # every series present (at 0) from the start
             for metric in (*self._counters.values(), *self._latency.values()):
                 metric.labels(*values)
+            for cause in MISS_CAUSES:
+                self._misses.labels(*values, cause)
 
     def observe(self, transfer_stats_data: Mapping[str, Any], engine_idx: int = 0) -> None:
         values = self._values.get(engine_idx)
@@ -286,6 +349,8 @@ class PoolPromMetrics(_PromBase or object):  # type: ignore[misc]
         for name, amount in transfer_stats_data.get("counters", {}).items():
             if name in self._counters and amount > 0:
                 self._counters[name].labels(*values).inc(amount)
+            elif name.startswith(MISS_SERIES + ":") and amount > 0:
+                self._misses.labels(*values, name.split(":", 1)[1]).inc(amount)
         for op, samples in transfer_stats_data.get("latency", {}).items():
             if op in self._latency:
                 child = self._latency[op].labels(*values)
