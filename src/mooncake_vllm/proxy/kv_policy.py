@@ -1,13 +1,17 @@
 """``--scheduling kv_aware``: route each request to the instance where its prompt's KV is cheapest.
 
-Per request the proxy tokenizes the prompt with an instance's own ``POST /tokenize``
-(time-boxed; the instance's exact tokenizer and chat template, nothing to load or
-keep in step on the proxy), hashes its full blocks like vLLM (:mod:`.kv_hashes`),
-and asks every instance's index (:mod:`.kv_index`, fed by :mod:`.kv_events`) how
-long a prefix it holds in its own cache; the pool's (medium ``MOONCAKE``) counts
-the same for all. The cheapest expected prefill, weighed against requests in
-flight, wins. Without a usable prediction (no events yet, unpredictable hashes,
-tokenize failed, the stream lost) it routes like ``prefix`` and counts why.
+Per request the proxy tokenizes the prompt with the least loaded instance's own
+``POST /tokenize`` (time-boxed; the instance's exact tokenizer and chat template,
+nothing to load or keep in step on the proxy; its time is counted), hashes its full
+blocks like vLLM (:mod:`.kv_hashes`), and asks every instance's index
+(:mod:`.kv_index`, fed by :mod:`.kv_events`) how long a prefix it holds in its own
+cache; the pool's (medium ``MOONCAKE``) counts the same for all, at the cost the
+instances' own counters show it has (:meth:`KvRouter.calibrate`: a declined load is
+a recompute). The least prefill work plus the work queued before it wins
+(:meth:`KvRouter.queued`: work routed there and not yet at its first token, decode
+shares, requests its engine reports beyond ours via :mod:`.engine_load`). Without a
+usable prediction (no events yet, an instance that publishes none, unpredictable
+hashes, tokenize failed, the stream lost) it routes like ``prefix`` and counts why.
 
 An instance that leaves rotation (unhealthy, removed through the admin API) loses
 its index: a restarted vLLM starts empty, and its sequence numbers restart too.
