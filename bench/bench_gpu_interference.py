@@ -18,6 +18,8 @@ saving every block costs). Modes, one fresh vLLM process each (the reader)::
                installed into, put first on that process's PYTHONPATH): A/B of a change
     ours-always  ours claiming every hit (``load_policy`` always)
     ours-1c    ours with one store client claiming every hit (the transfers before issue 24)
+    ours-never ours claiming nothing (``load_policy`` never): lookups and saves only
+    ours-load  ours as ``kv_consumer``: lookups and loads, no saves
 
 ``--degraded-modes``: after its phases, such a reader serves pool hits back to back
 while every holder but one is SIGSTOPped mid-run (bench/degraded.py): TTFT per
@@ -66,9 +68,11 @@ from interference_table import derive
 __all__ = ["main"]
 
 #: measured in this order
-MODES = ("ours", "ours-always", "ours-1c", "ours-prev", "ours-sync", "none", "ours-zc", "intree")
+MODES = ("ours", "ours-always", "ours-1c", "ours-prev", "ours-sync", "ours-never", "ours-load", "none",
+         "ours-zc", "intree")
 INJECT_AFTER = 32  #: stream tokens before the 8k request arrives
 _EXTRA = {"ours": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
+          "ours-never": {"load_policy": "never"},
           "ours-zc": {"gpu_path": "zero_copy"}, "ours-always": {"load_policy": "always"},
           "ours-1c": {"load_policy": "always", "store_clients": 1}}
 
@@ -84,6 +88,18 @@ HOOKS = HookTimer()
 
 def _serve(engine: Any, reqs: list[Req], clients: int = 1, steps: list[float] | None = None) -> None:
     serve(engine, reqs, clients=clients, detokenize=False, steps=steps)  # no tokenizer here
+
+
+def _advisor() -> dict[str, Any] | None:
+    """The claim policy's models and recent decisions (the scheduler side in this process)."""
+    try:
+        from mooncake_vllm.v1.connector import INSTANCES
+    except ImportError:
+        return None
+    for inst in list(INSTANCES):
+        if getattr(inst, "scheduler", None) is not None:
+            return inst.scheduler.claims.snapshot()
+    return None
 
 
 def _counters() -> dict[str, int]:
@@ -245,6 +261,9 @@ def _worker(spec: dict[str, Any]) -> None:
                 break
             try:
                 result = commands[name]()
+                advisor = _advisor()
+                if advisor is not None and isinstance(result, dict):
+                    result["advisor"] = advisor  # the claim policy as this phase left it
             except Exception as exc:  # noqa: BLE001 - reported to the driver, which goes on
                 import traceback
                 result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
@@ -293,6 +312,8 @@ def _mode_config(mode: str, prev_site: str = "") -> tuple[dict[str, Any] | None,
         return (kv_transfer_config("kv_both", connector="in-tree"),
                 {"MOONCAKE_VLLM_DISABLE": "1", "PYTHONHASHSEED": "0"})
     env = other_build_env(prev_site) if mode == "ours-prev" else {}
+    if mode == "ours-load":  # loads only: what saving costs a serving engine, by difference
+        return kv_transfer_config("kv_consumer"), env
     return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), env
 
 

@@ -186,7 +186,7 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
         "requests_per_instance": per_inst,
         "max_over_mean_load": max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) else None,
         "proxy_kv_aware_counters": [ln for ln in metrics if ln.startswith("mooncake_proxy_kv_aware_")
-                                    and "_total" in ln],
+                                    and ("_total" in ln or "pool_realized" in ln)],
     }
 
 
@@ -246,6 +246,9 @@ async def _main(p: dict[str, Any], out: Path, smoke: bool, log: Callable[[str], 
             try:
                 async with aiohttp.ClientSession() as s:
                     tpw = await _tokens_per_word(s, str(fleet[0].url), model)
+                    # the first requests of a fresh engine are slow (warm-up): not the first policy's to pay
+                    await asyncio.gather(*(_turn(s, str(f.url), model, _words(random.Random(i), 300, "warm"), 4)
+                                           for i, f in enumerate(fleet)))
                 order = [c if r == 0 else f"{c}#{r + 1}" for r in range(p.get("repeats", 1)) for c in configs]
                 for seed, name in enumerate(order, start=1 if kind == "pool" else 1001):
                     policy = name.split("#")[0].removesuffix("-nopool")

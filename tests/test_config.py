@@ -161,6 +161,8 @@ def test_the_disk_tier_keys_are_honoured_or_refused_naming_the_field_and_the_fix
     holder = load_store_config({**_MIN, "global_segment_size": "1GB", "enable_ssd_offload": True,
                                 "ssd_offload_path": "/mnt/nvme/mc"})
     assert holder.ssd_offload and holder.ssd_offload_path == "/mnt/nvme/mc"
+    embedded = {**_MIN, "global_segment_size": "1GB", "enable_offload": True}  # vLLM's embedded mode
+    assert load_store_config(embedded, env={"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": "/d"}).ssd_offload_path == "/d"
     refused = [
         ({"global_segment_size": "0", "enable_ssd_offload": True, "ssd_offload_path": "/d"}, "mooncake-vllm up --ssd"),
         ({"global_segment_size": "1GB", "enable_ssd_offload": True}, "ssd_offload_path"),

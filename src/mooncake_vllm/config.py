@@ -277,7 +277,7 @@ def load_store_config(
         problems.append(ConfigProblem(
             "local_buffer_size", "is 0, so every put fails",
             'give the staging buffer some room, e.g. "local_buffer_size": "512MB"'))
-    ssd, ssd_path = _tier(data, segment, problems)
+    ssd, ssd_path = _tier(data, segment, problems, env)
     if problems:
         raise ConfigError(label, problems)
     return StoreConfig(
@@ -295,7 +295,12 @@ def _flag(value: Any) -> bool | None:
     return None
 
 
-def _tier(data: Mapping[str, Any], segment: int | None, problems: list[ConfigProblem]) -> tuple[bool, str]:
+#: Mooncake's own spelling of the offload directory (``setup``'s ``ssd_offload_path`` wins over it)
+OFFLOAD_PATH_ENV = "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"
+
+
+def _tier(data: Mapping[str, Any], segment: int | None, problems: list[ConfigProblem],
+          env: Mapping[str, str]) -> tuple[bool, str]:
     """``enable_ssd_offload`` / ``enable_offload`` and ``ssd_offload_path``: honoured where they
     mean something for this process, refused (with the fix) where they cannot work."""
     switches = {}
@@ -317,6 +322,8 @@ def _tier(data: Mapping[str, Any], segment: int | None, problems: list[ConfigPro
         return ssd, ""
     path = path.strip()
     holds = bool(segment)
+    if ssd and holds and not path:
+        path = env.get(OFFLOAD_PATH_ENV, "").strip()  # where vLLM's in-tree connector leaves it
     if path and not ssd:
         problems.append(ConfigProblem(
             "ssd_offload_path", "is set but the disk tier is off, so nothing would be written there",
@@ -335,6 +342,6 @@ def _tier(data: Mapping[str, Any], segment: int | None, problems: list[ConfigPro
         problems.append(ConfigProblem(
             "ssd_offload_path", "is missing: this process holds pool memory (global_segment_size > 0) and "
             "enable_ssd_offload asks it to offload that memory to disk",
-            'add "ssd_offload_path": "/abs/dir" (a local disk with room), or set "global_segment_size": "0" '
-            "and let a holder keep the tier"))
+            f'add "ssd_offload_path": "/abs/dir" (a local disk with room; or export {OFFLOAD_PATH_ENV}), or set '
+            '"global_segment_size": "0" and let a holder keep the tier'))
     return ssd, path

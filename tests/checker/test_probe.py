@@ -197,3 +197,11 @@ def test_live_namespaces_split(tmp_path: Path, local_stack: Any) -> None:
     found = _probe_ids(tmp_path, config)["MCV-W105"]
     assert len(found) == 1 and "2 namespaces for model probe-llama: differ in block_size (16 vs 32)" \
         in found[0] and "never share KV" in found[0]
+
+
+def test_live_pool_without_the_disk_tier_a_config_asks_for(tmp_path: Path, mooncake_master: ManagedProcess) -> None:
+    """MCV-W106 on a REAL master started without --enable_offload (tests/services/test_tier.py: quiet with it)."""
+    config = {**CONFIG, "master_server_address": mooncake_master.address, "global_segment_size": "0"}
+    assert "MCV-W106" not in _probe_ids(tmp_path, config)
+    found = _probe_ids(tmp_path, {**config, "enable_ssd_offload": True})["MCV-W106"]
+    assert "master_total_file_capacity_bytes 0" in found[0]

@@ -41,6 +41,17 @@ class Publisher:
         self.sock.close(linger=0)
 
 
+async def _publish_until_indexed(server: Any, pub: Publisher, blocks: int = 10) -> None:
+    """Resend DOC until the proxy indexed it: its SUB socket drops what arrives before the PUB connected."""
+    topic = pub.topic.decode()
+    for _ in range(100):
+        pub.send(_stored(DOC))
+        if len(server.kv.indexes.get(topic, ())) >= blocks:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{topic}'s events were not indexed")
+
+
 def _stored(text: str, medium: str = "GPU") -> Any:
     tokens = StubUpstream.tokenize(text)
     raw = PromptHasher("sha256", "vllm-none-hash").raw_hashes(tokens, BS)
@@ -68,12 +79,8 @@ def test_routes_to_the_holder_drops_on_gap_and_never_to_an_unhealthy_one() -> No
             pubs = [Publisher(endpoint, u.address) for u in ups]
             try:
                 holder = ups[1]
-                # the proxy's SUB socket drops what arrives before the PUB connected: resend until indexed
-                for _ in range(100):
-                    pubs[1].send(_stored(DOC))
-                    if len(server.kv.indexes.get(holder.address, ())) >= 10:
-                        break
-                    await asyncio.sleep(0.05)
+                await _publish_until_indexed(server, pubs[1])
+                await wait_for(lambda: server.kv.hasher is not None, timeout=15)  # a busy box: /version is slow
                 assert server.kv.hasher is not None and server.kv.hasher.algorithm == "sha256"
                 for _ in range(3):
                     await _complete(client, base, DOC + " question")
@@ -98,6 +105,8 @@ def test_routes_to_the_holder_drops_on_gap_and_never_to_an_unhealthy_one() -> No
                 assert _metric(text, 'mooncake_proxy_kv_aware_index_drops_total{reason="left_rotation"}') == 1
                 assert _metric(text, 'mooncake_proxy_kv_aware_decisions_total{kind="decode",outcome="local"}') == 4
                 assert _metric(text, 'mooncake_proxy_kv_aware_predicted_local_tokens_total{kind="decode"}') == 160
+                assert _metric(text, "mooncake_proxy_kv_aware_tokenizations_total") == 5
+                assert _metric(text, "mooncake_proxy_kv_aware_tokenize_microseconds_total") > 0
             finally:
                 for p in pubs:
                     p.close()
@@ -131,11 +140,7 @@ def test_store_flow_picks_the_prefill_that_holds_the_prompt() -> None:
                 server, base, client):
             pub = Publisher(endpoint, pre[0].address)
             try:
-                for _ in range(100):
-                    pub.send(_stored(DOC))
-                    if len(server.kv.indexes.get(pre[0].address, ())) >= 10:
-                        break
-                    await asyncio.sleep(0.05)
+                await _publish_until_indexed(server, pub)
                 for _ in range(2):
                     await _complete(client, base, DOC)
                 assert [len(p.received) for p in pre] == [2, 0] and len(dec[0].received) == 2
@@ -229,11 +234,7 @@ def test_auto_events_endpoints_let_two_proxies_share_a_host() -> None:
                 assert (await r.json())["kv_events"] == eps[0]
             pub = Publisher(str(eps[0]), ups[0].address)
             try:
-                for _ in range(100):
-                    pub.send(_stored(DOC))
-                    if len(s1.kv.indexes.get(ups[0].address, ())) >= 10:
-                        break
-                    await asyncio.sleep(0.05)
+                await _publish_until_indexed(s1, pub)
                 assert len(s1.kv.indexes[ups[0].address]) >= 10 and not s2.kv.indexes
             finally:
                 pub.close()

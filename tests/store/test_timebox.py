@@ -94,3 +94,30 @@ def test_threads_sharing_a_real_client_queue_instead_of_opening_the_breaker(
         assert client.healthy
     finally:
         client.close()
+
+
+def test_spare_workers_take_over_from_abandoned_calls_and_stay_bounded() -> None:
+    """A call abandoned at its deadline hands its slot on (its worker stays held): the next
+    call runs at once, up to ``spare`` abandoned calls; past that the box refuses again."""
+    box = TimeBox("spare", 1, spare=1)
+    release = threading.Event()
+    try:
+        with pytest.raises(CallTimedOut):
+            box.run(0.1, release.wait)  # hung: abandoned, its slot handed on
+        assert box.run(1.0, lambda: 7) == 7  # served by the spare worker
+        with pytest.raises(CallTimedOut):
+            box.run(0.1, release.wait)  # a second hung call: no spare left for it
+        with pytest.raises(CallRejected):
+            box.run(0.2, lambda: 8)  # both workers held: refused, not queued
+        release.set()
+        deadline = time.monotonic() + 5
+        while True:  # once the hung calls return, the box serves again
+            try:
+                assert box.run(1.0, lambda: 9) == 9
+                break
+            except CallRejected:
+                assert time.monotonic() < deadline
+        assert box.run(1.0, lambda: 10) == 10
+    finally:
+        release.set()
+        box.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -168,6 +169,18 @@ def test_fetches_alternate_over_lanes_with_two_in_flight_each() -> None:
 
             @staticmethod
             def observe(*a: Any) -> None: ...
+
+        class holders:  # noqa: N801 - no holder suspended
+            @staticmethod
+            def usable(keys: Any) -> int:
+                return len(keys)
+
+        class failures:  # noqa: N801
+            @staticmethod
+            def warn(*a: Any) -> bool:
+                return False
+
+        config = SimpleNamespace(master_server_address="127.0.0.1:1")
 
         @staticmethod
         def admits() -> bool:

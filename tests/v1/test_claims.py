@@ -186,3 +186,20 @@ def test_chunks_of_one_size_still_measure_the_per_token_cost() -> None:
     truth = c1 * 16000 + c2 * 16000 * 8000
     assert pm.recompute(clock(), 0, 16000) == pytest.approx(truth, rel=0.02)
     assert pm.step(clock()) == pytest.approx(c0, rel=0.01)
+
+
+def test_small_prefills_teach_no_per_token_cost() -> None:
+    """On the H200 three 64-token prefills (16-41 ms, launch-bound, beside 19 ms decodes)
+    fitted 210 us/token, 10x the truth: every 2k hit looked like 0.43 s of recompute and was
+    claimed (2x slower than recomputing it). Such steps are not fitted."""
+    clock = Clock()
+    a = advisor(clock)
+    a.observe(steps=[(1.0, 100.0, 100.0, 0.019)] * 9, loads=loads(rate=40_000.0))
+    a.observe(steps=[(64.0, 2048.0, 64.0, 0.0415), (64.0, 2048.0, 64.0, 0.0202),
+                     (64.0, 2048.0, 64.0, 0.0162)])
+    assert a.decide(0, 2032, BS).reason == "unmeasured"
+    a.observe(steps=[(8192.0, 8192 * 4096.0, 8192.0, 0.21), (7808.0, 7808 * (8192 + 3904.0), 16000.0, 0.27),
+                     (4096.0, 4096 * 2048.0, 4096.0, 0.1)])
+    recompute = a.prefill.recompute(clock(), 0, 2032)
+    assert recompute is not None and 0.03 < recompute < 0.07  # truth on the H200: ~0.05 s
+    assert a.decide(0, 2032, BS).reason in ("slow_pool", "explore")

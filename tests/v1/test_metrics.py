@@ -6,12 +6,14 @@ counters in a real server's /metrics are tested in ``test_telemetry.py``.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from mooncake_vllm.stats import StoreStats
 from mooncake_vllm.v1.connector import MooncakeStoreConnector
 from mooncake_vllm.v1.metrics import COUNTERS, OPS, Meter, PoolPromMetrics, PoolStats, pool_up
 
@@ -113,3 +115,36 @@ def test_prometheus_series_exist_from_the_start_and_add_up(prom: Any) -> None:
     assert _value(registry, "vllm:mooncake_vllm_save_seconds_bucket", le="0.005") == 1
     assert _value(registry, "vllm:mooncake_vllm_save_seconds_sum") == pytest.approx(0.204)
     assert _value(registry, "vllm:mooncake_vllm_pool_up", side="tp0-pp0") == 0
+
+
+def test_misses_caused_by_an_error_are_one_labelled_series(prom: Any) -> None:
+    """vllm:mooncake_vllm_miss_causes_total{cause}: every cause present at 0, deltas add."""
+    from mooncake_vllm.store.misses import MISS_CAUSES
+
+    metrics, registry = prom
+    for cause in MISS_CAUSES:
+        assert _value(registry, "vllm:mooncake_vllm_miss_causes_total", cause=cause) == 0.0
+    metrics.observe(_stats({"miss_causes:load_timeout": 16, "miss_causes:pool_away": 3}).data, 0)
+    metrics.observe(_stats({"miss_causes:load_timeout": 4}).data, 0)
+    assert _value(registry, "vllm:mooncake_vllm_miss_causes_total", cause="load_timeout") == 20
+    assert _value(registry, "vllm:mooncake_vllm_miss_causes_total", cause="pool_away") == 3
+
+
+def test_each_side_exports_only_its_own_miss_causes() -> None:
+    """Scheduler and worker may share one client in one process: lookups' causes go out with
+    the scheduler, loads' with the worker, so nothing is counted twice."""
+    from mooncake_vllm.v1.metrics import scheduler_counters, worker_counters
+
+    stats = StoreStats(strict=True)
+    stats.add("miss_pool_away", 2)
+    stats.add("miss_load_timeout", 5)
+    client = SimpleNamespace(stats=stats)
+    sched = SimpleNamespace(counters=dict.fromkeys(
+        ("lookups", "hit_tokens", "declined_tokens", "claims_declined_slow_pool",
+         "claims_declined_never", "claim_probes", "waits_for_shared_load"), 0))
+    worker = SimpleNamespace(counters={"loaded_blocks": 0, "failed_blocks": 5, "saved_blocks": 0},
+                             layout=None)
+    s = {k: v for k, v in scheduler_counters(sched, client).items() if k.startswith("miss")}
+    w = {k: v for k, v in worker_counters(worker, client).items() if k.startswith("miss")}
+    assert s == {"miss_causes:pool_away": 2}
+    assert w == {"miss_causes:load_timeout": 5}

@@ -23,7 +23,7 @@ from mooncake_vllm.checker.model import MASTER, Finding, Where
 from mooncake_vllm.checker.rules_fleet import DEFAULT_CLIENT_TTL, MIN_CLIENT_TTL
 from mooncake_vllm.checker.rules_mooncake import metadata_urls
 from mooncake_vllm.errors import ConfigError, StoreError, StoreUnavailableError
-from mooncake_vllm.inventory import scan_pool, splits
+from mooncake_vllm.inventory import pool_tiers, scan_pool, splits
 from mooncake_vllm.metadata.backends import MetadataBackend, backend_for
 from mooncake_vllm.metadata.gc import DEAD, master_segments, scan
 from mooncake_vllm.metadata.gc import probe as tcp_probe
@@ -358,3 +358,25 @@ def live_namespaces_split(ctx: Context, rule: Rule) -> Iterable[Finding]:
             continue  # no HTTP view of this master (MCV-E101 reports an unreachable one)
         for split in splits(inv):
             yield ctx.finding(rule, where, url=url, split=split.text())
+
+
+@check("MCV-W106")
+def live_ssd_tier_missing(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if not ctx.probe:
+        return
+    from mooncake_vllm.checker.rules_mooncake import tier_configs
+
+    asked = {str(c.data.get("master_server_address") or ""): c for c, _ in tier_configs(ctx)}
+    for address, where in _masters(ctx):
+        config = asked.get(address)
+        url = _metrics_url(ctx, address) if config is not None else None
+        if config is None or url is None:
+            continue
+        try:
+            tiers = pool_tiers(url, timeout=ctx.timeout)
+        except StoreUnavailableError:
+            continue  # no HTTP view of this master (MCV-E101 reports an unreachable one)
+        if not tiers.get("disk_capacity_bytes"):
+            detail = ("master_total_file_capacity_bytes 0" if "disk_capacity_bytes" in tiers
+                      else "its /metrics has no disk series")
+            yield ctx.finding(rule, where, config=config.path, url=url, detail=detail)

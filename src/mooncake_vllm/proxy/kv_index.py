@@ -146,11 +146,17 @@ class CostWeights:
     cache; ``load``: each token of prefill work queued on the instance (the work this
     request waits for); ``per_request``: each request in flight on the instance beyond its
     prefill (its decode steps share the instance), in units of the mean prompt.
+
+    ``load`` is 0.5, not 1: the work a request adds is not only its own wait. Where the
+    fleet is busy it delays the requests after it as long as the queue delays this one,
+    so a token recomputed elsewhere costs twice what a token queued costs; an idle fleet
+    has no queue, and load does not matter. (At 1, a hot document's holder with one cold
+    prompt queued sent the next turn elsewhere to be recomputed.)
     """
 
     pool: float = 0.3
     local: float = 0.0
-    load: float = 1.0
+    load: float = 0.5
     per_request: float = 0.1
 
 

@@ -21,6 +21,7 @@ import logging
 import os
 import shlex
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -284,18 +285,25 @@ class KvRouter:
             return "version_unknown"
         if self.lost:
             return "stream_lost"
+        if self.block_size() is None:
+            return "no_events"
         if not isinstance(key, PromptKey) or key.tokens is None:
             return "no_tokens"
         return ""
+
+    def block_size(self) -> int | None:
+        """The instances' block size, from their first ``BlockStored``; None before any."""
+        with self._lock:
+            return next((i.block_size for i in self.indexes.values() if i.block_size), None)
 
     def decide(self, kind: str, candidates: Sequence[Instance], key: PromptKey, start: int) -> Instance | None:
         """The cheapest candidate; None when no index has a block size yet, or a candidate
         publishes no events (``no_events``: its empty index would read as "holds nothing")."""
         assert key.tokens is not None
+        size = self.block_size()
+        if size is None:
+            return None
         with self._lock:
-            size = next((i.block_size for i in self.indexes.values() if i.block_size), None)
-            if size is None:
-                return None
             silent = [c.key for c in candidates
                       if c.key not in self.heard and self.unheard_requests.get(c.key, 0) >= self.silent_after]
         if silent:
@@ -365,7 +373,7 @@ class KvRouter:
         not heard yet when the prompt has a full block (vLLM publishes nothing for less)."""
         if inst.key in self.heard or not isinstance(key, PromptKey) or key.tokens is None:
             return
-        size = next((i.block_size for i in self.indexes.values() if i.block_size), None)
+        size = self.block_size()
         if size is not None and len(key.tokens) >= size:
             self.unheard_requests[inst.key] += 1
 
@@ -429,6 +437,8 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
         await _resolve_version(server, router)
     if router is None or router.disabled or any(body.get(f) is not None for f in _UNPREDICTABLE):
         return PromptKey(prefix, None)
+    if router.block_size() is None:  # no instance published a block yet: nothing to compare, no /tokenize
+        return PromptKey(prefix, None)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return PromptKey(prefix, list(prompt))
@@ -442,8 +452,9 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
     insts = server.pool.available("decode") or server.pool.available("prefill")
     if not insts or server.session is None:
         return PromptKey(prefix, None)
-    inst = insts[len(prefix) % len(insts)]
+    inst = min(insts, key=lambda i: (i.load, i.requests))  # its API server answers soonest
     timeout = aiohttp.ClientTimeout(total=server.config.kv_tokenize_timeout)
+    t0 = time.perf_counter()
     try:
         async with server.session.post(inst.url + "/tokenize", data=json.dumps({"model": body.get("model"), **req}),
                                        headers={"Content-Type": "application/json"}, timeout=timeout) as up:
@@ -453,6 +464,9 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(tokens, list):
             raise ValueError("no tokens in the answer")
+        # what kv_aware adds to every request's time to first token
+        router.counters[("tokenize_microseconds",)] += int((time.perf_counter() - t0) * 1e6)
+        router.counters[("tokenizations",)] += 1
         return PromptKey(prefix, tokens)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         router.counters[("fallbacks", "tokenize", type(exc).__name__)] += 1

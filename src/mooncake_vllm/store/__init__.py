@@ -16,6 +16,8 @@
 ``client``         :class:`StoreClient`, the one client both engines use
 ``bridge``         redis:// metadata for wheels without redis
 ``namespaces``     register a key namespace in the pool; clear one
+``misses``         misses caused by an error, counted by cause, logged with the fix
+``holders``        a hung holder suspended (probed per holder), not the whole pool
 =================  ==========================================================
 """
 

@@ -37,6 +37,7 @@ from mooncake_vllm.store.connect import open_store
 from mooncake_vllm.store.direct import get_direct
 from mooncake_vllm.store.fetch import get_staged
 from mooncake_vllm.store.health import FailureLog, PoolHealth
+from mooncake_vllm.store.misses import missed
 from mooncake_vllm.store.mover import checksums_on_device
 from mooncake_vllm.store.paths import LayoutPaths, SaveTicket, StagingSizes, choose_gpu_path
 from mooncake_vllm.store.puts import put_ticket
@@ -133,11 +134,15 @@ class StoreClient:
         t.stats.add("lookups")
         if not t.admits():
             t.stats.add("lookup_errors", len(keys))
+            if box is t.lookups:  # a save's existence check misses nothing
+                missed(t, "pool_away", len(keys))
             return [False] * len(keys)
         start = time.perf_counter()
         codes = t.run(box, t.lookup_timeout, t.batch_exist, list(keys))
         if isinstance(codes, BaseException) or (codes and all(c < 0 for c in codes)):
             t.stats.add("lookup_errors", len(keys))
+            if box is t.lookups:
+                missed(t, "lookup_failed", len(keys))
             if not isinstance(codes, BaseException):
                 t.health.failed(f"batch_is_exist returned {sorted(set(codes))}")
             return [False] * len(keys)

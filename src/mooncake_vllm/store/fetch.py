@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.errors import CallRejected, CallTimedOut
 from mooncake_vllm.store.codes import Code
+from mooncake_vllm.store.misses import missed
 from mooncake_vllm.store.slots import Run, slots_of
 from mooncake_vllm.store.timebox import LateRelease
 
@@ -59,6 +60,17 @@ def count_failed_get(transport: Transport, code: Any) -> None:
         transport.stats.add("errors")
 
 
+def failed_get_cause(code: Any) -> str:
+    """The miss cause of a value a get did not deliver whole ("" = simply absent)."""
+    if code in (Code.OBJECT_NOT_FOUND, Code.LEASE_EXPIRED, 0):
+        return ""
+    if code in (Code.TRANSFER_FAIL, Code.SEGMENT_NOT_FOUND):
+        return "lost_segment"
+    if isinstance(code, int) and (code > 0 or code == Code.INVALID_PARAMS):
+        return "corrupt"
+    return "load_error"
+
+
 def fetch_size(count: int, slots: int, lanes: int) -> int:
     """Blocks per fetch: about :data:`LOAD_PIECES` per lane, two in flight per lane."""
     depth = 2 * lanes
@@ -69,20 +81,24 @@ def fetch_size(count: int, slots: int, lanes: int) -> int:
 def get_staged(transport: Transport, paths: LayoutPaths, keys: Sequence[str],
                block_ids: Sequence[int], after: Any, background: bool) -> list[bool]:
     """Load ``keys`` into ``block_ids`` through the load slots; ``True`` where verified."""
-    pool, n, lanes = paths.load_pool, len(keys), transport.lanes
+    pool, lanes = paths.load_pool, transport.lanes
+    out = [False] * len(keys)
+    n = transport.holders.usable(keys)  # up to the first block of a suspended holder
+    missed(transport, "holder_suspended", len(keys) - n)
     step = fetch_size(n, pool.count, len(lanes))
-    out = [False] * n
     inflight: deque[Fetch] = deque()
     pos, started, broken = 0, 0, False
+    done = 0  # keys before this position were delivered or counted
+    cause = ""  # why the rest is a miss, once broken
     while pos < n or inflight:
         while not broken and pos < n and len(inflight) < 2 * len(lanes):
             lane = lanes[started % len(lanes)]
             fetch = _start(transport, lane, paths, pos, list(keys[pos:pos + step]))
-            if fetch is None and not inflight:
+            if isinstance(fetch, str) and not inflight:
                 pool.settle()  # slots waiting on finished device copies
                 fetch = _start(transport, lane, paths, pos, list(keys[pos:pos + step]))
-            if fetch is None:
-                broken = not inflight
+            if isinstance(fetch, str):
+                broken, cause = not inflight, fetch
                 break
             inflight.append(fetch)
             pos += len(fetch.keys)
@@ -91,13 +107,15 @@ def get_staged(transport: Transport, paths: LayoutPaths, keys: Sequence[str],
             break
         fetch = inflight.popleft()
         got = _finish(transport, paths, fetch, block_ids, after, background)
-        if got is None:  # timed out or failed: the rest is a miss, slots come back late
+        if isinstance(got, str):  # timed out or failed: the rest is a miss, slots come back late
             for rest in inflight:
                 rest.late.timed_out()
             inflight.clear()
-            broken = True
+            broken, cause, done = True, got, fetch.pos
             break
         out[fetch.pos:fetch.pos + len(got)] = got
+        done = fetch.pos + len(got)
+    missed(transport, cause or "no_slot", n - done)
     return out
 
 
@@ -113,14 +131,14 @@ def _get_verified(store: Any, paths: LayoutPaths, keys: list[str],
 
 
 def _start(transport: Transport, lane: Lane, paths: LayoutPaths, pos: int,
-           keys: list[str]) -> Fetch | None:
-    """Start one fetch into free load slots (``None``: none free / refused)."""
+           keys: list[str]) -> Fetch | str:
+    """Start one fetch into free load slots (else the miss cause: no slot, refused)."""
     if not transport.admits():
-        return None
+        return "breaker_open"
     pool = paths.load_pool
     runs = pool.take(len(keys))
     if not runs:
-        return None
+        return "no_slot"
     slots = slots_of(runs)
     keys = keys[:len(slots)]
     late = LateRelease(lambda: pool.release(runs))
@@ -130,37 +148,43 @@ def _start(transport: Transport, lane: Lane, paths: LayoutPaths, pos: int,
     except CallRejected as exc:
         pool.release(runs)
         transport.rejected(exc)
-        return None
+        return "load_rejected"
     return Fetch(pos, keys, runs, future, late, time.perf_counter(), lane)
 
 
 def _finish(transport: Transport, paths: LayoutPaths, fetch: Fetch, block_ids: Sequence[int],
-            after: Any, background: bool) -> list[bool] | None:
-    """Collect one fetch and scatter its verified slots (``None``: failed)."""
+            after: Any, background: bool) -> list[bool] | str:
+    """Collect one fetch and scatter its verified slots (else the miss cause: it failed)."""
     pool, size = paths.load_pool, paths.slot_nbytes
     try:
         got = fetch.lane.transfers.result(fetch.future,
                                           transport.transfer_timeout(len(fetch.keys) * size))
     except CallTimedOut as exc:
-        transport.timed_out(exc, fetch.late)  # the slots come back when Mooncake returns
-        return None
+        # the slots come back when Mooncake returns; one hung holder does not shut the pool
+        transport.timed_out(exc, fetch.late, breaker=not transport.holders.stalled(fetch.keys))
+        return "load_timeout"
     if isinstance(got, BaseException):
         pool.release(fetch.runs)
         transport.health.failed(f"batch_get_into raised {type(got).__name__}")
-        return None
+        return "load_error"
     codes, reasons = got
     transport.stats.observe("get", time.perf_counter() - fetch.started)
     ok: list[bool] = []
+    causes: list[str] = []
     for key, code, reason in zip(fetch.keys, codes, reasons):
         if code != size:
             count_failed_get(transport, code)
             ok.append(False)
+            causes.append(failed_get_cause(code))
             continue
         if reason:
             transport.failures.warn("corrupt", f"mooncake-vllm: ignoring stored block {key}: "
                                     f"{reason}")
             transport.stats.add("corrupt")
+            causes.append("corrupt")
         ok.append(reason is None)
+    for cause in set(causes) - {""}:
+        missed(transport, cause, causes.count(cause))
     transport.note_failures("get", codes)
     name_lost_segment(transport, fetch.keys, codes)
     blocks = list(block_ids[fetch.pos:fetch.pos + len(ok)])

@@ -86,7 +86,13 @@ def _put_round(transport: Transport, paths: LayoutPaths, ticket: SaveTicket,
         except CallTimedOut as exc:
             ticket.abandoned = True
             transport.stats.add("saves_abandoned", sum(len(p.keep) for p in puts[i:]))
-            transport.timed_out(exc, late)
+            # the master answers: a holder hangs, not the pool; hold saves back a while
+            # (the master may place the next put there too) instead of opening the breaker
+            pool_away = not transport.holders.master_answers()
+            if not pool_away:
+                transport.stats.add("saves_held_back")
+                transport.full_until = time.monotonic() + transport.holders.cooldown
+            transport.timed_out(exc, late, breaker=pool_away)
             for rest in puts[i:]:
                 if rest.late is not None:
                     rest.late.timed_out()

@@ -26,14 +26,20 @@ __all__ = ["LateRelease", "TimeBox"]
 
 
 class TimeBox:
-    """``workers`` threads; at most ``workers`` calls in flight, hung ones included."""
+    """``workers`` threads; at most ``workers`` calls in flight, hung ones included — plus up
+    to ``spare`` calls abandoned at their deadline, whose workers are replaced at once
+    (they hold a spare thread until they return): a box whose calls hang on one peer
+    still serves calls to the others."""
 
     def __init__(self, name: str, workers: int = 1,
-                 initializer: Callable[[], None] | None = None) -> None:
+                 initializer: Callable[[], None] | None = None, spare: int = 0) -> None:
         self.name = name
-        self._slots = threading.BoundedSemaphore(workers)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"mcv-{name}",
+        self._slots = threading.Semaphore(workers)
+        self._pool = ThreadPoolExecutor(max_workers=workers + spare, thread_name_prefix=f"mcv-{name}",
                                         initializer=initializer)
+        self._spare = spare
+        self._abandoned: set[int] = set()  # ids of futures whose slot was handed on
+        self._lock = threading.Lock()
         self._closed = False
 
     def run(self, timeout: float, fn: Callable[..., Any], *args: Any,
@@ -66,7 +72,11 @@ class TimeBox:
             raise CallRejected(f"{self.name}: closed") from exc
 
         def finished(f: Future[Any]) -> None:
-            self._slots.release()
+            with self._lock:
+                handed_on = id(f) in self._abandoned
+                self._abandoned.discard(id(f))
+            if not handed_on:
+                self._slots.release()
             if on_done is not None:
                 on_done(f.result())
 
@@ -78,6 +88,12 @@ class TimeBox:
         try:
             return fut.result(timeout=timeout)
         except FutureTimeout:
+            with self._lock:
+                spare = len(self._abandoned) < self._spare and not fut.done()
+                if spare:
+                    self._abandoned.add(id(fut))
+            if spare:
+                self._slots.release()  # its worker stays held; a spare thread serves the next
             raise CallTimedOut(f"{self.name}: no answer within {timeout:.1f} s") from None
 
     def close(self) -> None:

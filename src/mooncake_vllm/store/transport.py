@@ -32,6 +32,7 @@ from mooncake_vllm.errors import CallRejected, CallTimedOut
 from mooncake_vllm.stats import StoreStats
 from mooncake_vllm.store.codes import Code, call, describe, is_fatal
 from mooncake_vllm.store.health import FailureLog, PoolHealth
+from mooncake_vllm.store.holders import HolderGuard
 from mooncake_vllm.store.timebox import LateRelease, TimeBox
 
 __all__ = ["FULL_WAITS", "MIN_RATE", "Lane", "Transport"]
@@ -57,8 +58,10 @@ class Lane:
     def __init__(self, store: Any, index: int) -> None:
         self.store = store
         self.index = index
-        #: loads: two fetches in flight per lane (verifying one overlaps the next)
-        self.transfers = TimeBox(f"transfer{index}", 2)
+        #: loads: two fetches in flight per lane (verifying one overlaps the next); two spare
+        #: workers take over from fetches abandoned on a hung holder (HolderGuard), so the
+        #: other holders' loads are not refused while it hangs
+        self.transfers = TimeBox(f"transfer{index}", 2, spare=2)
         #: puts of the save thread, never competing with loads
         self.saves = TimeBox(f"save{index}", 1)
 
@@ -91,6 +94,8 @@ class Transport:
         self.health = PoolHealth(config.master_server_address, self.probe, self.stats,
                                  cooldown=cooldown)
         self.failures = FailureLog()
+        #: per-holder time box: a hung holder costs its blocks, not the whole pool
+        self.holders = HolderGuard(self, cooldown=cooldown)
         self.closed = False
         self.full_until = 0.0
         #: waits before retrying puts refused for a full pool: only with a disk tier (DRAM-only
@@ -221,6 +226,7 @@ class Transport:
             return
         self.closed = True
         self.health.close()
+        self.holders.close()
         for box in (self.lookups, self.save_lookups, self.publish, self.markers):
             box.close()
         for lane in self.lanes:

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CANDIDATES", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
+__all__ = ["CANDIDATES", "MIN_FIT", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
 
 #: prefix lengths a decision weighs (chunk boundaries, evenly coarsened)
 CANDIDATES = 16
@@ -47,8 +47,12 @@ _WINDOW = 256  #: prefill samples kept
 _LOAD_WINDOW = 32
 #: recent loads that say how much slower (or faster) the pool is now than its shape
 RECENT = 3
-#: the fewest tokens a step must schedule to teach the recompute model (decodes do not)
+#: steps scheduling fewer tokens are decodes: their median is the fixed cost of a step
 MIN_PREFILL = 64
+#: the fewest tokens a step must schedule to teach the per-token costs. Below this a step's
+#: time is its fixed cost and noise (on an H200 a 64-token prefill took 16-41 ms, a decode
+#: 19 ms: three of them fitted 210 us/token, 10x the truth, and every 2k hit was claimed)
+MIN_FIT = 512
 #: beyond this multiple of the furthest position measured, recompute is not extrapolated
 REACH_MARGIN = 1.25
 
@@ -119,8 +123,8 @@ class PrefillModel:
 
     The fixed cost of a step, ``c0``, is the median of the steps scheduling fewer than
     :data:`MIN_PREFILL` tokens (decodes: plenty of them); ``c1`` and ``c2`` are fitted
-    to the prefill steps' time above ``c0``. Fitting all three to prefill steps alone
-    is ill-posed when they are all one chunk size (vLLM splits long prompts into
+    to the time above ``c0`` of prefill steps of at least :data:`MIN_FIT` tokens. Fitting
+    all three to prefill steps alone is ill-posed when they are all one chunk size (vLLM splits long prompts into
     ``max_num_batched_tokens`` chunks): the intercept then soaks up the per-token cost.
     ``reach`` is the furthest position a prefill step computed: beyond it the model
     does not extrapolate.
@@ -144,7 +148,7 @@ class PrefillModel:
             return
         if tokens < MIN_PREFILL:
             self._small.append(float(seconds))
-        else:
+        elif tokens >= MIN_FIT:
             self.samples.append((now, (float(tokens), float(work)), float(seconds)))
             self._reach.append(float(reach or tokens))
         self._coef = None
@@ -261,6 +265,9 @@ class ClaimAdvisor:
         self._declining_since: float | None = None
         self._last_explore = -math.inf
         self.counts: dict[str, int] = {}
+        #: the last decisions: ``(clock, start, hit, decision)`` (what an operator or a bench
+        #: compares with what the requests then took)
+        self.recent: deque[tuple[float, int, int, Decision]] = deque(maxlen=_WINDOW)
 
     def observe(self, steps: Iterable[Sequence[float]] = (),
                 loads: Iterable[Sequence[float]] = ()) -> None:
@@ -278,7 +285,17 @@ class ClaimAdvisor:
         to claim; ``backlog``: tokens already being loaded ahead of this one."""
         d = self._decide(start, hit, chunk, backlog)
         self.counts[d.reason] = self.counts.get(d.reason, 0) + 1
+        self.recent.append((self.clock(), start, hit, d))
         return d
+
+    def snapshot(self) -> dict[str, object]:
+        """The models' state and the recent decisions, as plain data."""
+        now = self.clock()
+        return {"coefficients": self.prefill.coefficients(now), "reach": self.prefill.reach,
+                "prefill_samples": [[t, *x, y] for t, x, y in self.prefill.samples],
+                "load_samples": [list(x) for x in self.loads.samples], "counts": dict(self.counts),
+                "decisions": [[at, start, hit, d.tokens, d.reason, d.predicted_load,
+                               d.predicted_recompute] for at, start, hit, d in self.recent]}
 
     def _decide(self, start: int, hit: int, chunk: int, backlog: int) -> Decision:
         policy = self.rules.policy

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.stats import LATENCY_BUCKETS
+from mooncake_vllm.store.misses import LOOKUP_CAUSES, MISS_CAUSES, miss_counts
 
 if TYPE_CHECKING:
     from mooncake_vllm.v1.client import ClientSource
@@ -40,7 +41,7 @@ try:  # vLLM >= 0.11.1
 except ImportError:  # pragma: no cover
     _PromBase = None
 
-__all__ = ["COUNTERS", "MAX_EVENT_RECORDS", "METRIC_PREFIX", "OPS", "Meter", "MeteredSource",
+__all__ = ["COUNTERS", "MAX_EVENT_RECORDS", "METRIC_PREFIX", "MISS_SERIES", "OPS", "Meter", "MeteredSource",
            "PoolPromMetrics", "PoolStats", "build_prom_metrics", "own_stats", "pool_up"]
 
 #: Every exported metric is named ``vllm:mooncake_vllm_<name>``.
@@ -70,6 +71,9 @@ COUNTERS: Mapping[str, str] = {
     "waits_for_shared_load": "Requests deferred while another request's load brought their "
                              "blocks (one load per block).",
 }
+#: the labelled counter of misses caused by an error (``{cause}``: store/misses.MISS_CAUSES);
+#: in the per-step deltas each cause is the counter ``miss_causes:<cause>``
+MISS_SERIES = "miss_causes"
 #: timed operation -> help text of its latency histogram
 OPS: Mapping[str, str] = {
     "lookup": "Seconds per pool lookup (scheduler side).",
@@ -219,9 +223,20 @@ _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declin
                       "waits_for_shared_load")
 
 
-def scheduler_counters(scheduler: Any) -> dict[str, int]:
-    """The scheduler side's cumulative counters, by exported name."""
-    return {name: scheduler.counters[name] for name in _SCHEDULER_EXPORTS}
+def scheduler_counters(scheduler: Any, client: Any = None) -> dict[str, int]:
+    """The scheduler side's cumulative counters, by exported name (``client``: its store
+    client, whose lookup misses caused by an error are exported by cause)."""
+    out = {name: scheduler.counters[name] for name in _SCHEDULER_EXPORTS}
+    if client is not None:
+        out.update(_miss_causes(client, lookups=True))
+    return out
+
+
+def _miss_causes(client: Any, *, lookups: bool) -> dict[str, int]:
+    """``miss_causes:<cause>`` of one side: lookups (scheduler) or loads (worker); the two
+    sides may share one client in one process, so each exports only its own causes."""
+    return {f"{MISS_SERIES}:{cause}": n for cause, n in miss_counts(client.stats.snapshot()).items()
+            if (cause in LOOKUP_CAUSES) == lookups}
 
 
 def worker_counters(worker: Any, client: Any) -> dict[str, int]:
@@ -232,9 +247,12 @@ def worker_counters(worker: Any, client: Any) -> dict[str, int]:
     if client is not None:  # the store client's own drops (only the worker saves)
         store = client.stats.snapshot()
         dropped += sum(store.get(name, 0) for name in _STORE_DROPS)
-    return {"loaded_blocks": c["loaded_blocks"], "loaded_bytes": c["loaded_blocks"] * nbytes,
-            "failed_blocks": c["failed_blocks"], "saved_blocks": c["saved_blocks"],
-            "saved_bytes": c["saved_blocks"] * nbytes, "dropped_blocks": dropped}
+    out = {"loaded_blocks": c["loaded_blocks"], "loaded_bytes": c["loaded_blocks"] * nbytes,
+           "failed_blocks": c["failed_blocks"], "saved_blocks": c["saved_blocks"],
+           "saved_bytes": c["saved_blocks"] * nbytes, "dropped_blocks": dropped}
+    if client is not None:
+        out.update(_miss_causes(client, lookups=False))
+    return out
 
 
 class _MeteredClient:
@@ -309,6 +327,11 @@ class PoolPromMetrics(_PromBase or object):  # type: ignore[misc]
             op: metric_types[Histogram](name=f"{METRIC_PREFIX}{op}_seconds", documentation=doc,
                                         labelnames=names, buckets=list(LATENCY_BUCKETS))
             for op, doc in OPS.items()}
+        self._misses = metric_types[Counter](
+            name=f"{METRIC_PREFIX}{MISS_SERIES}", labelnames=[*names, "cause"],
+            documentation="Pool misses (blocks) caused by an error, by cause (pool_away, "
+                          "lookup_failed, breaker_open, load_timeout, load_rejected, load_error, "
+                          "lost_segment, corrupt, no_slot); the log names each cause's fix.")
         self._up = metric_types[Gauge](
             name=f"{METRIC_PREFIX}pool_up", labelnames=[*names, "side"],
             documentation="1 while this side's Mooncake pool client is connected and its "
@@ -316,6 +339,8 @@ class PoolPromMetrics(_PromBase or object):  # type: ignore[misc]
         for values in self._values.values():  # every series present (at 0) from the start
             for metric in (*self._counters.values(), *self._latency.values()):
                 metric.labels(*values)
+            for cause in MISS_CAUSES:
+                self._misses.labels(*values, cause)
 
     def observe(self, transfer_stats_data: Mapping[str, Any], engine_idx: int = 0) -> None:
         values = self._values.get(engine_idx)
@@ -324,6 +349,8 @@ class PoolPromMetrics(_PromBase or object):  # type: ignore[misc]
         for name, amount in transfer_stats_data.get("counters", {}).items():
             if name in self._counters and amount > 0:
                 self._counters[name].labels(*values).inc(amount)
+            elif name.startswith(MISS_SERIES + ":") and amount > 0:
+                self._misses.labels(*values, name.split(":", 1)[1]).inc(amount)
         for op, samples in transfer_stats_data.get("latency", {}).items():
             if op in self._latency:
                 child = self._latency[op].labels(*values)

@@ -77,7 +77,8 @@ class Telemetry:
     def take_stats(self) -> PoolStats | None:
         """This side's changes since the last call (vLLM asks once per step)."""
         if self.scheduler is not None:
-            return self.meter.take(scheduler_counters(self.scheduler), pool_up(self.shared))
+            return self.meter.take(scheduler_counters(self.scheduler, self.shared.get()),
+                                   pool_up(self.shared))
         assert self.source is not None and self.worker is not None  # the worker side
         client = self.source.raw()
         stats = self.meter.take(worker_counters(self.worker, client), pool_up(self.shared))

@@ -1,0 +1,153 @@
+"""A fleet under faults: a bounded soak with injected failures across simulated hosts.
+
+    .venv/bin/python bench/soak.py [--minutes 15] [--clients 4] [--faults all] [--repeat 2]
+                                   [--store-only] [--loopback] [--out bench-results/soak]
+
+The fleet (``soak_fleet``): mooncake_master, our embedded metadata server and two holders,
+each on its own simulated host (a network namespace on a bridge, ``soak_net``: subnet
+10.231.7.0/24, names ``mvsoak-*``); unless ``--store-only``, two kv_both vLLM CPU instances
+behind ``mooncake-vllm proxy --flow kv_both`` and a kv_producer/kv_consumer pair behind a
+second proxy's store flow, each instance on its own host, plus a no-connector reference
+instance. The load (``soak_load``): closed-loop clients, every answer checked against the
+reference. The faults (``soak_faults``): on a schedule printed at start. The result
+(``soak_report``): JSON + PNG, and a table per fault on stdout. Where namespaces cannot
+be made (or ``--loopback``) the same fleet runs on 127.0.0.1 and the result says so
+(a link cut is then a SIGSTOP of the holder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from soak_faults import KINDS, FaultRunner, schedule  # noqa: E402
+from soak_fleet import Fleet  # noqa: E402
+from soak_load import HttpLoad, Sampler, StoreLoad  # noqa: E402
+from soak_net import Net, namespaces_available  # noqa: E402
+from soak_report import hit_series, metrics_hit_series, report, table, write  # noqa: E402
+
+__all__ = ["STORE_FAULTS", "main", "run"]
+
+log = logging.getLogger("soak")
+
+#: faults a pool-only fleet can take (no vLLM, no proxy)
+STORE_FAULTS = ("holder_kill", "holder_stop", "master_kill", "master_stop", "metadata_restart",
+                "link_down", "flood")
+
+
+def _documents(n: int, vocab: int, seed: int = 27) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 1) for _ in range(rng.randrange(1024, 2048))] for _ in range(n)]
+
+
+def _vllm_fleet(fleet: Fleet, model: Path) -> tuple[dict[str, str], str]:
+    """Reference, v1, v2 (kv_both), p (producer), d (consumer), two proxies; started in parallel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    roles = {"ref": None, "v1": "kv_both", "v2": "kv_both", "p": "kv_producer", "d": "kv_consumer"}
+    with ThreadPoolExecutor(len(roles)) as pool:
+        for fut in [pool.submit(fleet.start, name, model=model, role=role) for name, role in roles.items()]:
+            fut.result()
+    name = model.name
+    fleet.start_proxy("proxy", name, "kv_both", [], ["v1", "v2"])
+    fleet.start_proxy("proxy_pd", name, "store", ["p"], ["d"])
+    return ({"kv_both": str(fleet.procs["proxy"].url), "1p1d": str(fleet.procs["proxy_pd"].url)},
+            str(fleet.procs["ref"].url))
+
+
+def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat: int = 1,
+        store_only: bool = True, loopback: bool = False, warmup: float = 20.0,
+        model: Path | None = None, holders: int = 2, segment_size: int = 32 << 20,
+        client_ttl: int = 5) -> dict[str, Any]:
+    """One soak; returns the report (also printed/written by :func:`main`)."""
+    why = "--loopback" if loopback else namespaces_available()
+    net = None if why else Net().up()
+    fleet = Fleet(workdir, net, holders=holders, segment_size=segment_size, client_ttl=client_ttl)
+    faults = schedule(kinds, seconds, warmup, repeat)
+    print(f"soak: {'namespaces on 10.231.7.0/24' if net else f'loopback ({why})'}; "
+          f"{seconds:.0f} s, {clients} clients; faults:", flush=True)
+    for f in faults:
+        print(f"  t+{f.at:>6.1f} s  {f.kind}: {KINDS[f.kind].what}", flush=True)
+    old_bind = os.environ.get("MC_TCP_BIND_ADDRESS")
+    try:
+        fleet.start_pool()
+        if net is not None:  # our own pool clients (StoreLoad) reach the hosts from the bridge
+            os.environ["MC_TCP_BIND_ADDRESS"] = net.gateway
+        if store_only:
+            load: Any = StoreLoad(str(fleet.config_path), clients, seconds, flooding=lambda: fleet.flooding)
+            metrics: dict[str, str] = {}
+        else:
+            from mooncake_vllm.demo.tiny_model import VOCAB_SIZE, build_tiny_model
+
+            model = model or build_tiny_model(workdir / "model")
+            targets, ref = _vllm_fleet(fleet, model)
+            load = HttpLoad(targets, ref, model.name, clients, seconds, vocab=VOCAB_SIZE,
+                            documents=_documents(16, VOCAB_SIZE), flooding=lambda: fleet.flooding)
+            metrics = {n: str(fleet.procs[n].url) for n in ("v1", "v2", "p", "d")}
+        sampler = Sampler(lambda: {n: u for n, u in metrics.items() if fleet.procs[n].alive()},
+                          fleet.usage)
+        t0 = time.monotonic()
+        sampler.start(t0)
+        runner = FaultRunner(fleet, faults).start(t0)
+        samples = [s.row() for s in load.run_load(t0)]
+        runner.stop.set()
+        runner.join(60)
+        sampler.stop.set()
+        series = (hit_series(samples, seconds) if store_only else metrics_hit_series(sampler.rows))
+        result = report(samples, [f.row() for f in faults], series, sampler.rows, warmup)
+        result.update(hosts="namespaces" if net else f"loopback ({why})", seconds=seconds,
+                      clients=clients, store_only=store_only, sampler=sampler.rows,
+                      samples=samples, series=series)
+        return result
+    finally:
+        fleet.stop()
+        if old_bind is None:
+            os.environ.pop("MC_TCP_BIND_ADDRESS", None)
+        else:
+            os.environ["MC_TCP_BIND_ADDRESS"] = old_bind
+        if net is not None:
+            net.teardown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=15.0)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--faults", default="all", help=f"comma list of {sorted(KINDS)} or 'all'")
+    p.add_argument("--repeat", type=int, default=2, help="times each fault runs (default 2)")
+    p.add_argument("--warmup", type=float, default=60.0)
+    p.add_argument("--store-only", action="store_true", help="pool clients only, no vLLM")
+    p.add_argument("--loopback", action="store_true", help="no namespaces: every service on 127.0.0.1")
+    p.add_argument("--model", type=Path, default=None, help="model dir (default: the tiny random Llama)")
+    p.add_argument("--out", type=Path, default=Path("bench-results/soak"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    kinds = (list(STORE_FAULTS if args.store_only else KINDS) if args.faults == "all"
+             else args.faults.split(","))
+    with tempfile.TemporaryDirectory(prefix="mvsoak-") as tmp:
+        result = run(Path(tmp), seconds=args.minutes * 60, clients=args.clients, kinds=kinds,
+                     repeat=args.repeat, store_only=args.store_only, loopback=args.loopback,
+                     warmup=args.warmup, model=args.model)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    samples = result.pop("samples", None) or []
+    write(result, samples, result.get("series", []), args.out)
+    print(table(result))
+    print(json.dumps({k: result[k] for k in ("hosts", "requests", "wrong", "failed", "ttft_p50", "ttft_p99")}))
+    for name, r in result["resources"].items():
+        print(f"  {name}: rss {r['rss_mb']} MB, fds {r['fds']}, within 10 %: {r['within']}")
+    return 0 if result["wrong"] == 0 and result["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

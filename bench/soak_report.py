@@ -1,0 +1,156 @@
+"""The soak's report: hit rate over time, recovery per fault, failures, resources; JSON + PNG.
+
+Recovery of a fault = seconds from its end until the pool's hit rate (over a trailing
+``window``) is back to >= 80 % of its level in the ``before`` seconds ahead of the fault
+(0 when it never fell below that). Requests are attributed to a fault when they started
+between its beginning and 30 s after its end.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+__all__ = ["hit_series", "metrics_hit_series", "recovery", "report", "resources", "write"]
+
+TARGET = 0.8  #: of the pre-fault hit rate
+DEADLINE = 30.0  #: seconds after a fault's end
+
+
+def hit_series(samples: list[dict[str, Any]], end: float, window: float = 5.0,
+               step: float = 1.0) -> list[tuple[float, float | None]]:
+    """(t, pool hits / possible) of the requests started in ``(t - window, t]``."""
+    out: list[tuple[float, float | None]] = []
+    t = window
+    while t <= end:
+        rows = [s for s in samples if t - window < s["t"] <= t and not s["failed"]]
+        possible = sum(s["possible"] for s in rows)
+        out.append((t, sum(s["hit"] for s in rows) / possible if possible else None))
+        t += step
+    return out
+
+
+def metrics_hit_series(rows: list[dict[str, Any]], window: float = 10.0) -> list[tuple[float, float | None]]:
+    """(t, Δ pool hit tokens / Δ prompt tokens) over a trailing ``window``, summed over instances
+    (a restarted instance's counters start again at 0: negative deltas count as 0)."""
+    out: list[tuple[float, float | None]] = []
+    for i, row in enumerate(rows):
+        old = next((r for r in rows[:i] if r["t"] >= row["t"] - window), None)
+        if old is None or old is row:
+            continue
+        hit = prompt = 0.0
+        for name, now in row["metrics"].items():
+            then = old["metrics"].get(name, {})
+            hit += max(0.0, now.get("vllm:mooncake_vllm_hit_tokens_total", 0) -
+                       then.get("vllm:mooncake_vllm_hit_tokens_total", 0))
+            prompt += max(0.0, now.get("vllm:prompt_tokens_total", 0) - then.get("vllm:prompt_tokens_total", 0))
+        out.append((row["t"], hit / prompt if prompt else None))
+    return out
+
+
+def recovery(series: list[tuple[float, float | None]], began: float, ended: float,
+             before: float = 30.0) -> dict[str, Any]:
+    """Pre-fault level, the lowest rate after the fault began, and seconds to get back to 80 %."""
+    pre = [r for t, r in series if began - before <= t < began and r is not None]
+    if not pre:
+        return {"pre": None, "low": None, "recovery_s": None, "met": None}
+    level = statistics.fmean(pre)
+    after = [(t, r) for t, r in series if t >= began and r is not None]
+    low = min((r for _, r in after if _ <= ended + DEADLINE), default=None)
+    back = next((t for t, r in after if t >= ended and r >= TARGET * level), None)
+    took = None if back is None else round(max(0.0, back - ended), 1)
+    if low is not None and low >= TARGET * level:
+        took = 0.0
+    return {"pre": round(level, 3), "low": None if low is None else round(low, 3),
+            "recovery_s": took, "met": took is not None and took <= DEADLINE}
+
+
+def resources(rows: list[dict[str, Any]], warmup: float, tolerance: float = 0.10) -> dict[str, Any]:
+    """Per service: RSS and open fds right after warm-up and at most later (a restarted
+    service is compared with its own first sample after the restart)."""
+    out: dict[str, Any] = {}
+    names = sorted({n for r in rows for n in r["usage"]})
+    for name in names:
+        seq = [(r["t"], *r["usage"][name]) for r in rows if name in r["usage"] and r["t"] >= warmup]
+        if not seq:
+            continue
+        _, rss0, fd0 = seq[0]
+        rss1, fd1 = max(s[1] for s in seq), max(s[2] for s in seq)
+        out[name] = {"rss_mb": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)], "fds": [fd0, fd1],
+                     "within": rss1 <= rss0 * (1 + tolerance) and fd1 <= max(fd0 * (1 + tolerance), fd0 + 2)}
+    return out
+
+
+def report(samples: list[dict[str, Any]], faults: list[dict[str, Any]],
+           series: list[tuple[float, float | None]], usage_rows: list[dict[str, Any]],
+           warmup: float) -> dict[str, Any]:
+    """The whole result: totals, one row per fault, resources."""
+    per_fault = []
+    for f in faults:
+        if f["began"] is None:
+            continue
+        ended = f["ended"] if f["ended"] is not None else f["began"]
+        during = [s for s in samples if f["began"] <= s["t"] <= ended + DEADLINE]
+        per_fault.append({**f, **recovery(series, f["began"], ended),
+                          "requests": len(during), "wrong": sum(s["wrong"] for s in during),
+                          "failed": sum(bool(s["failed"]) for s in during)})
+    ttfts = sorted(s["ttft"] for s in samples if s.get("ttft") is not None)
+    return {
+        "requests": len(samples), "wrong": sum(s["wrong"] for s in samples),
+        "failed": sum(bool(s["failed"]) for s in samples),
+        "failures": sorted({s["failed"][:160] for s in samples if s["failed"]})[:20],
+        "ttft_p50": ttfts[len(ttfts) // 2] if ttfts else None,
+        "ttft_p99": ttfts[int(len(ttfts) * 0.99)] if ttfts else None,
+        "faults": per_fault, "resources": resources(usage_rows, warmup),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The per-fault table (markdown)."""
+    lines = ["| fault | began s | lasted s | pre hit | low | recovery s | ≤30 s | requests | wrong | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for f in result["faults"]:
+        lasted = None if f["ended"] is None else round(f["ended"] - f["began"], 1)
+        lines.append(f"| {f['kind']} | {f['began']:.0f} | {lasted} | {f['pre']} | {f['low']} | "
+                     f"{f['recovery_s']} | {f['met']} | {f['requests']} | {f['wrong']} | {f['failed']} |")
+    return "\n".join(lines)
+
+
+def write(result: dict[str, Any], samples: list[dict[str, Any]], series: list[tuple[float, float | None]],
+          out: Path) -> None:
+    """``out``.json (result + raw samples) and ``out``.png (hit rate, latency, faults shaded)."""
+    out.with_suffix(".json").write_text(json.dumps({**result, "series": series, "samples": samples}))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - the PNG is optional
+        return
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
+    ax1.plot([t for t, _ in series], [r if r is not None else float("nan") for _, r in series], lw=1)
+    ax1.set_ylabel("pool hit rate")
+    ax1.set_ylim(-0.05, 1.05)
+    key = "ttft" if any(s.get("ttft") for s in samples) else "seconds"
+    bins: dict[int, list[float]] = {}
+    for s in samples:
+        if s.get(key) is not None and not s["failed"]:
+            bins.setdefault(int(s["t"] // 10), []).append(s[key])
+    xs = sorted(bins)
+    for q, label in ((0.5, "p50"), (0.99, "p99")):
+        ax2.plot([10 * x + 5 for x in xs], [sorted(bins[x])[int(q * (len(bins[x]) - 1))] for x in xs],
+                 label=f"{key} {label}")
+    ax2.set_ylabel("seconds")
+    ax2.set_yscale("log")
+    ax2.legend()
+    ax2.set_xlabel("seconds since the load started")
+    for f in result["faults"]:
+        end = f["ended"] if f["ended"] is not None else f["began"]
+        for ax in (ax1, ax2):
+            ax.axvspan(f["began"], max(end, f["began"] + 0.5), color="red", alpha=0.15)
+        ax1.text(f["began"], 1.0, f["kind"], rotation=90, fontsize=7, va="top")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=90)
+    plt.close(fig)
