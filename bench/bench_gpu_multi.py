@@ -72,7 +72,10 @@ def connector(mode: str, role: str, prefix: str, *, example_dir: Path | None = N
         return None
     if mode == "p2p":
         return p2p
-    if mode == "store" or role == "kv_both":
+    if role == "kv_both":  # the third instance: claim every hit (auto may decline a short one)
+        ours["kv_connector_extra_config"]["load_policy"] = "always"
+        return ours
+    if mode == "store":
         return ours
     first = p2p if mode == "p2p_store" else {
         "kv_connector": "ExampleConnector", "kv_role": role,
