@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -55,6 +56,8 @@ CPU_MODES = ("single", "store", "multi_store")
 #: the seed's bootstrap ports (prefill, decode)
 BOOTSTRAP = (50052, 50053)
 HITS = "vllm:external_prefix_cache_hits_total"
+#: the warm-up prompt of every instance (its full blocks count in the pool's hits too)
+WARMUP = [7] * 40
 OURS = {"loaded": "vllm:mooncake_vllm_loaded_blocks_total", "saved": "vllm:mooncake_vllm_saved_blocks_total"}
 
 
@@ -69,7 +72,10 @@ def connector(mode: str, role: str, prefix: str, *, example_dir: Path | None = N
         return None
     if mode == "p2p":
         return p2p
-    if mode == "store" or role == "kv_both":
+    if role == "kv_both":  # the third instance: claim every hit (auto may decline a short one)
+        ours["kv_connector_extra_config"]["load_policy"] = "always"
+        return ours
+    if mode == "store":
         return ours
     first = p2p if mode == "p2p_store" else {
         "kv_connector": "ExampleConnector", "kv_role": role,
@@ -181,16 +187,17 @@ def metric(url: str, name: str) -> float | None:
 
 
 def _pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (p50 of two samples is the lower one)."""
     if not values:
         return None
     ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 5)
+    return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 5)
 
 
 def serve_prompts(url: str, model: str, prompts: dict[int, list[list[int]]], max_tokens: int
                   ) -> tuple[dict[str, Any], dict[str, list[int]]]:
     """Every prompt once, one after the other: per length TTFT and ITL, and each answer."""
-    stream(url, model, [7] * 40, 2)  # warm-up: a prompt no later one shares a block with
+    stream(url, model, WARMUP, 2)  # a prompt no later one shares a block with
     per_len: dict[str, Any] = {}
     answers: dict[str, list[int]] = {}
     for n, group in prompts.items():
@@ -245,7 +252,8 @@ def run_mode(mode: str, fleet: Fleet, prompts: dict[int, list[list[int]]], args:
         _, third_answers = serve_prompts(third.url, model, prompts, args.max_tokens)
         res["third"] = {"equal_to_single": None if reference is None else third_answers == reference,
                         **counters({"third": third})}
-        full = sum((len(ids) - 1) // args.block * args.block for g in prompts.values() for ids in g)
+        full = sum((len(ids) - 1) // args.block * args.block
+                   for ids in [WARMUP, *(ids for g in prompts.values() for ids in g)])
         res["third"]["full_block_tokens"] = full
     return res
 
