@@ -48,28 +48,34 @@ def _documents(n: int, vocab: int, seed: int = 27) -> list[list[int]]:
     import random
 
     rng = random.Random(seed)
-    return [[rng.randrange(10, vocab - 1) for _ in range(rng.randrange(1024, 2048))] for _ in range(n)]
+    # 1-2k tokens, leaving room for the question and the answer in --max-model-len 2048
+    return [[rng.randrange(10, vocab - 1) for _ in range(rng.randrange(1024, 1984))] for _ in range(n)]
 
 
-def _vllm_fleet(fleet: Fleet, model: Path) -> tuple[dict[str, str], str]:
-    """Reference, v1, v2 (kv_both), p (producer), d (consumer), two proxies; started in parallel."""
+def _vllm_fleet(fleet: Fleet, model: Path, pd: bool = True) -> tuple[dict[str, str], str]:
+    """Reference, v1, v2 (kv_both), p (producer), d (consumer), two proxies; started in parallel
+    (``pd`` False: no 1P1D pair)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    roles = {"ref": None, "v1": "kv_both", "v2": "kv_both", "p": "kv_producer", "d": "kv_consumer"}
+    roles = {"ref": None, "v1": "kv_both", "v2": "kv_both"}
+    if pd:
+        roles.update(p="kv_producer", d="kv_consumer")
     with ThreadPoolExecutor(len(roles)) as pool:
         for fut in [pool.submit(fleet.start, name, model=model, role=role) for name, role in roles.items()]:
             fut.result()
     name = model.name
     fleet.start_proxy("proxy", name, "kv_both", [], ["v1", "v2"])
-    fleet.start_proxy("proxy_pd", name, "store", ["p"], ["d"])
-    return ({"kv_both": str(fleet.procs["proxy"].url), "1p1d": str(fleet.procs["proxy_pd"].url)},
-            str(fleet.procs["ref"].url))
+    targets = {"kv_both": str(fleet.procs["proxy"].url)}
+    if pd:
+        fleet.start_proxy("proxy_pd", name, "store", ["p"], ["d"])
+        targets["1p1d"] = str(fleet.procs["proxy_pd"].url)
+    return targets, str(fleet.procs["ref"].url)
 
 
 def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat: int = 1,
         store_only: bool = True, loopback: bool = False, warmup: float = 20.0,
         model: Path | None = None, holders: int = 2, segment_size: int = 32 << 20,
-        client_ttl: int = 5) -> dict[str, Any]:
+        client_ttl: int = 5, pd: bool = True) -> dict[str, Any]:
     """One soak; returns the report (also printed/written by :func:`main`)."""
     why = "--loopback" if loopback else namespaces_available()
     net = None if why else Net().up()
@@ -88,13 +94,13 @@ def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat
             load: Any = StoreLoad(str(fleet.config_path), clients, seconds, flooding=lambda: fleet.flooding)
             metrics: dict[str, str] = {}
         else:
-            from mooncake_vllm.demo.tiny_model import VOCAB_SIZE, build_tiny_model
+            from mooncake_vllm.demo.tiny_model import VOCAB_SIZE, cached_tiny_model
 
-            model = model or build_tiny_model(workdir / "model")
-            targets, ref = _vllm_fleet(fleet, model)
+            model = model or cached_tiny_model()
+            targets, ref = _vllm_fleet(fleet, model, pd)
             load = HttpLoad(targets, ref, model.name, clients, seconds, vocab=VOCAB_SIZE,
                             documents=_documents(16, VOCAB_SIZE), flooding=lambda: fleet.flooding)
-            metrics = {n: str(fleet.procs[n].url) for n in ("v1", "v2", "p", "d")}
+            metrics = {n: str(fleet.procs[n].url) for n in ("v1", "v2", "p", "d") if n in fleet.procs}
         sampler = Sampler(lambda: {n: u for n, u in metrics.items() if fleet.procs[n].alive()},
                           fleet.usage)
         t0 = time.monotonic()
@@ -105,7 +111,8 @@ def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat
         runner.join(60)
         sampler.stop.set()
         series = (hit_series(samples, seconds) if store_only else metrics_hit_series(sampler.rows))
-        result = report(samples, [f.row() for f in faults], series, sampler.rows, warmup)
+        holders_rss = {f"h{i}": segment_size for i in range(1, holders + 1)}  # touched lazily
+        result = report(samples, [f.row() for f in faults], series, sampler.rows, warmup, holders_rss)
         result.update(hosts="namespaces" if net else f"loopback ({why})", seconds=seconds,
                       clients=clients, store_only=store_only, sampler=sampler.rows,
                       samples=samples, series=series)
@@ -130,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-only", action="store_true", help="pool clients only, no vLLM")
     p.add_argument("--loopback", action="store_true", help="no namespaces: every service on 127.0.0.1")
     p.add_argument("--model", type=Path, default=None, help="model dir (default: the tiny random Llama)")
+    p.add_argument("--no-pd", action="store_true", help="no 1P1D pair (two kv_both instances only)")
     p.add_argument("--out", type=Path, default=Path("bench-results/soak"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mvsoak-") as tmp:
         result = run(Path(tmp), seconds=args.minutes * 60, clients=args.clients, kinds=kinds,
                      repeat=args.repeat, store_only=args.store_only, loopback=args.loopback,
-                     warmup=args.warmup, model=args.model)
+                     warmup=args.warmup, model=args.model, pd=not args.no_pd)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     samples = result.pop("samples", None) or []
     write(result, samples, result.get("series", []), args.out)

@@ -182,9 +182,9 @@ class Fleet:
             old.stop(grace=5.0)
         return self.start(name)
 
-    def usage(self) -> dict[str, tuple[int, int]]:
-        """(RSS, fds) of every live service, by role."""
-        return {name: process_usage(p.pid) for name, p in self.procs.items() if p.alive()}
+    def usage(self) -> dict[str, tuple[int, int, int]]:
+        """(RSS, fds, pid) of every live service, by role (the pid tells restarts apart)."""
+        return {name: (*process_usage(p.pid), p.pid) for name, p in self.procs.items() if p.alive()}
 
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):

@@ -3,7 +3,9 @@
 * :class:`StoreLoad` — clients of the pool itself (our ``StoreClient``, as a vLLM worker
   uses it): each request is a shared document of ``doc_blocks`` blocks plus one unique
   block; it looks up, loads the hit, checks every loaded block byte for byte against the
-  reference bytes of its key, "recomputes" the rest and saves it. The CI soak uses it.
+  reference bytes of its key and "recomputes" the rest; its saves go to the client's save
+  thread (its own ``StoreClient``, a bounded queue: full = dropped, as vLLM's worker
+  does), never in the request's path. The CI soak uses it.
 * :class:`HttpLoad` — clients of vLLM through the proxies: a prompt is one of the shared
   documents (token ids) plus a unique question, greedy, ``max_tokens`` tokens, streamed
   (TTFT); the reference answer of the same prompt comes from the no-connector instance.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import random
 import re
 import threading
@@ -93,6 +96,7 @@ class StoreLoad(_Loop):
         self.docs, self.doc_blocks = docs, doc_blocks
         self.flooding = flooding
         self._unique = 0
+        self.dropped_saves = 0
 
     def run_load(self, t0: float) -> list[Sample]:
         from mooncake_vllm.config import load_store_config
@@ -101,16 +105,39 @@ class StoreLoad(_Loop):
         from mooncake_vllm.store import StoreClient
 
         n = self.doc_blocks + 1
-        states = []
-        for _ in range(self.clients):
-            client = StoreClient.connect(load_store_config(self.config_path), timeout=10)
+        states, savers = [], []
+
+        def open_client() -> tuple[Any, list[np.ndarray], Any]:
+            client = StoreClient.connect(load_store_config(self.config_path))  # time boxes as vLLM's
             kv = [np.zeros((n, 2, 16, 64), dtype=np.float32) for _ in range(2)]
             layout = BlockLayout.from_kv_caches(kv)
             client.register_layout(layout)
-            states.append((client, kv, layout, KeyNamespace("soak", "float32", layout.fingerprint, 16)))
+            return client, kv, layout
+
+        def save_loop(todo: queue.Queue[list[str] | None], client: Any, kv: list[np.ndarray],
+                      layout: Any) -> None:
+            while (keys := todo.get()) is not None:
+                for j, key in enumerate(keys):  # what the recompute wrote, from the key alone
+                    ref = reference_block(key, kv[0].shape[1:])
+                    for layer in kv:
+                        layer[j] = ref
+                try:
+                    client.put_blocks(keys, layout, list(range(len(keys))))
+                except Exception:  # noqa: BLE001 - a failed save is a later miss, not an error
+                    pass
+
+        for _ in range(self.clients):
+            client, kv, layout = open_client()
+            ns = KeyNamespace("soak", "float32", layout.fingerprint, 16)
+            todo: queue.Queue[list[str] | None] = queue.Queue(maxsize=8)
+            own = open_client()
+            saver = threading.Thread(target=save_loop, args=(todo, *own), daemon=True)
+            saver.start()
+            savers.append((todo, saver, own[0]))
+            states.append((client, kv, layout, ns, todo))
 
         def one(i: int, rng: random.Random, t0: float) -> Sample:
-            client, kv, layout, ns = states[i]
+            client, kv, layout, ns, todo = states[i]
             with self._lock:
                 self._unique += 1
                 unique = self._unique
@@ -136,7 +163,10 @@ class StoreLoad(_Loop):
                     for layer in kv:
                         layer[j] = ref
                 if served < n:
-                    client.put_blocks(keys[served:], layout, list(range(served, n)))
+                    try:
+                        todo.put_nowait(keys[served:])
+                    except queue.Full:
+                        self.dropped_saves += 1
                 s.hit = min(served, self.doc_blocks)
                 if flood:
                     s.possible = 0  # a unique document: nothing the pool could have had
@@ -148,6 +178,10 @@ class StoreLoad(_Loop):
         try:
             return self.run(t0, one)
         finally:
+            for todo, saver, saving in savers:
+                todo.put(None)
+                saver.join(30)
+                saving.close()
             for client, *_ in states:
                 client.close()
 
@@ -226,7 +260,7 @@ class Sampler:
     """Every ``interval`` s: ``metrics`` (name -> URL) scraped and ``usage()`` recorded."""
 
     metrics: Callable[[], dict[str, str]]
-    usage: Callable[[], dict[str, tuple[int, int]]]
+    usage: Callable[[], dict[str, tuple[int, int, int]]]
     interval: float = 2.0
     rows: list[dict[str, Any]] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)

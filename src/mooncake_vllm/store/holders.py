@@ -75,12 +75,19 @@ class HolderGuard:
         return None
 
     def _answers(self, key: str) -> bool:
-        """A small real read from the holder of ``key`` within the probe timeout."""
+        """A small real read from the holder of ``key`` within the probe timeout (an empty
+        read counts only while the master still lists the key: gone, it proves nothing)."""
         try:
             got = self.box.run(self.probe_timeout, self._t.store.get, key)
         except (CallTimedOut, CallRejected):
             return False
-        return not isinstance(got, BaseException)
+        if isinstance(got, BaseException):
+            return False
+        if got:
+            return True
+        listed = self._t.run(self._t.control, self.probe_timeout, self._t.store.is_exist, key,
+                             breaker=False)
+        return not (isinstance(listed, int) and listed == 1)
 
     def stalled(self, keys: Sequence[str]) -> bool:
         """A load of ``keys`` passed its deadline. True when the master answers (then it was

@@ -86,13 +86,7 @@ def _put_round(transport: Transport, paths: LayoutPaths, ticket: SaveTicket,
         except CallTimedOut as exc:
             ticket.abandoned = True
             transport.stats.add("saves_abandoned", sum(len(p.keep) for p in puts[i:]))
-            # the master answers: a holder hangs, not the pool; hold saves back a while
-            # (the master may place the next put there too) instead of opening the breaker
-            pool_away = not transport.holders.master_answers()
-            if not pool_away:
-                transport.stats.add("saves_held_back")
-                transport.full_until = time.monotonic() + transport.holders.cooldown
-            transport.timed_out(exc, late, breaker=pool_away)
+            transport.timed_out(exc, late, breaker=_pool_away(transport))
             for rest in puts[i:]:
                 if rest.late is not None:
                     rest.late.timed_out()
@@ -111,6 +105,17 @@ def _put_round(transport: Transport, paths: LayoutPaths, ticket: SaveTicket,
         transport.stats.add("bytes_put", len(good) * paths.layout.block_nbytes)
         stored += len(good)
     return stored
+
+
+def _pool_away(transport: Transport) -> bool:
+    """A put hung: is the pool away (the master does not answer either: open the breaker)?
+    Else one holder hangs, not the pool: saves are held back a while (the master may place
+    the next put on it too) and the breaker stays closed."""
+    if not transport.holders.master_answers():
+        return True
+    transport.stats.add("saves_held_back")
+    transport.full_until = time.monotonic() + transport.holders.cooldown
+    return False
 
 
 def _framed_put(transport: Transport, store: Any, paths: LayoutPaths, ticket: SaveTicket,
@@ -173,7 +178,7 @@ def _submit(transport: Transport, paths: LayoutPaths, ticket: SaveTicket, lane: 
     except CallRejected as exc:
         if header_runs:
             paths.header_pool.release(header_runs)
-        transport.rejected(exc)
+        transport.rejected(exc, breaker=_pool_away(transport))  # its worker hangs on a put
         return None
     return _Put(keep, fut, lane, header_runs, own_late)
 
