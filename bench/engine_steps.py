@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineProcess", "Req", "closed_loop_stats", "interference", "itl_stats",
+__all__ = ["EngineProcess", "HookTimer", "Req", "closed_loop_stats", "interference", "itl_stats",
            "other_build_env", "pct", "serve"]
 
 
@@ -40,11 +40,12 @@ class Req:
 
 
 def serve(engine: Any, reqs: list[Req], clients: int = 1, inject: tuple[int, Req] | None = None,
-          detokenize: bool = True) -> None:
+          detokenize: bool = True, steps: list[float] | None = None) -> None:
     """Closed loop: ``clients`` clients, each sending its next request once its last one ended.
 
     ``inject=(n, req)`` adds ``req`` (outside the loop) once ``reqs[0]`` has ``n`` tokens;
-    ``detokenize=False`` for engines built with ``skip_tokenizer_init``.
+    ``detokenize=False`` for engines built with ``skip_tokenizer_init``; ``steps`` gets
+    every ``engine.step()``'s seconds.
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -61,8 +62,11 @@ def serve(engine: Any, reqs: list[Req], clients: int = 1, inject: tuple[int, Req
     while todo and len(live) < clients:
         add(todo.pop(0))
     while live:
+        t_step = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        if steps is not None:
+            steps.append(now - t_step)
         for out in outputs:
             r = live.get(out.request_id)
             if r is None:
@@ -78,6 +82,49 @@ def serve(engine: Any, reqs: list[Req], clients: int = 1, inject: tuple[int, Req
                     add(todo.pop(0))
         if inject and not inject[1].t_add and len(reqs[0].tokens) >= inject[0]:
             add(inject[1])
+
+
+class HookTimer:
+    """Wall time spent inside a connector class's hooks (both roles of an in-process engine).
+
+    ``install(cls)`` wraps every hook vLLM calls per step; ``take()`` returns and resets
+    ``{hook: [calls, seconds]}``: the connector's own per-step cost, beside the step times."""
+
+    HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+             "request_finished", "update_connector_output", "take_events", "get_kv_connector_stats",
+             "bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
+             "get_block_ids_with_load_errors", "get_kv_connector_kv_cache_events",
+             "handle_preemptions", "clear_connector_metadata")
+
+    def __init__(self) -> None:
+        self.totals: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+
+    def install(self, cls: type) -> None:
+        for name in self.HOOKS:
+            fn = cls.__dict__.get(name) or getattr(cls, name, None)
+            if fn is None or getattr(fn, "_hook_timed", False):
+                continue
+            setattr(cls, name, self._wrap(name, fn))
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                with self._lock:
+                    row = self.totals.setdefault(name, [0, 0.0])
+                    row[0] += 1
+                    row[1] += dt
+        timed._hook_timed = True  # type: ignore[attr-defined]
+        return timed
+
+    def take(self) -> dict[str, list[float]]:
+        with self._lock:
+            out, self.totals = self.totals, {}
+        return out
 
 
 def other_build_env(site: str) -> dict[str, str]:

@@ -59,18 +59,48 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
 
 def _serving_columns(row: dict[str, Any], run: dict[str, Any]) -> None:
     """Mixed serving and miss TTFT (ms, medians over each length's prompts)."""
-    mixed, misses = run.get("mixed"), run.get("misses")
-    if mixed and "error" not in mixed:
-        row["mixed"] = {"throughput_tok_s": mixed["throughput_tok_s"],
-                        "ttft_p50_ms": mixed["ttft_p50_s"] * 1e3,
-                        "ttft_p99_ms": mixed["ttft_p99_s"] * 1e3,
-                        "itl_p99_ms": mixed["itl_p99_s"] * 1e3}
+    reps = [m for m in run.get("mixed_reps", [run.get("mixed")]) if m and "error" not in m]
+    misses = run.get("misses")
+    if reps:
+        row["mixed"] = _mixed_row(reps)
     if misses and "error" not in misses:
         row["miss_ttft_ms"] = {n: statistics.median(m["ttft_s"]) * 1e3
-                               for n, m in misses.items() if n != "connector"}
+                               for n, m in misses.items() if n.isdigit()}  # lengths, not "connector"/"advisor"
         counters = misses.get("connector") or {}
         row["copy_fences"] = [counters.get("worker_copy_fences"),
                               counters.get("worker_copy_fences_waited")]
+
+
+def _mixed_row(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mixed serving over its reps: throughput pooled (all tokens / all wall time), latency
+    percentiles the median of the reps', and the connector hooks' share of the engine steps."""
+    wall = sum(m["wall_s"] for m in reps)
+    row: dict[str, Any] = {
+        "throughput_tok_s": sum(m["throughput_tok_s"] * m["wall_s"] for m in reps) / wall,
+        "ttft_p50_ms": statistics.median(m["ttft_p50_s"] for m in reps) * 1e3,
+        "ttft_p99_ms": statistics.median(m["ttft_p99_s"] for m in reps) * 1e3,
+        "itl_p99_ms": statistics.median(m["itl_p99_s"] for m in reps) * 1e3,
+        "reps": len(reps), "throughput_per_rep": [round(m["throughput_tok_s"], 1) for m in reps]}
+    delta: dict[str, int] = {}
+    for m in reps:
+        for name, value in (m.get("connector_delta") or {}).items():
+            delta[name] = delta.get(name, 0) + value
+    if delta:
+        row["connector_delta"] = delta
+    steps = [m["steps"] for m in reps if m.get("steps")]
+    if steps:
+        n, total = sum(s["n"] for s in steps), sum(s["sum_s"] for s in steps)
+        row["step_ms_mean"] = total / max(1, n) * 1e3
+        row["step_ms_p99"] = statistics.median(s["p99_s"] for s in steps if s["p99_s"]) * 1e3
+        hooks: dict[str, float] = {}
+        for m in reps:
+            for name, (_, seconds) in (m.get("hooks") or {}).items():
+                hooks[name] = hooks.get(name, 0.0) + seconds
+        if hooks:
+            row["hook_ms_per_step"] = sum(hooks.values()) / max(1, n) * 1e3
+            row["hook_ms_per_step_top"] = {k: round(v / max(1, n) * 1e3, 3) for k, v in
+                                           sorted(hooks.items(), key=lambda kv: -kv[1])[:5]}
+    return row
 
 
 def _pool_ratios(table: dict[str, Any]) -> None:

@@ -27,8 +27,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
                       if k.startswith("hit") and k.endswith("_ttft_ms")}, key=int)
     width = 0.8 / max(1, len(modes))
     for i, mode in enumerate(modes):
-        ys = [sum(table[mode][f"hit{n}_ttft_ms"]) / len(table[mode][f"hit{n}_ttft_ms"])
-              for n in lengths]
+        ys = [sum(v) / len(v) if (v := table[mode].get(f"hit{n}_ttft_ms")) else 0.0
+              for n in lengths]  # 0: not measured in this mode (in-tree stops at 16k)
         ax1.bar([j + i * width for j in range(len(lengths))], ys, width,
                 label=mode if mode != "none" else "none (recompute)")
     ax1.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(lengths))], lengths)

@@ -151,3 +151,28 @@ def test_accepted_and_ignored_keys_are_documented_and_none_is_isolation() -> Non
     assert "tenant_id" not in IGNORED_KEYS
     with pytest.raises(ConfigError, match="tenant_id"):  # a near miss is not silently ignored
         load_store_config({**_MIN, "tenant": "a"})
+
+
+def test_the_disk_tier_keys_are_honoured_or_refused_naming_the_field_and_the_fix() -> None:
+    assert not load_store_config(_MIN).ssd_offload
+    for switch in ("enable_ssd_offload", "enable_offload"):  # Mooncake's spelling and vLLM's
+        assert load_store_config({**_MIN, "global_segment_size": "0", switch: True}).ssd_offload
+    assert load_store_config({**_MIN, "global_segment_size": "0", "enable_offload": "false"}).ssd_offload is False
+    holder = load_store_config({**_MIN, "global_segment_size": "1GB", "enable_ssd_offload": True,
+                                "ssd_offload_path": "/mnt/nvme/mc"})
+    assert holder.ssd_offload and holder.ssd_offload_path == "/mnt/nvme/mc"
+    embedded = {**_MIN, "global_segment_size": "1GB", "enable_offload": True}  # vLLM's embedded mode
+    assert load_store_config(embedded, env={"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": "/d"}).ssd_offload_path == "/d"
+    refused = [
+        ({"global_segment_size": "0", "enable_ssd_offload": True, "ssd_offload_path": "/d"}, "mooncake-vllm up --ssd"),
+        ({"global_segment_size": "1GB", "enable_ssd_offload": True}, "ssd_offload_path"),
+        ({"global_segment_size": "1GB", "ssd_offload_path": "/d"}, "enable_ssd_offload\": true"),
+        ({"global_segment_size": "1GB", "enable_ssd_offload": True, "ssd_offload_path": "rel"}, "absolute"),
+        ({"enable_ssd_offload": "yes"}, "true or false"),
+        ({"enable_ssd_offload": True, "enable_offload": False, "global_segment_size": "0"}, "keep one"),
+    ]
+    for extra, fix in refused:
+        with pytest.raises(ConfigError) as info:
+            load_store_config({**_MIN, **extra})
+        assert fix in str(info.value), (extra, str(info.value))
+        assert set(info.value.fields) & {"ssd_offload_path", "enable_ssd_offload", "enable_offload"}

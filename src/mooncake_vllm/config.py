@@ -29,10 +29,12 @@ __all__ = [
     "CONFIG_ENV",
     "EXAMPLE_CONFIG",
     "IGNORED_KEYS",
+    "TIER_SWITCHES",
     "StoreConfig",
     "load_store_config",
     "metadata_scheme",
     "parse_size",
+    "read_config_data",
 ]
 
 CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
@@ -61,15 +63,15 @@ IGNORED_KEYS: dict[str, str] = {
     "metadata_backend": "LMCache's backend name; metadata_server alone decides it here",
     "prefill_url": "the P2P demo's proxy wiring; `mooncake-vllm proxy` takes it on its command line",
     "decode_url": "the P2P demo's proxy wiring; `mooncake-vllm proxy` takes it on its command line",
-    "enable_offload": "Mooncake's local-SSD offload switch; capacity only, the pool works without it",
-    "enable_ssd_offload": "Mooncake's local-SSD offload switch; capacity only, the pool works without it",
-    "ssd_offload_path": "Mooncake's local-SSD offload directory; unused without SSD offload",
     "enable_client_http_server": "Mooncake client's own metrics HTTP server; not started here",
     "client_http_port": "Mooncake client's own metrics HTTP server; not started here",
 }
+#: the disk-tier switches: Mooncake's own ``setup`` spelling and vLLM's in-tree one (same meaning)
+TIER_SWITCHES = ("enable_ssd_offload", "enable_offload")
 _KNOWN_KEYS = {
     "local_hostname", "metadata_server", "master_server_address", "global_segment_size",
-    "local_buffer_size", "protocol", "device_name", "tenant_id", *IGNORED_KEYS,
+    "local_buffer_size", "protocol", "device_name", "tenant_id", "ssd_offload_path", *TIER_SWITCHES,
+    *IGNORED_KEYS,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -91,6 +93,11 @@ class StoreConfig:
     source: str = "dict"
     #: joins the block key namespace: two tenants never read each other's blocks
     tenant_id: str = ""
+    #: the pool has a disk tier behind its DRAM (``enable_ssd_offload`` / ``enable_offload``):
+    #: a pure client retries puts that find DRAM full of values not yet on disk; a process
+    #: holding memory (``global_segment_size`` > 0) offloads its segment to ``ssd_offload_path``
+    ssd_offload: bool = False
+    ssd_offload_path: str = ""
 
     @property
     def metadata_scheme(self) -> str:
@@ -175,6 +182,13 @@ def _read_source(
             f"write a JSON object like:\n{EXAMPLE_CONFIG}",
         )])
     return data, label
+
+
+def read_config_data(source: str | os.PathLike[str] | Mapping[str, Any] | None = None, *,
+                     env: Mapping[str, str] | None = None) -> tuple[Mapping[str, Any], str]:
+    """The raw mapping of a config (``None``: ``$MOONCAKE_CONFIG_PATH``) and its label, unvalidated
+    (a holder takes some of its keys and sets its own sizes); :class:`ConfigError` if unreadable."""
+    return _read_source(source, os.environ if env is None else env)
 
 
 def _etcd_ok(url: str) -> bool:
@@ -263,10 +277,71 @@ def load_store_config(
         problems.append(ConfigProblem(
             "local_buffer_size", "is 0, so every put fails",
             'give the staging buffer some room, e.g. "local_buffer_size": "512MB"'))
+    ssd, ssd_path = _tier(data, segment, problems, env)
     if problems:
         raise ConfigError(label, problems)
     return StoreConfig(
         local_hostname=hostname, metadata_server=metadata, master_server_address=master,
         global_segment_size=segment or 0, local_buffer_size=buffer or 0, protocol=protocol,
-        device_name=device, source=label, tenant_id=tenant,
+        device_name=device, source=label, tenant_id=tenant, ssd_offload=ssd, ssd_offload_path=ssd_path,
     )
+
+
+def _flag(value: Any) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in {"true", "false", "1", "0"}:
+        return value.strip().lower() in {"true", "1"}
+    return None
+
+
+#: Mooncake's own spelling of the offload directory (``setup``'s ``ssd_offload_path`` wins over it)
+OFFLOAD_PATH_ENV = "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"
+
+
+def _tier(data: Mapping[str, Any], segment: int | None, problems: list[ConfigProblem],
+          env: Mapping[str, str]) -> tuple[bool, str]:
+    """``enable_ssd_offload`` / ``enable_offload`` and ``ssd_offload_path``: honoured where they
+    mean something for this process, refused (with the fix) where they cannot work."""
+    switches = {}
+    for name in TIER_SWITCHES:
+        if name in data:
+            switches[name] = _flag(data[name])
+            if switches[name] is None:
+                problems.append(ConfigProblem(name, f"must be true or false, found {data[name]!r}",
+                                              f'write "{name}": true (the pool has a disk tier) or false'))
+    known = {v for v in switches.values() if v is not None}
+    if len(known) > 1:
+        problems.append(ConfigProblem("enable_offload", "contradicts enable_ssd_offload (both name the disk tier)",
+                                      "keep one of them"))
+    ssd = True in known
+    path = data.get("ssd_offload_path", "")
+    if not isinstance(path, str):
+        problems.append(ConfigProblem("ssd_offload_path", f"must be a string, found {type(path).__name__}",
+                                      'write "ssd_offload_path": "/abs/dir"'))
+        return ssd, ""
+    path = path.strip()
+    holds = bool(segment)
+    if ssd and holds and not path:
+        path = env.get(OFFLOAD_PATH_ENV, "").strip()  # where vLLM's in-tree connector leaves it
+    if path and not ssd:
+        problems.append(ConfigProblem(
+            "ssd_offload_path", "is set but the disk tier is off, so nothing would be written there",
+            'add "enable_ssd_offload": true, or remove ssd_offload_path'))
+    elif path and not holds:
+        problems.append(ConfigProblem(
+            "ssd_offload_path", "is set in a pure client (global_segment_size 0): it holds no pool memory, "
+            "so nothing is offloaded from it (Mooncake offloads a value to the disk of the process holding it)",
+            "give the directory to the holder (`mooncake-vllm up --ssd DIR`, `mooncake-vllm holder --ssd DIR`, "
+            "or mooncake_client --enable_offload with MOONCAKE_OFFLOAD_FILE_STORAGE_PATH=DIR) and keep "
+            '"enable_ssd_offload": true here (docs/ssd-tier.md)'))
+    elif path and not os.path.isabs(path):
+        problems.append(ConfigProblem("ssd_offload_path", f"must be an absolute directory, found {path!r}",
+                                      'write e.g. "ssd_offload_path": "/mnt/nvme/mooncake"'))
+    elif ssd and holds and not path:
+        problems.append(ConfigProblem(
+            "ssd_offload_path", "is missing: this process holds pool memory (global_segment_size > 0) and "
+            "enable_ssd_offload asks it to offload that memory to disk",
+            f'add "ssd_offload_path": "/abs/dir" (a local disk with room; or export {OFFLOAD_PATH_ENV}), or set '
+            '"global_segment_size": "0" and let a holder keep the tier'))
+    return ssd, path

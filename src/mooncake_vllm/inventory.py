@@ -7,7 +7,10 @@ Source: ``mooncake_master``'s HTTP (metrics) port, verified on 0.3.13.post1:
   values and a bounded sample of keys; the listing is cut at ``max_keys``.
 * ``GET /batch_query_keys?keys=k1,k2``: each key's replicas and their sizes; asked
   for at most ``size_sample`` keys per namespace (all of them when the namespace is
-  smaller: exact bytes, else an estimate from the sample, marked so).
+  smaller: exact bytes, else an estimate from the sample, marked so). A key's replicas
+  say where it is: DRAM (``values``) and/or the disk tier (``local_disk_values``).
+* ``GET /metrics``: the tiers of the whole pool (:func:`pool_tiers`): DRAM and disk bytes
+  used and their capacity, values evicted from DRAM, and reads the disk answered.
 
 No value is ever read. The master exposes no per-key time, so there is no age per
 key. Which namespace a digest is comes from the registry keys instances write at
@@ -34,6 +37,7 @@ __all__ = [
     "PoolInventory",
     "Split",
     "engine_fields",
+    "pool_tiers",
     "scan_pool",
     "splits",
 ]
@@ -56,6 +60,9 @@ class NamespaceEntry:
     keys: int = 0  #: values stored under it (blocks, V0 tails)
     bytes: int | None = None  #: value bytes (one replica each); None = not measured
     bytes_estimated: bool = False
+    #: values with a DRAM replica / a disk-tier replica (estimated like ``bytes``); None = not measured
+    in_dram: int | None = None
+    on_disk: int | None = None
     sample: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
@@ -63,7 +70,8 @@ class NamespaceEntry:
         return {"digest": self.digest, "registered": ns is not None,
                 "describe": ns.describe() if ns else None,
                 "fields": asdict(ns) if ns else None, "keys": self.keys, "bytes": self.bytes,
-                "bytes_estimated": self.bytes_estimated, "age_s": None}
+                "bytes_estimated": self.bytes_estimated, "in_dram": self.in_dram, "on_disk": self.on_disk,
+                "age_s": None}
 
 
 @dataclass
@@ -76,11 +84,14 @@ class PoolInventory:
     other_keys: int = 0  #: keys that are no mooncake-vllm value (other software, probes)
     truncated: bool = False  #: the listing stopped at ``max_keys``
     source: str = "GET /get_all_keys (master HTTP port)"
+    #: the pool's tiers (:func:`pool_tiers`); None = not asked
+    tiers: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {"master_http": self.url, "source": self.source, "listed_keys": self.listed_keys,
                 "other_keys": self.other_keys, "truncated": self.truncated,
                 "age": "not exposed by mooncake_master (no per-key time on its HTTP port)",
+                "tiers": self.tiers,
                 "namespaces": [e.as_dict() for e in self.sorted()]}
 
     def sorted(self) -> list[NamespaceEntry]:
@@ -144,10 +155,61 @@ def scan_pool(url: str, *, timeout: float = 5.0, max_keys: int = 1_000_000,
     if sizes:
         for entry in inv.entries.values():
             _measure(base, entry, timeout)
+        inv.tiers = pool_tiers(base, timeout=timeout)
     return inv
 
 
-def _query_sizes(base: str, keys: Sequence[str], timeout: float) -> list[int]:
+#: what :func:`pool_tiers` reports, from the master's Prometheus series (0.3.13.post1 names)
+_TIER_SERIES = {
+    "dram_used_bytes": "master_allocated_bytes",
+    "dram_capacity_bytes": "master_total_capacity_bytes",
+    "disk_used_bytes": "master_allocated_file_size_bytes",
+    "disk_capacity_bytes": "master_total_file_capacity_bytes",
+    "disk_values": "file_cache_nums_",
+    "disk_reads": "file_cache_hit_nums_",
+    "disk_read_bytes": "file_cache_hit_bytes_total",
+    "dram_evicted_values": "master_evicted_key_count_mem",
+}
+
+
+def pool_tiers(url: str, *, timeout: float = 5.0) -> dict[str, int]:
+    """DRAM and disk-tier use of the pool, from the master's ``GET /metrics``: bytes used and
+    capacity per tier, values on disk, reads the disk answered (``disk_reads``: the master
+    counts them; a client is not told which tier answered its read) and values evicted from
+    DRAM. A series the master does not export is left out (a release without the tier: no
+    disk keys). Raises :class:`StoreUnavailableError`."""
+    base = _base(url)
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=timeout) as resp:  # noqa: S310 - http(s)
+            text = resp.read(16 << 20).decode("utf-8", "replace")
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        raise StoreUnavailableError(f"mooncake_master at {base} did not answer GET /metrics: {exc}") from None
+    series: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _TIER_SERIES.values():
+            try:
+                series[name] = int(float(value.split()[0]))
+            except (ValueError, IndexError):
+                pass
+    return {ours: series[theirs] for ours, theirs in _TIER_SERIES.items() if theirs in series}
+
+
+def _replica(item: object) -> tuple[int, bool, bool] | None:
+    """(size, in DRAM, on disk) of one ``batch_query_keys`` answer; None if absent."""
+    if not isinstance(item, dict) or not item.get("ok"):
+        return None
+    dram = [v for v in item.get("values") or () if isinstance(v, dict) and isinstance(v.get("size_"), int)]
+    disk = [v for v in item.get("local_disk_values") or ()
+            if isinstance(v, dict) and isinstance(v.get("object_size"), int)]
+    if dram:
+        return dram[0]["size_"], True, bool(disk)  # one replica: the value's own size
+    if disk:
+        return disk[0]["object_size"], False, True
+    return None
+
+
+def _query_sizes(base: str, keys: Sequence[str], timeout: float) -> list[tuple[int, bool, bool]]:
     query = urllib.parse.quote(",".join(keys), safe="/,")
     try:
         with urllib.request.urlopen(f"{base}/batch_query_keys?keys={query}", timeout=timeout) as resp:  # noqa: S310
@@ -156,28 +218,28 @@ def _query_sizes(base: str, keys: Sequence[str], timeout: float) -> list[int]:
         raise StoreUnavailableError(f"mooncake_master at {base} did not answer GET /batch_query_keys: "
                                     f"{exc}") from None
     found = data.get("data") if isinstance(data, dict) else None
-    out: list[int] = []
-    for key in keys:
-        item = found.get(key) if isinstance(found, dict) else None
-        values = item.get("values") if isinstance(item, dict) and item.get("ok") else None
-        if values and isinstance(values[0], dict) and isinstance(values[0].get("size_"), int):
-            out.append(values[0]["size_"])  # one replica: the value's own size
-    return out
+    out = [_replica(found.get(key) if isinstance(found, dict) else None) for key in keys]
+    return [r for r in out if r is not None]
 
 
 def _measure(base: str, entry: NamespaceEntry, timeout: float) -> None:
     if not entry.sample:
         entry.bytes = 0
         return
-    sizes: list[int] = []
+    found: list[tuple[int, bool, bool]] = []
     for i in range(0, len(entry.sample), _QUERY_BATCH):
-        sizes += _query_sizes(base, entry.sample[i:i + _QUERY_BATCH], timeout)
-    if not sizes:
+        found += _query_sizes(base, entry.sample[i:i + _QUERY_BATCH], timeout)
+    if not found:
         return  # every sampled key vanished meanwhile: unknown
+    sizes = [s for s, _, _ in found]
+    dram = sum(d for _, d, _ in found)
+    disk = sum(k for _, _, k in found)
     if len(entry.sample) >= entry.keys and len(sizes) == len(entry.sample):
-        entry.bytes = sum(sizes)
+        entry.bytes, entry.in_dram, entry.on_disk = sum(sizes), dram, disk
     else:
-        entry.bytes, entry.bytes_estimated = round(sum(sizes) / len(sizes) * entry.keys), True
+        scale = entry.keys / len(sizes)
+        entry.bytes, entry.bytes_estimated = round(sum(sizes) * scale), True
+        entry.in_dram, entry.on_disk = round(dram * scale), round(disk * scale)
 
 
 def engine_fields(ns: KeyNamespace) -> tuple[tuple[str, object], ...]:

@@ -155,3 +155,28 @@ def test_outputs_never_widen_the_inputs_modes(tmp_path: Path) -> None:
     assert (out / CONFIG_NAME).stat().st_mode & 0o777 == 0o600
     assert (out / SCRIPT_NAME).stat().st_mode & 0o777 == 0o700
     assert (out / f"{CONFIG_NAME}.bak").stat().st_mode & 0o777 == 0o600 and len(notes) == 2
+
+
+def test_seed_v1_p2p_half_gets_tcp_without_an_rdma_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MCV-E105's fix: the P2P child's own Transfer Engine on TCP; a plain store instance beside
+    the pairs keys by their HND layout (MCV-W031)."""
+    from mooncake_vllm.checker import probe
+
+    monkeypatch.setattr(probe, "IB_SYSFS", str(tmp_path / "none"))
+    ctx = _ctx(DATA / "seed_v1", vllm="0.24.0")
+    write_migration(ctx, tmp_path / "out")
+    script = (tmp_path / "out" / SCRIPT_NAME).read_text()
+    pairs = [i for i in _instances(script) if i.kv_config["kv_connector"] == "MultiConnector"]
+    assert len(pairs) == 2
+    for launch in pairs:
+        p2p = launch.kv_config["kv_connector_extra_config"]["connectors"][0]
+        assert p2p["kv_connector_extra_config"] == {"mooncake_protocol": "tcp"}
+    plain = [i for i in _instances(script) if i.kv_config["kv_connector"] == "MooncakeStoreConnector"]
+    assert plain and all(i.prefix_env.get("VLLM_KV_CACHE_LAYOUT") == "HND" for i in plain)
+    assert "--prefill 192.168.0.2:8100@50052" in script
+    result, _ = run_check([tmp_path / "out"], target_vllm="0.24.0", target_mooncake="0.3.13.post1", probe=True)
+    assert not {"MCV-E105", "MCV-W031"} & {f.id for f in result.findings}
+    (tmp_path / "ib" / "mlx5_0").mkdir(parents=True)
+    monkeypatch.setattr(probe, "IB_SYSFS", str(tmp_path / "ib"))
+    write_migration(_ctx(DATA / "seed_v1", vllm="0.24.0"), tmp_path / "rdma")
+    assert "mooncake_protocol" not in (tmp_path / "rdma" / SCRIPT_NAME).read_text()

@@ -83,6 +83,32 @@ def test_rdma_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "MCV-E103" not in _probe_ids(tmp_path, {**rdma, "device_name": "mlx5_0"})
 
 
+def test_p2p_half_without_rdma_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MCV-E105: the seed's MultiConnector P2P half asks for rdma by default; no device -> tcp."""
+    from checker_cases import multi, serve
+
+    def ids(kv: str, target: str = "0.24.0") -> dict[str, str]:
+        d = tmp_path / f"p2p-{time.monotonic_ns()}"
+        d.mkdir()
+        (d / "launch.sh").write_text(serve(kv))
+        (d / "mooncake.json").write_text(json.dumps(CONFIG))
+        result, _ = run_check([d], target_vllm=target, target_mooncake="0.3.13.post1", probe=True)
+        return {f.id: f.fix for f in result.findings}
+
+    monkeypatch.setattr(probe, "IB_SYSFS", str(tmp_path / "no-infiniband"))
+    seed = multi("kv_producer")
+    found = ids(seed)
+    assert "MCV-E105" in found and '"mooncake_protocol": "tcp"' in found["MCV-E105"]
+    assert "vLLM >= 0.24.0" in ids(seed, target="0.20.0")["MCV-E105"]  # not read there: no key helps
+    doc = json.loads(seed)
+    doc["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"] = {"mooncake_protocol": "tcp"}
+    assert "MCV-E105" not in ids(json.dumps(doc))
+    fake = tmp_path / "infiniband"
+    (fake / "mlx5_0").mkdir(parents=True)
+    monkeypatch.setattr(probe, "IB_SYSFS", str(fake))
+    assert "MCV-E105" not in ids(seed)  # an RDMA host runs the seed as written
+
+
 def test_local_hostname(tmp_path: Path) -> None:
     assert "MCV-W102" not in _probe_ids(tmp_path, {**CONFIG, "local_hostname": "127.0.0.1"})
     assert "MCV-W102" not in _probe_ids(tmp_path, {**CONFIG, "local_hostname": "localhost:12345"})
@@ -171,3 +197,11 @@ def test_live_namespaces_split(tmp_path: Path, local_stack: Any) -> None:
     found = _probe_ids(tmp_path, config)["MCV-W105"]
     assert len(found) == 1 and "2 namespaces for model probe-llama: differ in block_size (16 vs 32)" \
         in found[0] and "never share KV" in found[0]
+
+
+def test_live_pool_without_the_disk_tier_a_config_asks_for(tmp_path: Path, mooncake_master: ManagedProcess) -> None:
+    """MCV-W106 on a REAL master started without --enable_offload (tests/services/test_tier.py: quiet with it)."""
+    config = {**CONFIG, "master_server_address": mooncake_master.address, "global_segment_size": "0"}
+    assert "MCV-W106" not in _probe_ids(tmp_path, config)
+    found = _probe_ids(tmp_path, {**config, "enable_ssd_offload": True})["MCV-W106"]
+    assert "master_total_file_capacity_bytes 0" in found[0]

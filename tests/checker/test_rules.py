@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +94,19 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "MCV-W017": (dict(script=serve() + HOLDER, config=SEG0), dict(script=serve() + HOLDER + HOLDER, config=SEG0)),
     "MCV-W018": (dict(script=serve(OURS), target_vllm="0.10.1"), dict(script=serve(OURS), target_vllm="0.10.2")),
     "MCV-W019": (dict(script=serve(OURS), target_vllm="0.11.0"), dict(script=serve(OURS), target_vllm="0.11.1")),
+    "MCV-E016": (dict(config={**SEG0, "enable_ssd_offload": True}, target_mooncake="0.3.10.post2"),
+                 dict(config={**SEG0, "enable_ssd_offload": True}, target_mooncake="0.3.11")),
+    "MCV-W021": (dict(script=serve() + "mooncake_master --rpc_port 50051 &\n" + HOLDER,
+                      config={**SEG0, "enable_offload": True}),
+                 dict(script=serve() + "mooncake_master --rpc_port 50051 --enable_offload=true &\n"
+                      + "mooncake_client --enable_offload --global_segment_size=1GB &\n",
+                      config={**SEG0, "enable_offload": True})),
     "MCV-W040": (dict(script=serve(OURS), target_vllm="0.10.2"), dict(script=serve(OURS), target_vllm="0.11.1")),
     "MCV-W041": (dict(script=serve(OURS, extra=_EVENTS), target_vllm="0.12.0"),
                  dict(script=serve(OURS, extra=_EVENTS), target_vllm="0.13.0")),
+    "MCV-W031": (dict(script=serve(multi("kv_producer")) + serve(multi("kv_consumer")) + serve()),
+                 dict(script=serve(multi("kv_producer")) + serve(multi("kv_consumer"))
+                      + serve(env="MOONCAKE_CONFIG_PATH=mooncake.json VLLM_KV_CACHE_LAYOUT=HND"))),
     "MCV-W015": (dict(script=serve(), config=CONFIG, target_vllm="0.8.4", target_mooncake="0.3.3.post2"),
                  dict(script=serve(), config=CONFIG, target_vllm="0.8.5", target_mooncake="0.3.3.post2")),
 }
@@ -182,3 +193,33 @@ def test_metrics_rule_names_the_log_only_release_and_events_need_the_flag(tmp_pa
     (w040,) = [f for f in result.findings if f.id == "MCV-W040"]
     assert "KV Transfer metrics" in w040.message
     assert "MCV-W041" not in {f.id for f in result.findings}  # no --kv-events-config: nothing to miss
+
+
+def test_p2p_proxy_command_names_each_prefills_bootstrap_port(tmp_path: Path) -> None:
+    """The suggested proxy line carries ``host:port@bootstrap``: the seed sets 50052."""
+    from mooncake_vllm.checker import run_check
+
+    script = (serve(multi("kv_producer"), env="MOONCAKE_CONFIG_PATH=m.json VLLM_MOONCAKE_BOOTSTRAP_PORT=50052")
+              + serve(multi("kv_producer"), env="MOONCAKE_CONFIG_PATH=m.json")
+              + serve(multi("kv_consumer"))
+              + "python3 disagg_proxy_demo.py --model m --prefill h1:8100 h2:8101 --decode h3:8200\n")
+    (tmp_path / "launch.sh").write_text(script)
+    result, _ = run_check([tmp_path], target_vllm="0.24.0", target_mooncake="0.3.13.post1")
+    fix = next(f for f in result.findings if f.id == "MCV-E011").fix
+    assert "--prefill h1:8100@50052 h2:8101@8998 --decode h3:8200" in fix
+    assert "--flow p2p --target-vllm 0.24.0" in fix
+
+
+def test_the_disk_tier_rules_name_each_launch_without_it(check_ids, tmp_path: Path) -> None:  # noqa: ANN001
+    from mooncake_vllm.checker import run_check
+
+    d = tmp_path / "tier"
+    d.mkdir()
+    (d / "mooncake.json").write_text(json.dumps({**SEG0, "enable_ssd_offload": True}))
+    (d / "launch.sh").write_text(serve() + "mooncake-vllm up --segment-size 8GB &\nmooncake_client --port 1 &\n"
+                                 + "mooncake-vllm up --ssd /nvme &\n")
+    result, _ = run_check([d], target_vllm="0.32.0", target_mooncake="0.3.13.post1")
+    fixes = sorted(f.fix for f in result.findings if f.id == "MCV-W021")
+    assert len(fixes) == 2 and "--ssd DIR" in fixes[0] and "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH" in fixes[1]
+    # a holder flag alone asks for the tier too: too old a Mooncake is an error
+    assert "MCV-E016" in check_ids(script="mooncake_client --enable_offload=true &\n", target_mooncake="0.3.10")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
+from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, has_extra_keys, hasher_for
 from mooncake_vllm.proxy.kv_index import norm_hash
 
 TOKENS = list(range(1000, 1000 + 70))  # two full blocks of 32 and a partial one
@@ -65,3 +65,16 @@ def test_detect_picks_the_algorithm_that_reproduces_an_event() -> None:
     assert detect([pickled, cbor], event) is cbor
     assert detect([pickled], event) is False
     assert detect([pickled, cbor], {**event, "parent_block_hash": 7}) is None
+
+
+def test_per_block_none_extra_keys_are_no_extra_keys() -> None:
+    """vLLM 0.32 publishes ``extra_keys: [None, None]`` for blocks without extra keys: such an
+    event still tells the algorithm (it once left ``hasher`` None with the index full)."""
+    pickled = PromptHasher("sha256", "vllm-none-hash")
+    event = {"type": "BlockStored", "parent_block_hash": None, "token_ids": TOKENS[:64], "block_size": 32,
+             "block_hashes": pickled.block_hashes(TOKENS[:64], 32)}
+    for none in (None, [], [None, None], (None, None)):
+        assert not has_extra_keys({**event, "extra_keys": none})
+        assert detect([pickled], {**event, "extra_keys": none}) is pickled
+    salted = {**event, "extra_keys": [("salt",), None]}
+    assert has_extra_keys(salted) and detect([pickled], salted) is None

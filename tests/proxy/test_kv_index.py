@@ -63,25 +63,28 @@ def test_garbage_events_are_ignored() -> None:
 
 
 def test_longest_local_prefix_wins_at_equal_load() -> None:
-    c = choose(1000, [0, 800, 200], 0, [1, 1, 1], mean_prompt=1000)
-    assert (c.index, c.local_tokens, c.pool_tokens) == (1, 800, 0)
+    c = choose(1000, [0, 800, 200], 0, [1000, 1000, 1000])
+    assert (c.index, c.local_tokens, c.pool_tokens, c.work) == (1, 800, 0, 200)
 
 
 def test_pool_counts_the_same_everywhere() -> None:
     # all hold the prompt in the pool: equal prefill cost, so load decides
-    c = choose(1000, [0, 0, 0], 1000, [2, 0, 1], mean_prompt=1000)
+    c = choose(1000, [0, 0, 0], 1000, [2000, 0, 1000])
     assert (c.index, c.local_tokens, c.pool_tokens) == (1, 0, 1000)
+    assert c.work == 300  # 1000 pool tokens at 0.3
     # local beats pool at equal load
-    assert choose(1000, [0, 1000], 1000, [0, 0], mean_prompt=1000).index == 1
+    assert choose(1000, [0, 1000], 1000, [0, 0]).index == 1
 
 
-def test_load_spreads_one_hot_document() -> None:
+def test_load_is_queued_work_so_one_hot_document_spreads() -> None:
     w = CostWeights(load=1.0)
-    # holder has 3 requests in flight: 3 mean prompts of waiting beat recomputing one
-    assert choose(1000, [1000, 0], 0, [3, 0], mean_prompt=1000, weights=w).index == 1
-    assert choose(1000, [1000, 0], 0, [0, 0], mean_prompt=1000, weights=w).index == 0
+    # the holder has 1500 tokens of prefill queued: recomputing 1000 elsewhere is sooner
+    assert choose(1000, [1000, 0], 0, [1500, 0], weights=w).index == 1
+    # queued requests that mostly hit cost little: the holder keeps the document
+    assert choose(1000, [1000, 0], 0, [600, 0], weights=w).index == 0
+    assert choose(1000, [1000, 0], 0, [0, 0], weights=w).index == 0
 
 
 def test_ties_rotate_from_start() -> None:
-    assert choose(100, [0, 0, 0], 0, [0, 0, 0], 100, start=2).index == 2
-    assert choose(100, [0, 0, 0], 0, [0, 0, 0], 100, start=1).index == 1
+    assert choose(100, [0, 0, 0], 0, [0, 0, 0], start=2).index == 2
+    assert choose(100, [0, 0, 0], 0, [0, 0, 0], start=1).index == 1

@@ -13,7 +13,7 @@ from mooncake_vllm.proxy.kv_hashes import PromptHasher
 from mooncake_vllm.proxy.stub import StubUpstream
 from mooncake_vllm.services import free_port
 
-from ._helpers import proxy, run, stubs, wait_for
+from ._helpers import ADMIN_KEY, proxy, run, stubs, wait_for
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 zmq = pytest.importorskip("zmq")
@@ -39,6 +39,17 @@ class Publisher:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+async def _publish_until_indexed(server: Any, pub: Publisher, blocks: int = 10) -> None:
+    """Resend DOC until the proxy indexed it: its SUB socket drops what arrives before the PUB connected."""
+    topic = pub.topic.decode()
+    for _ in range(100):
+        pub.send(_stored(DOC))
+        if len(server.kv.indexes.get(topic, ())) >= blocks:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{topic}'s events were not indexed")
 
 
 def _stored(text: str, medium: str = "GPU") -> Any:
@@ -68,12 +79,8 @@ def test_routes_to_the_holder_drops_on_gap_and_never_to_an_unhealthy_one() -> No
             pubs = [Publisher(endpoint, u.address) for u in ups]
             try:
                 holder = ups[1]
-                # the proxy's SUB socket drops what arrives before the PUB connected: resend until indexed
-                for _ in range(100):
-                    pubs[1].send(_stored(DOC))
-                    if len(server.kv.indexes.get(holder.address, ())) >= 10:
-                        break
-                    await asyncio.sleep(0.05)
+                await _publish_until_indexed(server, pubs[1])
+                await wait_for(lambda: server.kv.hasher is not None, timeout=15)  # a busy box: /version is slow
                 assert server.kv.hasher is not None and server.kv.hasher.algorithm == "sha256"
                 for _ in range(3):
                     await _complete(client, base, DOC + " question")
@@ -98,6 +105,8 @@ def test_routes_to_the_holder_drops_on_gap_and_never_to_an_unhealthy_one() -> No
                 assert _metric(text, 'mooncake_proxy_kv_aware_index_drops_total{reason="left_rotation"}') == 1
                 assert _metric(text, 'mooncake_proxy_kv_aware_decisions_total{kind="decode",outcome="local"}') == 4
                 assert _metric(text, 'mooncake_proxy_kv_aware_predicted_local_tokens_total{kind="decode"}') == 160
+                assert _metric(text, "mooncake_proxy_kv_aware_tokenizations_total") == 5
+                assert _metric(text, "mooncake_proxy_kv_aware_tokenize_microseconds_total") > 0
             finally:
                 for p in pubs:
                     p.close()
@@ -131,11 +140,7 @@ def test_store_flow_picks_the_prefill_that_holds_the_prompt() -> None:
                 server, base, client):
             pub = Publisher(endpoint, pre[0].address)
             try:
-                for _ in range(100):
-                    pub.send(_stored(DOC))
-                    if len(server.kv.indexes.get(pre[0].address, ())) >= 10:
-                        break
-                    await asyncio.sleep(0.05)
+                await _publish_until_indexed(server, pub)
                 for _ in range(2):
                     await _complete(client, base, DOC)
                 assert [len(p.received) for p in pre] == [2, 0] and len(dec[0].received) == 2
@@ -170,6 +175,69 @@ def test_batches_the_live_stream_lost_come_from_the_replay_socket() -> None:
                     assert _metric(text, "mooncake_proxy_kv_aware_index_drops_total") == 0
             finally:
                 pub.shutdown()
+
+    run(go)
+
+
+def test_an_instance_added_through_the_admin_api_gets_its_replay_socket() -> None:
+    """Its live stream goes nowhere (an endpoint nobody binds): only its replay socket, named in
+    ``/instances/add``, can fill its index; removing it stops the replay."""
+    async def go() -> None:
+        endpoint, nowhere = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        replay = f"tcp://127.0.0.1:{free_port()}"
+        async with stubs(2) as ups, proxy([], ups[:1], flow="kv_both", scheduling="kv_aware", kv_events=endpoint,
+                                          admin_api_key=ADMIN_KEY) as (server, base, client):
+            pub = kv_events.ZmqEventPublisher(0, endpoint=nowhere, replay_endpoint=replay, topic=ups[1].address)
+            try:
+                pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored(DOC)]))
+                for bad, needle in (("127.0.0.1:1", "not tcp://HOST:PORT"),):
+                    async with client.post(base + "/instances/add", headers={"X-API-Key": ADMIN_KEY},
+                                           json={"type": "decode", "instance": ups[1].address, "kv_replay": bad}) as r:
+                        assert r.status == 400 and needle in await r.text()
+                async with client.post(base + "/instances/add", headers={"X-API-Key": ADMIN_KEY},
+                                       json={"type": "decode", "instance": ups[1].address, "kv_replay": replay}) as r:
+                    assert r.status == 200, await r.text()
+                    assert (await r.json())["kv_replay"] == replay
+                await wait_for(lambda: len(server.kv.indexes.get(ups[1].address, ())) >= 10)
+                for _ in range(2):
+                    await _complete(client, base, DOC + " question")
+                assert [len(u.received) for u in ups] == [0, 2]
+                async with client.post(base + "/instances/remove", headers={"X-API-Key": ADMIN_KEY},
+                                       json={"type": "decode", "instance": ups[1].address}) as r:
+                    assert r.status == 200, await r.text()
+                assert ups[1].address not in server.kv.replay
+            finally:
+                pub.shutdown()
+
+    run(go)
+
+
+def test_kv_replay_in_an_add_needs_kv_aware() -> None:
+    async def go() -> None:
+        async with stubs(2) as ups, proxy([], ups[:1], flow="kv_both", admin_api_key=ADMIN_KEY) as (_s, base, client):
+            async with client.post(base + "/instances/add", headers={"X-API-Key": ADMIN_KEY},
+                                   json={"type": "decode", "instance": ups[1].address,
+                                         "kv_replay": "tcp://127.0.0.1:5600"}) as r:
+                assert r.status == 400 and "only kv_aware" in await r.text()
+
+    run(go)
+
+
+def test_auto_events_endpoints_let_two_proxies_share_a_host() -> None:
+    async def go() -> None:
+        async with stubs(1) as ups, \
+                proxy([], ups, flow="kv_both", scheduling="kv_aware", kv_events="auto") as (s1, base1, client), \
+                proxy([], ups, flow="kv_both", scheduling="kv_aware", kv_events="auto") as (s2, _base2, _c2):
+            eps = [s.kv.subscriber.bound_endpoint for s in (s1, s2)]
+            assert all(e and e.startswith("tcp://127.0.0.1:") for e in eps) and eps[0] != eps[1]
+            async with client.get(base1 + "/status") as r:
+                assert (await r.json())["kv_events"] == eps[0]
+            pub = Publisher(str(eps[0]), ups[0].address)
+            try:
+                await _publish_until_indexed(s1, pub)
+                assert len(s1.kv.indexes[ups[0].address]) >= 10 and not s2.kv.indexes
+            finally:
+                pub.close()
 
     run(go)
 

@@ -68,3 +68,41 @@ def test_nothing_is_put_while_the_breaker_is_open(client: Any) -> None:
         assert stats["saves_skipped"] == 4 and stats["blocks_put"] == 0
     finally:
         client.discard(ticket)
+
+
+class _FullPool:
+    """A store call refusing ``refuse`` keys per attempt with NO_AVAILABLE_HANDLE, then storing them."""
+
+    def __init__(self, refusals: list[int]) -> None:
+        self.refusals = refusals
+        self.calls: list[list[str]] = []
+
+    def __call__(self, keys: list[str], ptrs: list[Any], sizes: list[Any]) -> list[int]:
+        self.calls.append(list(keys))
+        refuse = self.refusals.pop(0) if self.refusals else 0
+        return [-200 if i < refuse else 0 for i in range(len(keys))]
+
+
+def _transport(waits: tuple[float, float, float] | None) -> Any:
+    from types import SimpleNamespace
+
+    from mooncake_vllm.stats import StoreStats
+
+    return SimpleNamespace(full_waits=waits, closed=False, stats=StoreStats(strict=True))
+
+
+def test_with_a_disk_tier_refused_keys_are_put_again_while_retries_make_progress() -> None:
+    from mooncake_vllm.store.puts import _put_until_room
+
+    keys = [f"k{i}" for i in range(6)]
+    tier = _transport((0.001, 0.004, 0.02))
+    put = _FullPool([4, 2, 2, 2])  # 2 stored, then none for a while, then all
+    assert _put_until_room(tier, put, keys, keys, keys) == [0] * 6
+    assert put.calls[1] == keys[:4] and put.calls[-1] == keys[:2]  # only the refused keys again
+    assert tier.stats.snapshot()["put_retries_full"] == 4 + 2 + 2 + 2
+    stalled = _FullPool([6] * 100)  # no progress: gives up after the patience (0.02 s of waits)
+    assert _put_until_room(tier, stalled, keys, keys, keys) == [-200] * 6
+    assert 2 < len(stalled.calls) < 10
+    dram_only = _FullPool([6])  # no tier: one call, the refusals come back (the save is dropped)
+    assert _put_until_room(_transport(None), dram_only, keys, keys, keys) == [-200] * 6
+    assert len(dram_only.calls) == 1

@@ -55,13 +55,41 @@ def test_models_recover_what_they_were_fed() -> None:
     assert lm.seconds(10_000) == pytest.approx(0.005 + 0.1, rel=0.05)
 
 
-def test_a_prompt_longer_than_any_measured_prefill_is_claimed() -> None:
+def test_a_prompt_longer_than_any_measured_prefill_is_weighed_against_a_floor() -> None:
+    """Past the reach only a floor of the recompute is known: a load that beats it is claimed,
+    one that does not is recomputed once (reach_probe), and then the model knows that far."""
     clock = Clock()
-    a = advisor(clock, explore_every=1e9)
-    a.background = False
-    a.observe(steps=[s for s in prefill_steps() if s[2] <= 8192], loads=loads(rate=20_000.0))
-    assert a.decide(0, 8192, BS).reason == "slow_pool"
-    assert a.decide(0, 16384, BS).reason == "unmeasured"  # attention is not extrapolated
+    short = [s for s in prefill_steps() if s[2] <= 8192]
+    slow = advisor(clock, explore_every=1e9)
+    slow.background = False
+    slow.observe(steps=short, loads=loads(rate=20_000.0))
+    assert slow.decide(0, 8192, BS).reason == "slow_pool"
+    d = slow.decide(0, 16384, BS)
+    assert (d.tokens, d.reason) == (0, "reach_probe")
+    slow.observe(steps=[s for s in prefill_steps() if s[2] == 16384])  # vLLM recomputed it
+    assert slow.decide(0, 16384, BS).reason == "slow_pool"
+    assert slow.counts == {"slow_pool": 2, "reach_probe": 1}
+    fast = advisor(clock, explore_every=1e9)
+    fast.background = False
+    fast.observe(steps=short, loads=loads(rate=400_000.0))
+    d = fast.decide(0, 32768, BS)
+    assert (d.tokens, d.reason) == (32768, "claimed")
+
+
+def test_the_recompute_floor_is_the_model_within_reach_and_below_it_beyond() -> None:
+    clock = Clock()
+    pm = PrefillModel(60.0)
+    for m, w, reach, sec in prefill_steps():
+        if reach <= 8192:
+            pm.add(clock(), m, w, sec, reach)
+    assert pm.recompute_floor(clock(), 0, 8192) == pytest.approx(pm.recompute(clock(), 0, 8192))
+    assert pm.recompute_floor(clock(), 1024, 4096) == pytest.approx(pm.recompute(clock(), 1024, 4096))
+    for start, end in ((0, 16384), (4096, 32768), (12000, 16000)):
+        floor, model = pm.recompute_floor(clock(), start, end), pm.recompute(clock(), start, end)
+        assert floor is not None and model is not None and 0 < floor < model
+    # the floor prices each token past the reach at the cost of the token at the reach
+    _, c1, c2 = pm.coefficients(clock())  # type: ignore[misc]
+    assert pm.recompute_floor(clock(), 8192, 9192) == pytest.approx(1000 * (c1 + c2 * 8192))
 
 
 def test_unmeasured_claims_everything_then_a_slow_pool_is_declined_and_a_fast_one_claimed() -> None:
@@ -158,3 +186,20 @@ def test_chunks_of_one_size_still_measure_the_per_token_cost() -> None:
     truth = c1 * 16000 + c2 * 16000 * 8000
     assert pm.recompute(clock(), 0, 16000) == pytest.approx(truth, rel=0.02)
     assert pm.step(clock()) == pytest.approx(c0, rel=0.01)
+
+
+def test_small_prefills_teach_no_per_token_cost() -> None:
+    """On the H200 three 64-token prefills (16-41 ms, launch-bound, beside 19 ms decodes)
+    fitted 210 us/token, 10x the truth: every 2k hit looked like 0.43 s of recompute and was
+    claimed (2x slower than recomputing it). Such steps are not fitted."""
+    clock = Clock()
+    a = advisor(clock)
+    a.observe(steps=[(1.0, 100.0, 100.0, 0.019)] * 9, loads=loads(rate=40_000.0))
+    a.observe(steps=[(64.0, 2048.0, 64.0, 0.0415), (64.0, 2048.0, 64.0, 0.0202),
+                     (64.0, 2048.0, 64.0, 0.0162)])
+    assert a.decide(0, 2032, BS).reason == "unmeasured"
+    a.observe(steps=[(8192.0, 8192 * 4096.0, 8192.0, 0.21), (7808.0, 7808 * (8192 + 3904.0), 16000.0, 0.27),
+                     (4096.0, 4096 * 2048.0, 4096.0, 0.1)])
+    recompute = a.prefill.recompute(clock(), 0, 2032)
+    assert recompute is not None and 0.03 < recompute < 0.07  # truth on the H200: ~0.05 s
+    assert a.decide(0, 2032, BS).reason in ("slow_pool", "explore")

@@ -278,7 +278,7 @@ def _measured(policy: str, load_seconds: float, clock: _Clock) -> ClaimAdvisor:
     """An advisor fed prefill steps where 16 tokens cost 1 s, and loads of 16 tokens in
     ``load_seconds``."""
     a = ClaimAdvisor(ClaimRules(policy, explore_every=1e9), clock=clock, background=False)
-    a.observe(steps=[(m, m * m / 2, m, m / 16) for m in (64.0, 128.0, 256.0)],
+    a.observe(steps=[(m, m * m / 2, m, m / 16) for m in (512.0, 1024.0, 2048.0)],
               loads=[(16.0, load_seconds)] * 4)
     return a
 

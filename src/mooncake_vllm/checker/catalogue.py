@@ -121,6 +121,15 @@ _ALL: tuple[Rule, ...] = (
          "so the last one installed silently overwrote the others' files.",
          "pip uninstall all of them, then install exactly one: pip install {keep}",
          "mooncake §10 Distributions"),
+    Rule("MCV-E016", ERROR, "ssd-tier-mooncake-too-old",
+         "{what} asks for the pool's disk tier, but Mooncake {version} cannot serve it",
+         "Pure clients read a value that lives only on a holder's disk through that holder's offload RPC server "
+         "(mooncake_client --start_offload_rpc_server) and the multi-buffer get, both from Mooncake 0.3.11; "
+         "setup() takes enable_ssd_offload from then on too. Older releases write values to disk but the "
+         "connector's reads of them fail: every evicted prefix is a miss.",
+         "install one Mooncake >= 0.3.11 everywhere (pip install mooncake-transfer-engine==0.3.13.post1), or "
+         "drop the disk tier",
+         "mooncake §2 (enable_ssd_offload 0.3.11), §6 --enable_offload; docs/ssd-tier.md"),
     Rule("MCV-E014", ERROR, "mooncake-config-invalid",
          "{field} {problem}",
          "The connector validates MOONCAKE_CONFIG_PATH before Mooncake's setup(); a missing key, a size it cannot "
@@ -190,6 +199,15 @@ _ALL: tuple[Rule, ...] = (
          "{why}",
          "run `{proxy_fix}` instead (health checks, safe admin API, store and p2p flows)",
          "vllm §12; peers §1.5"),
+    Rule("MCV-W031", WARNING, "plain-store-beside-p2p-pairs",
+         "{instance} runs MooncakeStoreConnector alone beside P2P + store pairs: its KV layout is NHD, theirs "
+         "{layout}, so it never hits the blocks they save",
+         "The pairs' MultiConnector asks vLLM for the P2P MooncakeConnector's KV layout ({layout}); the KV "
+         "layout is part of the pool's key namespace, so blocks saved by the pairs and by a plain store instance "
+         "never match (a silent 0% hit rate between them).",
+         "start that instance with VLLM_KV_CACHE_LAYOUT={layout} (a layout it keys by too), or give it the "
+         "pairs' MultiConnector config",
+         "vllm §9 MooncakeConnector layout; keys.py namespace; issue 26"),
     Rule("MCV-W011", WARNING, "admin-api-without-key",
          "{proxy} exposes admin endpoints but ADMIN_API_KEY is not set",
          "The /instances/add endpoint answers 500 (demo proxy) or is disabled without a key; when set, it is the "
@@ -257,6 +275,13 @@ _ALL: tuple[Rule, ...] = (
          "run instances that should load on vLLM >= 0.11.1 (same pool and keys), or the V0 engine on <= 0.10.0 "
          "(VLLM_USE_V1=0: V0 recomputes a failed load)",
          "vllm §7 get_block_ids_with_load_errors 0.11.1; DESIGN.md Loads"),
+    Rule("MCV-W021", WARNING, "ssd-tier-not-started",
+         "{config} asks for the pool's disk tier ({field}), but {what} starts without it",
+         "Mooncake offloads a value to the disk of the holder whose memory keeps it, and only when the master "
+         "runs with --enable_offload: a pool started without the tier on either side silently evicts once DRAM "
+         "is full, and every evicted prefix is recomputed.",
+         "{fix}",
+         "docs/ssd-tier.md; mooncake §6 --enable_offload; issue 30"),
     Rule("MCV-W040", WARNING, "pool-metrics-not-exported",
          "vLLM {target} has no connector-metrics hooks: the pool's counters are not in this server's /metrics"
          "{logged}",
@@ -294,6 +319,14 @@ _ALL: tuple[Rule, ...] = (
          "The RDMA transport needs an InfiniBand/RoCE device listed under /sys/class/infiniband.",
          "use \"protocol\": \"tcp\" on this host, or set device_name to one of the present devices",
          "mooncake §2 protocol, rdma_devices", probe=True),
+    Rule("MCV-E105", ERROR, "p2p-rdma-without-device",
+         "{instance}: the P2P MooncakeConnector uses protocol rdma (its default), but this host has no RDMA "
+         "device (/sys/class/infiniband is empty or missing)",
+         "vLLM's P2P MooncakeConnector starts its own Transfer Engine with kv_connector_extra_config's "
+         "mooncake_protocol, not the MOONCAKE_CONFIG_PATH protocol; with rdma and no NIC its worker fails at start "
+         "(\"Mooncake Transfer Engine initialization failed\") and the instance never serves.",
+         "{how}",
+         "vllm §9 MooncakeConnector setup; issue 26", probe=True),
     Rule("MCV-E104", ERROR, "mooncake-libraries-missing",
          "{lib} of the Mooncake extension cannot find {missing}",
          "auditwheel leaves libibverbs, libnuma, libcurl and the CUDA runtime out of the wheels; "
@@ -321,6 +354,14 @@ _ALL: tuple[Rule, ...] = (
          "--tensor-parallel-size (and the same model_id); `mooncake-vllm pool namespaces` lists them, "
          "`mooncake-vllm pool clear` removes a stale one",
          "keys.py namespace; issue 15 item 7", probe=True),
+    Rule("MCV-W106", WARNING, "live-ssd-tier-missing",
+         "{config} asks for the pool's disk tier, but the pool of {url} has none ({detail})",
+         "The running master reports no disk capacity: it was started without --enable_offload, or no holder "
+         "offloads (mooncake_client --enable_offload with MOONCAKE_OFFLOAD_FILE_STORAGE_PATH). Once DRAM is full "
+         "values are evicted and their prefixes recomputed, although the config says they spill to disk.",
+         "restart the pool with the tier (`mooncake-vllm up --ssd DIR`, or the flags in docs/ssd-tier.md), or "
+         "remove enable_ssd_offload from the config",
+         "docs/ssd-tier.md; mooncake §6 --enable_offload; issue 30", probe=True),
     Rule("MCV-W102", WARNING, "local-hostname-not-local",
          "local_hostname {host!r} is not an address of this host",
          "Peers connect to local_hostname; an address of another machine makes every transfer to this client fail.",

@@ -24,7 +24,9 @@ from typing import Any
 from mooncake_vllm.checker.catalogue import OUR_MODULE_PATH
 from mooncake_vllm.checker.context import Context
 from mooncake_vllm.checker.model import HOLDER, MASTER, METADATA, PROXY, Launch, MooncakeConfigFile, Where
+from mooncake_vllm.checker.probe import P2P_CONNECTOR, p2p_protocol, rdma_devices
 from mooncake_vllm.checker.rules_engine import V0_ONLY_FLAGS
+from mooncake_vllm.checker.rules_fleet import P2P_LAYOUT
 from mooncake_vllm.checker.rules_mooncake import segment_size
 from mooncake_vllm.config import CONFIG_ENV
 from mooncake_vllm.errors import ConfigError, ConfigProblem
@@ -87,13 +89,27 @@ def _store_connector(ctx: Context, role: str) -> dict[str, Any]:
     return conf
 
 
+def _p2p_connector(ctx: Context, launch: Launch, role: str) -> dict[str, Any]:
+    """The P2P child, its own extra config kept; on a host without an RDMA device (MCV-E105)
+    its Transfer Engine runs on TCP where the target reads ``mooncake_protocol``."""
+    old = next((c for c in launch.connectors() if c.get("kv_connector") == P2P_CONNECTOR), {})
+    extra = dict(old.get("kv_connector_extra_config") or {})
+    if (p2p_protocol(old) == "rdma" and not rdma_devices()
+            and (ctx.vllm is None or ctx.vllm.p2p_protocol_key)):
+        extra["mooncake_protocol"] = "tcp"
+    conf: dict[str, Any] = {"kv_connector": P2P_CONNECTOR, "kv_role": role}
+    if extra:
+        conf["kv_connector_extra_config"] = extra
+    return conf
+
+
 def _kv_config(ctx: Context, launch: Launch, role: str, p2p: bool) -> dict[str, Any]:
     allowed = ctx.vllm.kv_config_fields if ctx.vllm else None
     kept = {k: v for k, v in (launch.kv_config or {}).items()
             if k not in ("kv_connector", "kv_role", "kv_connector_module_path", "kv_connector_extra_config")
             and (allowed is None or k in allowed)}
     if p2p:
-        children = [{"kv_connector": "MooncakeConnector", "kv_role": role}, _store_connector(ctx, role)]
+        children = [_p2p_connector(ctx, launch, role), _store_connector(ctx, role)]
         return {"kv_connector": "MultiConnector", "kv_role": role, **kept,
                 "kv_connector_extra_config": {"connectors": children}}
     conf = {**_store_connector(ctx, role), **kept}
@@ -112,10 +128,13 @@ def _line(env: dict[str, str], argv: list[str], background: bool = True) -> str:
     return (f"{prefix} " if prefix else "") + " ".join(shlex.quote(a) for a in argv) + (" &" if background else "")
 
 
-def _instance_line(ctx: Context, launch: Launch, p2p: bool, bootstrap: int | None) -> str:
+def _instance_line(ctx: Context, launch: Launch, p2p: bool, bootstrap: int | None,
+                   beside_pairs: bool = False) -> str:
     env = {k: v for k, v in launch.prefix_env.items() if k not in _DROP_ENV}
     if bootstrap is not None:
         env.setdefault("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(bootstrap))
+    if beside_pairs and not p2p:  # MCV-W031: key by the pairs' KV layout (their P2P child's HND)
+        env.setdefault("VLLM_KV_CACHE_LAYOUT", P2P_LAYOUT)
     argv = ["vllm", "serve", launch.model or "MODEL"]
     for name, value in launch.options.items():
         if name not in _DROP_OPTIONS:
@@ -166,7 +185,7 @@ def migrated_script(ctx: Context, config_name: str = CONFIG_NAME) -> str:
         role = _role(launch)
         pair = p2p and role in ("kv_producer", "kv_consumer")
         bootstrap = _BOOTSTRAP_PORT + len(prefill) if pair and role == "kv_producer" else None
-        lines.append(_instance_line(ctx, launch, pair, bootstrap))
+        lines.append(_instance_line(ctx, launch, pair, bootstrap, beside_pairs=p2p))
         bootstrap = launch.prefix_env.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", bootstrap)
         address = f"localhost:{launch.option('--port') or 8000}"
         if role == "kv_producer":

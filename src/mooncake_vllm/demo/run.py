@@ -216,6 +216,13 @@ def _kv_cache_size(nbytes: int) -> dict[str, int]:
     return kwargs
 
 
+def _kv_events(enabled: bool) -> dict[str, Any]:
+    """The LLM keyword that turns vLLM's KV events on (published nowhere: publisher ``null``)."""
+    if not enabled:
+        return {}
+    return {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"}}
+
+
 def _instance(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -227,7 +234,7 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=args.model, dtype="float32", block_size=args.block_size,
               max_model_len=args.max_model_len, **_kv_cache_size(args.kv_bytes),
               enforce_eager=True, enable_prefix_caching=True, disable_log_stats=False,
-              kv_transfer_config=kv_cfg, seed=0)
+              kv_transfer_config=kv_cfg, seed=0, **_kv_events(args.kv_events))
     init_s = time.perf_counter() - t0
     _record_idle_step_stats(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -304,6 +311,7 @@ def run_instance(model: str | os.PathLike, prompts: Sequence[Sequence[int]], wor
                  block_size: int = 32, kv_bytes: int = 64 << 20, max_model_len: int = 4096,
                  reset_prefix_cache: bool = False, warmup: int = 0, ttft_only: bool = False,
                  kill_after: tuple[int, int] | None = None, timeout: float = 600.0,
+                 kv_events: bool = False,
                  name: str = "instance", python: str | None = None) -> dict[str, Any]:
     """Run one instance in a fresh Python process and return its result dict.
 
@@ -325,6 +333,8 @@ def run_instance(model: str | os.PathLike, prompts: Sequence[Sequence[int]], wor
         argv.append("--reset-prefix-cache")
     if ttft_only:
         argv.append("--ttft-only")
+    if kv_events:
+        argv.append("--kv-events")
     if kill_after is not None:
         argv += ["--kill-after", f"{kill_after[0]}:{kill_after[1]}"]
     full_env = {**os.environ, **INSTANCE_ENV, "TMPDIR": str(workdir), **(env or {})}
@@ -359,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--reset-prefix-cache", action="store_true")
     parser.add_argument("--ttft-only", action="store_true")
+    parser.add_argument("--kv-events", action="store_true", help="vLLM KV events on (publisher null)")
     parser.add_argument("--kill-after", default="", help="PID:N - SIGKILL PID before prompt N")
     args = parser.parse_args(argv)
     result = _instance(args)

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from mooncake_vllm.errors import ConfigError, JsonBodyError, UnsupportedVersionError
 from mooncake_vllm.httpsafe import describe_exc, loads_json, read_body
-from mooncake_vllm.proxy import flows
+from mooncake_vllm.proxy import flows, kv_policy
 from mooncake_vllm.proxy.instances import KINDS, Endpoint, Instance, InstancePool, parse_endpoint
 
 __all__ = ["AdminConfig", "ProxyState", "check_all", "check_instance", "health_loop", "install", "model_matches"]
@@ -51,6 +51,7 @@ class ProxyState(Protocol):
     pool: InstancePool
     p2p_mode: str | None  #: set here from an instance's ``/version`` when the config names none
     pending_adds: set[tuple[str, str]]  #: (kind, key) of instances being validated by ``/instances/add``
+    kv: Any  #: the ``kv_aware`` router (``kv_policy.KvRouter``), None for other policies
 
     @property
     def config(self) -> AdminConfig: ...
@@ -170,8 +171,9 @@ def _denied(server: ProxyState, request: web.Request) -> web.Response | None:
     return None
 
 
-async def _admin_request(server: ProxyState, request: web.Request) -> tuple[str, Endpoint] | web.Response:
-    """Key check, then the body's type and parsed instance address; an error response otherwise."""
+async def _admin_request(server: ProxyState,
+                         request: web.Request) -> tuple[str, Endpoint, dict[str, Any]] | web.Response:
+    """Key check, then the body's type, parsed instance address and the body; an error response otherwise."""
     if (denied := _denied(server, request)) is not None:
         return denied
     try:
@@ -191,17 +193,27 @@ async def _admin_request(server: ProxyState, request: web.Request) -> tuple[str,
     if not isinstance(addr, str):
         return _err(400, f"instance: got {addr!r}, expected 'host:port' (e.g. 127.0.0.1:8100 or [::1]:8100)")
     try:
-        return kind, parse_endpoint(addr, field_name="instance")
+        return kind, parse_endpoint(addr, field_name="instance"), body
     except ConfigError as exc:
         return _err(400, str(exc.problems[0]))
 
 
 async def handle_add(server: ProxyState, request: web.Request) -> web.Response:
-    """Validate the instance (it answers ``/v1/models`` with our model), then add it."""
+    """Validate the instance (it answers ``/v1/models`` with our model), then add it. With
+    ``kv_aware``, ``"kv_replay": "tcp://HOST:PORT"`` names its replay socket (as ``--kv-replay``)."""
     parsed = await _admin_request(server, request)
     if isinstance(parsed, web.Response):
         return parsed
-    kind, ep = parsed
+    kind, ep, body = parsed
+    replay = body.get("kv_replay")
+    if replay is not None:
+        if server.kv is None:
+            return _err(400, f"kv_replay: the proxy runs --scheduling {server.config.scheduling}; only kv_aware "
+                             "reads KV events (leave kv_replay out)")
+        try:
+            replay = kv_policy.parse_replay([f"{ep.key}={replay}"])[ep.key]
+        except ConfigError as exc:
+            return _err(400, "kv_replay: " + exc.problems[0].problem.split(": ", 1)[-1])
     existing = server.pool.get(kind, ep.key)
     if existing is not None or (kind, ep.key) in server.pending_adds:
         state = "being removed" if existing is not None and existing.draining else "already in the pool"
@@ -214,10 +226,13 @@ async def handle_add(server: ProxyState, request: web.Request) -> web.Response:
             return _err(400, f"{kind} instance {ep.key} was not added: {problem}")
         inst.healthy = True
         server.pool.add(inst)
+        if replay:
+            server.kv.set_replay(ep.key, replay)
     finally:
         server.pending_adds.discard((kind, ep.key))
-    log.info("admin: added %s instance %s", kind, ep.key)
-    return web.json_response({"status": "added", "type": kind, "instance": ep.key, **_counts(server)})
+    log.info("admin: added %s instance %s%s", kind, ep.key, f" (KV replay {replay})" if replay else "")
+    return web.json_response({"status": "added", "type": kind, "instance": ep.key,
+                              **({"kv_replay": replay} if replay else {}), **_counts(server)})
 
 
 async def handle_remove(server: ProxyState, request: web.Request) -> web.Response:
@@ -237,6 +252,8 @@ async def handle_remove(server: ProxyState, request: web.Request) -> web.Respons
     waiting = inst.in_flight
     drained = await inst.drain(server.config.drain_timeout)
     server.pool.remove(kind, key)
+    if server.kv is not None and not any(i.key == key for i in server.pool):
+        server.kv.set_replay(key, None)
     log.info("admin: removed %s instance %s (drained=%s)", kind, key, drained)
     return web.json_response({"status": "removed", "type": kind, "instance": key, "drained": drained,
                               "waited_for": waiting, "in_flight": inst.in_flight, **_counts(server)})
@@ -259,6 +276,7 @@ async def handle_status(server: ProxyState, _request: web.Request) -> web.Respon
         "p2p_mode": server.p2p_mode,
         "scheduling": server.config.scheduling,
         "admin_api": "enabled" if server.config.admin_api_key else "disabled (ADMIN_API_KEY not set)",
+        **({"kv_events": server.kv.subscriber.bound_endpoint} if server.kv is not None else {}),
         **_counts(server),
         "instances": {k: [i.status() for i in server.pool.of_kind(k)] for k in KINDS},
     }

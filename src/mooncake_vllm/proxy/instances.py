@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 from mooncake_vllm.addresses import HOST_PORT_FIX, HostPort
 from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.proxy.engine_load import EngineLoad
 
 __all__ = ["KINDS", "Endpoint", "Instance", "InstancePool", "parse_endpoint"]
 
 #: the two instance kinds of a disaggregated deployment
 KINDS: tuple[str, str] = ("prefill", "decode")
-
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,9 @@ class Instance:
     probe_failures: int = 0  # consecutive failed health checks
     #: P2P: dp rank -> engine id, from the prefill's bootstrap server ``/query``
     engine_ids: dict[int, str] = field(default_factory=dict)
+    #: the instance's last ``/metrics`` answer (``engine_load``), None before the first
+    engine: EngineLoad | None = None
+    engine_failures: int = 0
     _rr: int = 0
     _idle: asyncio.Event | None = field(default=None, repr=False)
 
@@ -105,6 +108,13 @@ class Instance:
     @property
     def available(self) -> bool:
         return self.healthy and not self.draining
+
+    @property
+    def load(self) -> int:
+        """Requests on the instance: those in flight through this proxy, or those its engine last
+        reported running or waiting (other clients' too) where that is more and still fresh."""
+        e = self.engine
+        return max(self.in_flight, e.requests if e is not None and e.fresh() else 0)
 
     def acquire(self) -> None:
         self.in_flight += 1

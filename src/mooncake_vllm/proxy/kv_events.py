@@ -1,7 +1,9 @@
 """The proxy's subscriber to vLLM's KV event streams (ZMQ, msgpack ``KVEventBatch``).
 
 The proxy BINDS one SUB socket on loopback (``--kv-events``, default
-``tcp://127.0.0.1:5557``) and every instance publishes to it with
+``tcp://127.0.0.1:5557``; ``auto`` = a free port, kept across re-binds, so several
+proxies on one host need no ports chosen by hand: the proxy logs it, with the flags
+each instance needs, and ``/status`` shows it) and every instance publishes to it with
 ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
 "endpoint": "tcp://127.0.0.1:5557", "topic": "<the instance's host:port>"}'``:
 vLLM connects (rather than binds) to any endpoint without ``*``, so no instance
@@ -32,12 +34,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["END_SEQ", "EventSubscriber", "ReplayClient", "decode_batch", "vllm_args"]
+__all__ = ["AUTO", "END_SEQ", "EventSubscriber", "ReplayClient", "decode_batch", "vllm_args"]
 
 log = logging.getLogger(__name__)
 
 #: ``on_batch(topic, seq, events)``; events as msgpack decodes vLLM's tagged structs (dicts)
 BatchHandler = Callable[[str, int, list[Any]], None]
+
+#: ``--kv-events auto``: bind this (ZMQ picks a free port; ``EventSubscriber.bound_endpoint`` says which)
+AUTO = "tcp://127.0.0.1:*"
 
 #: the sequence number of vLLM's end-of-replay marker (-1 as a signed 8-byte big-endian)
 END_SEQ = (1 << 64) - 1
@@ -75,7 +80,8 @@ class EventSubscriber:
 
     def __init__(self, endpoint: str, on_batch: BatchHandler, *, on_lost: Callable[[str], None] | None = None,
                  hwm: int = 10_000, retry: float = 1.0) -> None:
-        self.endpoint = endpoint
+        self.endpoint = AUTO if endpoint == "auto" else endpoint
+        self.bound_endpoint: str | None = None  # what was bound (the port ``auto`` got)
         self.on_batch = on_batch
         self.on_lost = on_lost or (lambda _why: None)
         self.hwm = hwm
@@ -85,6 +91,11 @@ class EventSubscriber:
         self.bound = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        """Started and not stopped."""
+        return self._thread is not None and not self._stop.is_set()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -105,7 +116,8 @@ class EventSubscriber:
                 sock.setsockopt(zmq.RCVHWM, self.hwm)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
-                sock.bind(self.endpoint)
+                sock.bind(self.bound_endpoint or self.endpoint)  # auto: the same port again on a re-bind
+                self.bound_endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
                 self.bound.set()
                 self._serve(sock, zmq)
             except zmq.ZMQError as exc:

@@ -11,6 +11,8 @@ The guess is checked against the instances' own events: a ``BlockStored`` whose
 first block has no parent names its tokens, so :meth:`PromptHasher.matches` can
 recompute its hashes exactly (:func:`detect`). Prompts with extra keys (LoRA,
 multimodal, ``cache_salt``) hash differently; the policy does not predict them.
+vLLM >= 0.32 publishes ``extra_keys`` per block, ``[None, None, ...]`` when there are
+none: :func:`has_extra_keys` is the one test for "this event has extra keys".
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 from mooncake_vllm.compat.versions import vllm_facts
 from mooncake_vllm.proxy.kv_index import norm_hash
 
-__all__ = ["ALGORITHMS", "PromptHasher", "detect", "hash_function", "hasher_for"]
+__all__ = ["ALGORITHMS", "PromptHasher", "detect", "has_extra_keys", "hash_function", "hasher_for"]
 
 #: vLLM's ``DEFAULT_NONE_HASH_SEED`` (releases whose ``v1_hash_seed`` is ``deterministic``)
 DEFAULT_SEED = "vllm-none-hash"
@@ -62,6 +64,17 @@ def hash_function(name: str) -> Callable[[Any], bytes]:
                          f"(one of {', '.join(ALGORITHMS)})") from None
 
 
+def has_extra_keys(event: Mapping[str, Any]) -> bool:
+    """Whether a ``BlockStored`` event's blocks were hashed with extra keys: ``extra_keys``
+    absent, None, empty or all None (vLLM 0.32: one entry per block) means none."""
+    keys = event.get("extra_keys")
+    if keys is None:
+        return False
+    if isinstance(keys, (list, tuple)):
+        return any(k is not None for k in keys)
+    return True
+
+
 @dataclass(frozen=True)
 class PromptHasher:
     """Block hashes of token sequences for one algorithm and seed."""
@@ -90,7 +103,7 @@ class PromptHasher:
     def matches(self, event: Mapping[str, Any]) -> bool | None:
         """Whether this hasher reproduces a ``BlockStored`` event; None when it cannot tell
         (a parent hash: only the first blocks of a prompt can be recomputed, or extra keys)."""
-        if event.get("parent_block_hash") is not None or event.get("extra_keys") or event.get("lora_name"):
+        if event.get("parent_block_hash") is not None or has_extra_keys(event) or event.get("lora_name"):
             return None
         size, tokens, published = event.get("block_size"), event.get("token_ids"), event.get("block_hashes")
         if not isinstance(size, int) or size <= 0 or not tokens or not published:

@@ -140,16 +140,24 @@ class BlockIndex:
 
 @dataclass(frozen=True)
 class CostWeights:
-    """Cost of a prompt token, relative to recomputing it (1.0).
+    """Cost of a prompt token, relative to recomputing it (1.0), and of an instance's load.
 
     ``pool``: a token loaded from the pool; ``local``: one hit in the instance's own
-    cache; ``load``: each request already in flight on the instance, in units of
-    the mean prompt length (it delays this one by about one prompt's work).
+    cache; ``load``: each token of prefill work queued on the instance (the work this
+    request waits for); ``per_request``: each request in flight on the instance beyond its
+    prefill (its decode steps share the instance), in units of the mean prompt.
+
+    ``load`` is 0.5, not 1: the work a request adds is not only its own wait. Where the
+    fleet is busy it delays the requests after it as long as the queue delays this one,
+    so a token recomputed elsewhere costs twice what a token queued costs; an idle fleet
+    has no queue, and load does not matter. (At 1, a hot document's holder with one cold
+    prompt queued sent the next turn elsewhere to be recomputed.)
     """
 
     pool: float = 0.3
     local: float = 0.0
-    load: float = 1.0
+    load: float = 0.5
+    per_request: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -160,14 +168,17 @@ class Choice:
     local_tokens: int  # predicted hit in the chosen instance's own cache
     pool_tokens: int  # predicted hit from the pool beyond that
     cost: float
+    work: float = 0.0  # the prompt's own prefill work there, in recomputed-token units
 
 
-def choose(prompt_tokens: int, local_hits: Sequence[int], pool_hit: int, in_flight: Sequence[int],
-           mean_prompt: float, weights: CostWeights = CostWeights(), start: int = 0) -> Choice:
-    """The candidate of least expected cost; ties go to the first from ``start`` on.
+def choose(prompt_tokens: int, local_hits: Sequence[int], pool_hit: int, loads: Sequence[float],
+           weights: CostWeights = CostWeights(), start: int = 0) -> Choice:
+    """The candidate of least expected cost (its prefill work plus the work queued before it);
+    ties go to the first from ``start`` on.
 
     ``local_hits[i]``: prompt tokens in candidate i's own cache; ``pool_hit``: prompt
-    tokens in the pool (the same for every candidate).
+    tokens in the pool (the same for every candidate); ``loads[i]``: candidate i's queued
+    work in recomputed-token units (:meth:`CostWeights.load` weighs it).
     """
     n = len(local_hits)
     best: Choice | None = None
@@ -176,9 +187,9 @@ def choose(prompt_tokens: int, local_hits: Sequence[int], pool_hit: int, in_flig
         local = min(local_hits[i], prompt_tokens)
         pooled = max(0, min(pool_hit, prompt_tokens) - local)
         computed = prompt_tokens - local - pooled
-        cost = (computed + weights.pool * pooled + weights.local * local
-                + weights.load * in_flight[i] * mean_prompt)
+        work = computed + weights.pool * pooled + weights.local * local
+        cost = work + weights.load * loads[i]
         if best is None or cost < best.cost:
-            best = Choice(i, local, pooled, cost)
+            best = Choice(i, local, pooled, cost, work)
     assert best is not None, "choose() needs at least one candidate"
     return best

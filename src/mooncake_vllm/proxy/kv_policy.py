@@ -1,13 +1,17 @@
 """``--scheduling kv_aware``: route each request to the instance where its prompt's KV is cheapest.
 
-Per request the proxy tokenizes the prompt with an instance's own ``POST /tokenize``
-(time-boxed; the instance's exact tokenizer and chat template, nothing to load or
-keep in step on the proxy), hashes its full blocks like vLLM (:mod:`.kv_hashes`),
-and asks every instance's index (:mod:`.kv_index`, fed by :mod:`.kv_events`) how
-long a prefix it holds in its own cache; the pool's (medium ``MOONCAKE``) counts
-the same for all. The cheapest expected prefill, weighed against requests in
-flight, wins. Without a usable prediction (no events yet, unpredictable hashes,
-tokenize failed, the stream lost) it routes like ``prefix`` and counts why.
+Per request the proxy tokenizes the prompt with the least loaded instance's own
+``POST /tokenize`` (time-boxed; the instance's exact tokenizer and chat template,
+nothing to load or keep in step on the proxy; its time is counted), hashes its full
+blocks like vLLM (:mod:`.kv_hashes`), and asks every instance's index
+(:mod:`.kv_index`, fed by :mod:`.kv_events`) how long a prefix it holds in its own
+cache; the pool's (medium ``MOONCAKE``) counts the same for all, at the cost the
+instances' own counters show it has (:meth:`KvRouter.calibrate`: a declined load is
+a recompute). The least prefill work plus the work queued before it wins
+(:meth:`KvRouter.queued`: work routed there and not yet at its first token, decode
+shares, requests its engine reports beyond ours via :mod:`.engine_load`). Without a
+usable prediction (no events yet, an instance that publishes none, unpredictable
+hashes, tokenize failed, the stream lost) it routes like ``prefix`` and counts why.
 
 An instance that leaves rotation (unhealthy, removed through the admin API) loses
 its index: a restarted vLLM starts empty, and its sequence numbers restart too.
@@ -19,17 +23,19 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import aiohttp
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.proxy.instances import Instance, parse_endpoint
-from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient
+from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient, vllm_args
 from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
 from mooncake_vllm.proxy.kv_index import LOCAL, POOL, BlockIndex, CostWeights, choose
 from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey
@@ -62,6 +68,7 @@ class PromptKey:
     tokens: list[int] | None
     hashes: dict[int, list[int]] = field(default_factory=dict)  # block size -> normalised hashes
     predicted: dict[str, int] = field(default_factory=dict)  # instance kind -> predicted hit tokens
+    charged: dict[str, tuple[str, float]] = field(default_factory=dict)  # kind -> (instance, queued work)
 
 
 class KvRouter:
@@ -79,6 +86,17 @@ class KvRouter:
         self.disabled = ""  # why predictions are off for good
         self.lost = ""  # why the event stream is down (cleared by the next batch)
         self.mean_prompt = 0.0
+        self.heard: set[str] = set()  # instances whose events (live or replayed) arrived since they joined
+        self.unheard_requests: dict[str, int] = defaultdict(int)  # full-block prompts sent to one not heard
+        self.silent_after = 3  # that many, and an instance not heard is taken for one that publishes nothing
+        self.mean_work = 0.0  # predicted prefill work per routed request (recomputed-token units)
+        self.pending: dict[str, float] = defaultdict(float)  # instance -> routed prefill work not yet done
+        #: the share of predicted pool tokens the instances really loaded (their own counters): they
+        #: recompute what their load policy declines, so a pool token costs this much of ``weights.pool``
+        #: and the rest of a recompute
+        self.pool_realized = 1.0
+        self._pool_predicted = 0  # pool tokens predicted for routed requests, ever
+        self._pool_base: tuple[int, float] | None = None  # (predicted, the engines' pool hits) last time
         self._in_rotation: dict[str, set[str]] = {}
         self._logged: set[str] = set()
         self._samples: deque[dict[str, Any]] = deque(maxlen=8)  # first blocks of prompts, for _detect
@@ -98,6 +116,7 @@ class KvRouter:
         for the replay of what is missing when the instance has a replay socket."""
         with self._lock:
             self.lost = ""
+            self.heard.add(topic)
             idx = self._index(topic)
             live_last, self._live_last[topic] = self._live_last.get(topic), seq
             last = idx.last_seq
@@ -146,6 +165,7 @@ class KvRouter:
                 self.counters[("replays", "failed")] += 1
             else:
                 self.counters[("replays", "ok")] += 1
+                self.heard.add(topic)  # its publisher answers: it publishes, maybe nothing yet
                 self.counters[("replayed_batches",)] += len(got)
             for seq, events in [*(got or ()), *self._pending.pop(topic, ())]:
                 if idx.last_seq is None or seq > idx.last_seq:
@@ -157,12 +177,17 @@ class KvRouter:
         return got is not None
 
     def _replay_loop(self) -> None:
-        clients = {topic: ReplayClient(ep) for topic, ep in self.replay.items()}
+        clients: dict[str, ReplayClient] = {}
         try:
             while not self._stop.is_set():
-                for topic, client in clients.items():
+                with self._lock:
+                    want = dict(self.replay)
+                for topic in [t for t, c in clients.items() if want.get(t) != c.endpoint]:
+                    clients.pop(topic).close()
+                for topic, ep in want.items():
                     if self._stop.is_set():
                         break
+                    client = clients.get(topic) or clients.setdefault(topic, ReplayClient(ep))
                     self.catch_up(topic, client)
                 self._wake.wait(self.sync_interval)
                 self._wake.clear()
@@ -170,12 +195,28 @@ class KvRouter:
             for client in clients.values():
                 client.close()
 
+    def set_replay(self, topic: str, endpoint: str | None) -> None:
+        """Fetch ``topic``'s missed batches from ``endpoint`` from now on (None: stop); an
+        instance added through the admin API gets its replay socket here."""
+        with self._lock:
+            if endpoint:
+                self.replay[topic] = endpoint
+            else:
+                self.replay.pop(topic, None)
+                self._pending.pop(topic, None)
+        if endpoint and self._replayer is None and self.subscriber.running:
+            self._start_replayer()
+        self._wake.set()
+
+    def _start_replayer(self) -> None:
+        self._replayer = threading.Thread(target=self._replay_loop, name="kv-replay", daemon=True)
+        self._replayer.start()
+
     def start(self) -> None:
         """Start the subscriber and, for instances with a replay socket, the catch-up thread."""
         self.subscriber.start()
         if self.replay:
-            self._replayer = threading.Thread(target=self._replay_loop, name="kv-replay", daemon=True)
-            self._replayer.start()
+            self._start_replayer()
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
@@ -237,6 +278,8 @@ class KvRouter:
                             self.counters[("index_drops", "left_rotation")] += 1
                         idx.last_seq = None  # a restarted instance counts from 0 again
                         self._live_last.pop(key, None)
+                    self.heard.discard(key)
+                    self.unheard_requests.pop(key, None)
 
     def fallback_reason(self, key: RoutingKey) -> str:
         """Why ``key`` cannot be routed by prediction ("" if it can)."""
@@ -246,17 +289,33 @@ class KvRouter:
             return "version_unknown"
         if self.lost:
             return "stream_lost"
+        if self.block_size() is None:
+            return "no_events"
         if not isinstance(key, PromptKey) or key.tokens is None:
             return "no_tokens"
         return ""
 
-    def decide(self, kind: str, candidates: Sequence[Instance], key: PromptKey, start: int) -> Instance | None:
-        """The cheapest candidate, or None when no index has a block size yet."""
-        assert key.tokens is not None
+    def block_size(self) -> int | None:
+        """The instances' block size, from their first ``BlockStored``; None before any."""
         with self._lock:
-            size = next((i.block_size for i in self.indexes.values() if i.block_size), None)
-            if size is None:
-                return None
+            return next((i.block_size for i in self.indexes.values() if i.block_size), None)
+
+    def decide(self, kind: str, candidates: Sequence[Instance], key: PromptKey, start: int) -> Instance | None:
+        """The cheapest candidate; None when no index has a block size yet, or a candidate
+        publishes no events (``no_events``: its empty index would read as "holds nothing")."""
+        assert key.tokens is not None
+        size = self.block_size()
+        if size is None:
+            return None
+        with self._lock:
+            silent = [c.key for c in candidates
+                      if c.key not in self.heard and self.unheard_requests.get(c.key, 0) >= self.silent_after]
+        if silent:
+            self._log_once(f"silent:{silent[0]}", "kv_aware routes like prefix: instance %s published no KV "
+                           "events after %d requests of full blocks; start it with --kv-events-config (see "
+                           "--kv-events) or remove it", silent[0], self.unheard_requests.get(silent[0], 0))
+            return None
+        with self._lock:
             hashes = key.hashes.get(size)
             if hashes is None:
                 hashes = key.hashes[size] = (self.hasher or self.hashers[0]).block_hashes(key.tokens, size)
@@ -265,14 +324,74 @@ class KvRouter:
             pool = max((i.prefix_blocks(hashes, POOL) for i in self.indexes.values()), default=0) * size
         n = len(key.tokens)
         self.mean_prompt = n if not self.mean_prompt else 0.9 * self.mean_prompt + 0.1 * n
-        pick = choose(n, local, pool, [c.in_flight for c in candidates], self.mean_prompt, self.weights, start)
+        self.settle(kind, key)  # a retry: the first pick's work is not queued there any more
+        pick = choose(n, local, pool, [self.queued(c) for c in candidates], self.effective_weights(), start)
+        chosen = candidates[pick.index]
+        self.mean_work = pick.work if not self.mean_work else 0.9 * self.mean_work + 0.1 * pick.work
+        self.pending[chosen.key] += pick.work
+        key.charged[kind] = (chosen.key, pick.work)
         key.predicted[kind] = pick.local_tokens + pick.pool_tokens
         where = "local" if pick.local_tokens else "pool" if pick.pool_tokens else "cold"
         self.counters[("decisions", kind, where)] += 1
         self.counters[("predicted_local_tokens", kind)] += pick.local_tokens
         self.counters[("predicted_pool_tokens", kind)] += pick.pool_tokens
+        self._pool_predicted += pick.pool_tokens
         self.counters[("prompt_tokens", kind)] += n
-        return candidates[pick.index]
+        return chosen
+
+    def effective_weights(self) -> CostWeights:
+        """``weights`` with the pool's cost as realized: a declined load is a recompute."""
+        r = self.pool_realized
+        return replace(self.weights, pool=r * self.weights.pool + (1.0 - r))
+
+    def calibrate(self, instances: Sequence[Instance], min_tokens: int = 256) -> None:
+        """Compare the pool tokens the instances report loaded (``engine_load``) with those
+        predicted since the last time, once ``min_tokens`` were predicted; a restarted
+        engine (its counter went back) starts the comparison again."""
+        engines = [i.engine for i in instances if i.engine is not None]
+        if not engines:
+            return
+        got = sum(e.pool_hit_tokens for e in engines)
+        base = self._pool_base
+        if base is None or got < base[1]:
+            self._pool_base = (self._pool_predicted, got)
+            return
+        predicted = self._pool_predicted - base[0]
+        if predicted < min_tokens:
+            return
+        ratio = min(1.0, max(0.0, (got - base[1]) / predicted))
+        self.pool_realized = 0.7 * self.pool_realized + 0.3 * ratio
+        self._pool_base = (self._pool_predicted, got)
+
+    def queued(self, inst: Instance) -> float:
+        """Work ahead of a new request on ``inst`` (recomputed-token units): the prefill work
+        routed there and not yet done, a share of the mean prompt per request in flight
+        (decode steps), and the mean work of each request its engine reports beyond ours."""
+        others = max(0, inst.load - inst.in_flight)
+        per_request = self.weights.per_request * self.mean_prompt
+        return max(0.0, self.pending.get(inst.key, 0.0)) + per_request * (inst.in_flight + others) \
+            + self.mean_work * others
+
+    def routed(self, inst: Instance, key: RoutingKey) -> None:
+        """``key`` went to ``inst`` (by prediction or fallback): count it against an instance
+        not heard yet when the prompt has a full block (vLLM publishes nothing for less)."""
+        if inst.key in self.heard or not isinstance(key, PromptKey) or key.tokens is None:
+            return
+        size = self.block_size()
+        if size is not None and len(key.tokens) >= size:
+            self.unheard_requests[inst.key] += 1
+
+    def settle(self, kind: str, key: RoutingKey) -> None:
+        """The prefill of ``key``'s ``kind`` request is done (its first token came back, or it
+        ended): its work no longer queues before others. Idempotent."""
+        charge = key.charged.pop(kind, None) if isinstance(key, PromptKey) else None
+        if charge is not None:
+            inst, work = charge
+            left = self.pending.get(inst, 0.0) - work
+            if left > 1e-6:
+                self.pending[inst] = left
+            else:
+                self.pending.pop(inst, None)
 
     def observe(self, kind: str, key: RoutingKey, answer: Any) -> None:
         """Count what the instance reports it served from cache (``usage.prompt_tokens_details``)."""
@@ -300,6 +419,8 @@ class KvRouter:
             lab = dict(zip(_LABELS.get(name, ()), labels))
             text = ",".join(f'{k}="{v}"' for k, v in lab.items())
             out.append(f"{metric}{{{text}}} {n}" if text else f"{metric} {n}")
+        out.append("# TYPE mooncake_proxy_kv_aware_pool_realized gauge")
+        out.append(f"mooncake_proxy_kv_aware_pool_realized {self.pool_realized:.3f}")
         out.append("# TYPE mooncake_proxy_kv_aware_index_blocks gauge")
         out += [f'mooncake_proxy_kv_aware_index_blocks{{instance="{k}"}} {n}' for k, n in sorted(blocks.items())]
         return "\n".join(out) + "\n"
@@ -320,6 +441,8 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
         await _resolve_version(server, router)
     if router is None or router.disabled or any(body.get(f) is not None for f in _UNPREDICTABLE):
         return PromptKey(prefix, None)
+    if router.block_size() is None:  # no instance published a block yet: nothing to compare, no /tokenize
+        return PromptKey(prefix, None)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return PromptKey(prefix, list(prompt))
@@ -333,8 +456,9 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
     insts = server.pool.available("decode") or server.pool.available("prefill")
     if not insts or server.session is None:
         return PromptKey(prefix, None)
-    inst = insts[len(prefix) % len(insts)]
+    inst = min(insts, key=lambda i: (i.load, i.requests))  # its API server answers soonest
     timeout = aiohttp.ClientTimeout(total=server.config.kv_tokenize_timeout)
+    t0 = time.perf_counter()
     try:
         async with server.session.post(inst.url + "/tokenize", data=json.dumps({"model": body.get("model"), **req}),
                                        headers={"Content-Type": "application/json"}, timeout=timeout) as up:
@@ -344,6 +468,9 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(tokens, list):
             raise ValueError("no tokens in the answer")
+        # what kv_aware adds to every request's time to first token
+        router.counters[("tokenize_microseconds",)] += int((time.perf_counter() - t0) * 1e6)
+        router.counters[("tokenizations",)] += 1
         return PromptKey(prefix, tokens)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         router.counters[("fallbacks", "tokenize", type(exc).__name__)] += 1
@@ -371,10 +498,14 @@ async def _resolve_version(server: ProxyServer, router: KvRouter) -> None:
 
 
 async def start(server: ProxyServer) -> None:
-    """Start the event subscriber and learn the instances' release (says at start when
-    their hashes cannot be predicted)."""
+    """Start the event subscriber, say where it listens (and the flags an instance needs),
+    and learn the instances' release (says at start when their hashes cannot be predicted)."""
     assert server.kv is not None
+    sub = server.kv.subscriber
     server.kv.start()
+    if await asyncio.to_thread(sub.bound.wait, 5.0):
+        log.info("kv_aware: KV events on %s; start each instance with %s", sub.bound_endpoint,
+                 " ".join(shlex.quote(a) for a in vllm_args(str(sub.bound_endpoint), "<its host:port>")))
     await _resolve_version(server, server.kv)
 
 

@@ -112,6 +112,8 @@ class Router(Protocol):
     def decide(self, kind: str, candidates: Sequence[Instance], key: Any,
                start: int) -> Instance | None: ...
 
+    def routed(self, inst: Instance, key: Any) -> None: ...
+
 
 class KvAwarePolicy(SchedulingPolicy):
     """Cheapest expected prefill (own-cache hit first, a pool hit anywhere) weighed
@@ -137,10 +139,13 @@ class KvAwarePolicy(SchedulingPolicy):
         if not reason:
             pick = router.decide(self.kind, candidates, prefix, self._n % len(candidates))
             if pick is not None:
+                router.routed(pick, prefix)
                 return pick
             reason = "no_events"
         router.counters[("fallbacks", self.kind, reason)] += 1
-        return self._fallback.select(candidates, raw)
+        pick = self._fallback.select(candidates, raw)
+        router.routed(pick, prefix)
+        return pick
 
 
 #: policy name -> class, for the ``--scheduling`` choices

@@ -30,7 +30,7 @@ from mooncake_vllm.httpsafe import (
     read_body,
     redact,
 )
-from mooncake_vllm.proxy import admin, flows, kv_policy
+from mooncake_vllm.proxy import admin, engine_load, flows, kv_policy
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.scheduling import make_policy
@@ -73,6 +73,7 @@ class ProxyConfig:
     kv_events: str = "tcp://127.0.0.1:5557"  # kv_aware: the SUB socket the instances publish KV events to
     kv_tokenize_timeout: float = 2.0  # kv_aware: one instance /tokenize (and /version) call
     kv_replay: dict[str, str] | list[str] = field(default_factory=dict)  # kv_aware: host:port -> replay socket
+    engine_metrics_interval: float = 1.0  # seconds between reads of each instance's /metrics; 0 = never
 
 
 def _answer(err: ProxyError) -> web.Response:
@@ -116,6 +117,7 @@ class ProxyServer:
         self.session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._load_task: asyncio.Task[None] | None = None
         self.pending_adds: set[tuple[str, str]] = set()
         self.guard = ConnectionGuard(
             max_connections=config.max_connections, header_timeout=config.header_timeout,
@@ -148,18 +150,21 @@ class ProxyServer:
                                              cookie_jar=aiohttp.DummyCookieJar())
         await admin.check_all(self)  # the first round before serving: no 503 at start-up
         self._health_task = asyncio.create_task(admin.health_loop(self))
+        if self.config.engine_metrics_interval > 0:
+            self._load_task = asyncio.create_task(engine_load.poll_loop(self))
         if self.kv is not None:
             await kv_policy.start(self)
 
     async def _on_cleanup(self, _app: web.Application) -> None:
         if self.kv is not None:
             self.kv.stop()
-        if self._health_task is not None:
-            self._health_task.cancel()
-            try:
-                await self._health_task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._health_task, self._load_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         if self.session is not None:
             await self.session.close()
 
@@ -302,6 +307,8 @@ class ProxyServer:
                     raise err from None
             finally:
                 inst.release()
+                if self.kv is not None:
+                    self.kv.settle("prefill", prefix)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _prefill_step(self, request: web.Request, route: str, raw: bytes, body: dict[str, Any],
@@ -339,18 +346,21 @@ class ProxyServer:
                         if self.kv is not None:
                             self.kv.observe("decode", prefix, flows.parse_prefill_answer("store", "", raw))
                         return web.Response(body=raw, status=up.status, content_type=up.content_type or None), up.status
-                    return await self._stream(request, inst, up, route, t0)
+                    return await self._stream(request, inst, up, route, t0, prefix)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 if (err := self._upstream_failure(inst, exc, last=attempt == 1, secrets=secrets)) is not None:
                     raise err from None
             finally:
                 inst.release()
+                if self.kv is not None:
+                    self.kv.settle("decode", prefix)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _stream(self, request: web.Request, inst: Instance, up: aiohttp.ClientResponse,
-                      route: str, t0: float) -> tuple[web.StreamResponse, int]:
+                      route: str, t0: float, prefix: Any = b"") -> tuple[web.StreamResponse, int]:
         """Relay an upstream stream; a break after the first byte ends with an SSE error event.
-        Returns the response and the status to record (502 broken, 499 client gone)."""
+        Returns the response and the status to record (502 broken, 499 client gone). The first
+        byte ends the request's prefill (``kv_aware`` stops counting it as queued work)."""
         ctype = up.headers.get("Content-Type", _SSE)
         resp = web.StreamResponse(status=up.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
         first = True
@@ -360,6 +370,8 @@ class ProxyServer:
                     await resp.prepare(request)
                     self.metrics.observe_ttfb(route, time.perf_counter() - t0)
                     first = False
+                    if self.kv is not None:
+                        self.kv.settle("decode", prefix)
                 await resp.write(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                 asyncio.TimeoutError) as exc:
@@ -452,7 +464,8 @@ class ProxyServer:
             return _answer(ProxyError(502, f"{kind} instance failed to list models: {detail}"))
 
     async def handle_metrics(self, _request: web.Request) -> web.Response:
-        text = self.metrics.render(self.pool) + (self.kv.render() if self.kv is not None else "")
+        text = (self.metrics.render(self.pool) + engine_load.render(self.pool)
+                + (self.kv.render() if self.kv is not None else ""))
         return web.Response(text=text, content_type="text/plain",
                             headers={"X-Content-Type-Options": "nosniff"})
 

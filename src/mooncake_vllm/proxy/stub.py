@@ -1,6 +1,7 @@
 """A tiny OpenAI-compatible upstream for the proxy's tests and benchmark (not a vLLM).
 
-It serves ``/v1/models``, ``/health``, ``/version``, ``/tokenize`` (one token per
+It serves ``/v1/models``, ``/health``, ``/version``, ``/metrics`` (vLLM's load and
+prefix-cache counters: its own requests running, ``waiting``, ``hit_tokens``), ``/tokenize`` (one token per
 whitespace-separated word, :meth:`StubUpstream.tokenize`), the two completion routes
 (JSON or SSE, ``tokens`` chunks ``delay`` seconds apart) and a P2P bootstrap
 ``/query``, on a real loopback socket, and can be told to fail: answer 500, or
@@ -38,6 +39,8 @@ class StubUpstream:
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)
     active: int = 0
+    waiting: int = 0  # reported in /metrics as vllm:num_requests_waiting (other clients' requests)
+    hit_tokens: int = 0  # reported as vllm:prefix_cache_hits_total
     _runner: web.AppRunner | None = None
 
     @property
@@ -50,6 +53,7 @@ class StubUpstream:
         app.router.add_get("/health", self._health)
         app.router.add_get("/version", self._version)
         app.router.add_get("/query", self._query)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
@@ -89,6 +93,13 @@ class StubUpstream:
         text = body.get("prompt") or json.dumps(body.get("messages"))
         tokens = self.tokenize(text)
         return web.json_response({"count": len(tokens), "max_model_len": 2048, "tokens": tokens})
+
+    async def _metrics(self, _r: web.Request) -> web.Response:
+        prompt = sum(len(self.tokenize(str(b.get("prompt") or ""))) for b in self.received)
+        return web.Response(text=(f'vllm:num_requests_running{{engine="0"}} {self.active}\n'
+                                  f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
+                                  f'vllm:prompt_tokens_total{{engine="0"}} {prompt}.0\n'
+                                  f'vllm:prefix_cache_hits_total{{engine="0"}} {self.hit_tokens}.0\n'))
 
     async def _query(self, _r: web.Request) -> web.Response:
         if self.engine_id is None:

@@ -34,12 +34,14 @@ from mooncake_vllm.services.process import (
     stop_all,
     tcp_probe,
 )
+from mooncake_vllm.services.tier import DiskTier
 
 __all__ = [
     "HOLDER_KINDS",
     "LOOPBACK",
     "METADATA_KINDS",
     "SETUP_HINT",
+    "DiskTier",
     "LocalStack",
     "ManagedProcess",
     "Placement",

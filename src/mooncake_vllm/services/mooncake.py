@@ -26,6 +26,7 @@ from mooncake_vllm.services.process import (
     http_probe,
     with_port_retry,
 )
+from mooncake_vllm.services.tier import DiskTier, holder_env
 
 __all__ = [
     "HOLDER_KINDS",
@@ -268,6 +269,7 @@ def start_holder(
     timeout: float = 30.0,
     name: str = "pool_holder",
     placement: Placement = LOOPBACK,
+    disk: tuple[Path, int] | None = None,
 ) -> ManagedProcess:
     """Start a process that mounts ``segment_size`` bytes of pool memory and keeps it.
 
@@ -277,6 +279,8 @@ def start_holder(
     ``mooncake-vllm holder``; ``kind="auto"`` picks mooncake_client when the wheel
     has it (Mooncake >= 0.3.8), else the Python holder. Ready once its segment is mounted.
     ``placement``: the address peers reach it at and the namespace it runs in.
+    ``disk``: (directory, bytes) of its disk tier (``services.tier``; the master needs
+    ``--enable_offload=true``).
     """
     host = placement.host
     if kind not in HOLDER_KINDS:
@@ -295,15 +299,20 @@ def start_holder(
         def argv(p: int) -> list[str]:
             return [binary, f"--host={host}", f"--port={p}", f"--global_segment_size={segment_size}",
                     f"--local_buffer_size={local_buffer}", f"--master_server_address={master}",
-                    f"--metadata_server={metadata}", "--protocol=tcp"]
+                    f"--metadata_server={metadata}", "--protocol=tcp",
+                    *(["--enable_offload=true"] if disk else [])]
     else:
         def argv(p: int) -> list[str]:
             return [*cli_argv("holder"), "--master", master,
                     "--metadata", metadata, "--segment-size", str(segment_size),
-                    "--local-buffer", str(local_buffer), "--ready-port", str(p), "--host", host]
+                    "--local-buffer", str(local_buffer), "--ready-port", str(p), "--host", host,
+                    *(["--ssd", str(disk[0]), "--ssd-size", str(disk[1])] if disk else [])]
+    env = _env(host)
+    if disk:
+        env.update(holder_env(*disk))
 
     def launch(p: int) -> ManagedProcess:
-        proc = watch_dev_shm(ManagedProcess(name, placement.wrap(argv(p)), workdir=workdir, env=_env(host),
+        proc = watch_dev_shm(ManagedProcess(name, placement.wrap(argv(p)), workdir=workdir, env=env,
                                             port=p)).start()
         proc.address = f"{host}:{p}"
         # Both kinds open their port only after setup() mounted the segment.
@@ -322,7 +331,8 @@ class LocalStack:
     the pool's memory lives in ``holders`` holder processes that split
     ``segment_size`` evenly (values spread over them; a client striping its
     transfers over several store clients reads several holders at once, and one
-    holder's death costs only its share).
+    holder's death costs only its share). ``disk``: a disk tier behind the holders' DRAM
+    (``services.tier``: the master runs with offload, each holder with its own directory).
     """
 
     def __init__(
@@ -340,6 +350,7 @@ class LocalStack:
         metadata_backend: str = "memory",
         progress: Progress | None = None,
         holders: int = 1,
+        disk: DiskTier | None = None,
     ) -> None:
         if metadata not in METADATA_KINDS:
             raise ValueError(f"metadata: got {metadata!r}, expected one of {', '.join(METADATA_KINDS)}")
@@ -363,6 +374,7 @@ class LocalStack:
         self.holder_kind = holder
         self.holder_count = holders
         self.holders: list[ManagedProcess] = []
+        self.disk = disk
         self.metadata_backend = metadata_backend
         self.progress = progress or (lambda component, state, detail: None)
         self.master: ManagedProcess | None = None
@@ -393,7 +405,7 @@ class LocalStack:
     def processes(self) -> list[ManagedProcess]:
         return [p for p in (self.master, self.metadata_server) if p is not None] + self.holders
 
-    def config(self) -> dict[str, str]:
+    def config(self) -> dict[str, str | bool]:
         """The V1 ``mooncake_config.json`` content for pure clients of this stack."""
         return {
             "metadata_server": self.metadata_url,
@@ -402,6 +414,7 @@ class LocalStack:
             "local_buffer_size": str(self.local_buffer_size),
             "protocol": "tcp",
             "device_name": "",
+            **({"enable_ssd_offload": True} if self.disk else {}),
         }
 
     def env(self) -> dict[str, str]:
@@ -423,7 +436,8 @@ class LocalStack:
         self.config_path.unlink(missing_ok=True)  # a stale config would point at dead ports
         try:
             self.master = self._step("master", lambda: start_master(
-                self.workdir, self.client_ttl, port=self.ports["master"]))
+                self.workdir, self.client_ttl, port=self.ports["master"],
+                extra_args=self.disk.master_args() if self.disk else ()))
             if self.metadata_kind != "p2p":
                 self.metadata_server = self._step("metadata", lambda: start_http_metadata(
                     self.workdir, self.metadata_kind, self.metadata_backend, port=self.ports["metadata"]))
@@ -434,9 +448,10 @@ class LocalStack:
             for i in range(self.holder_count):
                 name = "pool_holder" if i == 0 else f"pool_holder{i}"
                 port = self.ports["holder"] if i == 0 else None
-                self.holders.append(self._step("holder", lambda port=port, name=name: start_holder(
+                disk = (self.disk.holder_dir(name), self.disk.size // self.holder_count) if self.disk else None
+                self.holders.append(self._step("holder", lambda port=port, name=name, disk=disk: start_holder(
                     self.workdir, self.master_address, self.metadata_url, each,
-                    self.local_buffer_size, kind=self.holder_kind, port=port, name=name)))
+                    self.local_buffer_size, kind=self.holder_kind, port=port, name=name, disk=disk)))
         except BaseException:
             self.stop()
             raise

@@ -19,7 +19,7 @@ from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.errors import StoreUnavailableError
 from mooncake_vllm.store.codes import call
 
-__all__ = ["CLIENT_ENV_DEFAULTS", "OpenedStore", "open_store", "pick_local_hostname",
+__all__ = ["CLIENT_ENV_DEFAULTS", "OFFLOAD_ENV_DEFAULTS", "OpenedStore", "open_store", "pick_local_hostname",
            "tcp_reachable"]
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,15 @@ CLIENT_ENV_DEFAULTS = {
     "MC_STORE_CLIENT_SETUP_RETRIES": "1",  # default 20 → ~90 s to fail on a wrong master
     "MC_RPC_TIMEOUT_MS": "2000",  # default 30000 → 30 s per RPC on a hung master
     "MC_LOG_LEVEL": "ERROR",
+}
+#: Environment of a process that offloads its pool memory to disk (a holder, or a client with a
+#: segment and enable_ssd_offload); set only where the user has not. Mooncake's defaults: the
+#: bucket backend, a 10 s offload heartbeat (DRAM full of values not yet on disk refuses puts
+#: that long) and a 1.2 GB staging buffer per process.
+OFFLOAD_ENV_DEFAULTS = {
+    "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "file_per_key_storage_backend",  # one file per value
+    "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1",
+    "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(128 << 20),
 }
 
 
@@ -129,8 +138,18 @@ def _setup(config: StoreConfig, metadata: str, timeout: float,
     store = store_factory()
     args = (hostname, metadata, config.global_segment_size, config.local_buffer_size,
             config.protocol, config.device_name, config.master_server_address)
+    kwargs: dict[str, Any] = {}
+    if config.ssd_offload and config.global_segment_size > 0:
+        # this process holds pool memory: it offloads that memory to its disk (Mooncake >= 0.3.11)
+        if "enable_ssd_offload" not in (getattr(store.setup, "__doc__", None) or ""):
+            raise StoreUnavailableError(
+                f"enable_ssd_offload in {config.source}: this Mooncake release's setup() has no disk tier; "
+                f"install mooncake-transfer-engine >= 0.3.11, or remove enable_ssd_offload")
+        kwargs = {"enable_ssd_offload": True, "ssd_offload_path": config.ssd_offload_path}
+        for name, value in OFFLOAD_ENV_DEFAULTS.items():
+            os.environ.setdefault(name, value)
     result: list[Any] = []
-    worker = threading.Thread(target=lambda: result.append(call(store.setup, *args)),
+    worker = threading.Thread(target=lambda: result.append(call(lambda: store.setup(*args, **kwargs))),
                               name="mcv-setup", daemon=True)
     worker.start()
     worker.join(timeout)

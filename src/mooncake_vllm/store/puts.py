@@ -8,16 +8,20 @@ batch gets its headers from the checksums taken at capture, and after the put
 the blocks are checked again: a block vLLM reused meanwhile has its value
 removed (``save_raced``). A round with a batch past its deadline abandons the
 save: the snapshot's slots come back once every put of that round returned.
+With a disk tier, keys refused for a full pool are put again on the lane's worker
+after each of ``transport.full_waits`` (inside the batch's call, so its slots stay
+held and its deadline applies).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.errors import CallRejected, CallTimedOut
-from mooncake_vllm.store.codes import Code
+from mooncake_vllm.store.codes import Code, call
 from mooncake_vllm.store.fetch import MAX_BATCH
 from mooncake_vllm.store.slots import Run, slots_of
 from mooncake_vllm.store.timebox import LateRelease
@@ -114,10 +118,39 @@ def _pool_away(transport: Transport) -> bool:
     return False
 
 
-def _framed_put(store: Any, paths: LayoutPaths, ticket: SaveTicket, keep: list[int]) -> Any:
+def _framed_put(transport: Transport, store: Any, paths: LayoutPaths, ticket: SaveTicket,
+                keep: list[int]) -> Any:
     """On the lane's worker: checksum and frame the snapshot slots, then put them."""
     ptrs, sizes = paths.frame_snapshot(ticket, keep)
-    return store.batch_put_from([ticket.keys[i] for i in keep], ptrs, sizes)
+    return _put_until_room(transport, store.batch_put_from, [ticket.keys[i] for i in keep], ptrs, sizes)
+
+
+def _put_until_room(transport: Transport, put: Callable[..., Any], keys: list[str],
+                    ptrs: Sequence[Any], sizes: Sequence[Any]) -> Any:
+    """``put(keys, ptrs, sizes)``, then again for the keys refused with NO_AVAILABLE_HANDLE while
+    the pool has a disk tier and retries make progress (``transport.full_waits``); the codes of
+    the last attempts."""
+    codes = put(keys, ptrs, sizes)
+    if transport.full_waits is None:
+        return codes
+    first, most, patience = transport.full_waits
+    wait, stalled = first, 0.0
+    while not isinstance(codes, BaseException) and not transport.closed:
+        codes = list(codes)
+        full = [i for i, c in enumerate(codes) if c == Code.NO_AVAILABLE_HANDLE]
+        if not full or stalled >= patience:
+            break
+        transport.stats.add("put_retries_full", len(full))
+        time.sleep(wait)
+        again = call(put, [keys[i] for i in full], [ptrs[i] for i in full], [sizes[i] for i in full])
+        if isinstance(again, BaseException):
+            break
+        for i, code in zip(full, again):
+            codes[i] = code
+        progress = any(c != Code.NO_AVAILABLE_HANDLE for c in again)
+        stalled = 0.0 if progress else stalled + wait
+        wait = first if progress else min(most, wait * 2)
+    return codes
 
 
 def _submit(transport: Transport, paths: LayoutPaths, ticket: SaveTicket, lane: Lane,
@@ -128,7 +161,7 @@ def _submit(transport: Transport, paths: LayoutPaths, ticket: SaveTicket, lane: 
     own_late: LateRelease | None = None
     try:
         if ticket.snapshot:
-            fut = lane.saves.submit(_framed_put, lane.store, paths, ticket, keep,
+            fut = lane.saves.submit(_framed_put, transport, lane.store, paths, ticket, keep,
                                     on_done=late.returned if late else None, wait=wait)
         else:
             header_runs = paths.header_pool.take(len(keep))
@@ -139,7 +172,8 @@ def _submit(transport: Transport, paths: LayoutPaths, ticket: SaveTicket, lane: 
             ptrs, msizes = paths.frame_zero_copy(ticket, keep, header_runs)
             runs = header_runs
             own_late = LateRelease(lambda: paths.header_pool.release(runs))
-            fut = lane.saves.submit(lane.store.batch_put_from_multi_buffers, keys, ptrs, msizes,
+            fut = lane.saves.submit(_put_until_room, transport, lane.store.batch_put_from_multi_buffers,
+                                    keys, ptrs, msizes,
                                     on_done=own_late.returned, wait=wait)
     except CallRejected as exc:
         if header_runs:

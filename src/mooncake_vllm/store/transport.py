@@ -35,7 +35,7 @@ from mooncake_vllm.store.health import FailureLog, PoolHealth
 from mooncake_vllm.store.holders import HolderGuard
 from mooncake_vllm.store.timebox import LateRelease, TimeBox
 
-__all__ = ["MIN_RATE", "Lane", "Transport"]
+__all__ = ["FULL_WAITS", "MIN_RATE", "Lane", "Transport"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,13 @@ log = logging.getLogger(__name__)
 MIN_RATE = 200e6
 #: after "pool full", skip saves this long (backpressure, not an error storm)
 FULL_BACKOFF = 5.0
+#: with a disk tier (``enable_ssd_offload``) "full" means DRAM holds values not yet on disk,
+#: which the holders write within one offload heartbeat (1 s as we start them), and the master
+#: then evicts a few at a time: keys a put finds it so are put again after waits growing
+#: from the first to the second value, until a retry stores none for the third (seconds);
+#: saves pause only TIER_FULL_BACKOFF after one still refused
+FULL_WAITS = (0.05, 0.4, 2.0)
+TIER_FULL_BACKOFF = 1.0
 
 
 class Lane:
@@ -91,6 +98,9 @@ class Transport:
         self.holders = HolderGuard(self, cooldown=cooldown)
         self.closed = False
         self.full_until = 0.0
+        #: waits before retrying puts refused for a full pool: only with a disk tier (DRAM-only
+        #: pools evict on their own and a refused save is dropped, as before)
+        self.full_waits: tuple[float, float, float] | None = FULL_WAITS if config.ssd_offload else None
         self._cleanup = cleanup
         self._regions: list[tuple[int, int]] = []
         self._lanes_lock = threading.Lock()
@@ -203,7 +213,8 @@ class Transport:
             self.failures.warn(f"{op}{code}", f"mooncake-vllm: {n} block {op}(s) failed with "
                                f"{describe(code)}")
             if code == Code.NO_AVAILABLE_HANDLE:
-                self.full_until = time.monotonic() + FULL_BACKOFF
+                backoff = TIER_FULL_BACKOFF if self.full_waits else FULL_BACKOFF
+                self.full_until = time.monotonic() + backoff
         if any(is_fatal(c) for c in failed):
             self.health.failed(f"batch {op} returned {sorted(set(failed))}")
         return failed

@@ -17,11 +17,15 @@ and a clock, so it is testable with a fake clock and made-up samples.
 * **Decision** — among prefixes of the hit (every chunk boundary, coarsened to at
   most :data:`CANDIDATES`), claim the one that saves the most time, and only if
   its load costs at most ``(1 - margin)`` of what recomputing it would. Without
-  enough samples of either kind, or for a prompt reaching further than any
-  prefill step measured (attention makes recompute grow faster than linearly:
-  it is not extrapolated), the claim is made (the pool is assumed to pay until
-  measured). While claims are declined, a quarter of one hit is claimed
-  every ``explore_every`` seconds, so a pool that recovers is measured again.
+  enough samples of either kind the claim is made (the pool is assumed to pay
+  until measured). A prompt reaching further than any prefill step measured is
+  weighed against a *floor* of its recompute (attention makes recompute grow
+  faster than linearly, so each token past the reach costs at least what the
+  token at the reach did): a load that beats the floor is claimed; one that
+  does not is declined once (``reach_probe``), so vLLM recomputes it and the
+  model learns that far. While claims are declined, a quarter of one hit is
+  claimed every ``explore_every`` seconds, so a pool that recovers is measured
+  again.
 
 ``policy``: ``auto`` (the above), ``always`` (every hit), ``never`` (none).
 """
@@ -34,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CANDIDATES", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
+__all__ = ["CANDIDATES", "MIN_FIT", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
 
 #: prefix lengths a decision weighs (chunk boundaries, evenly coarsened)
 CANDIDATES = 16
@@ -43,8 +47,12 @@ _WINDOW = 256  #: prefill samples kept
 _LOAD_WINDOW = 32
 #: recent loads that say how much slower (or faster) the pool is now than its shape
 RECENT = 3
-#: the fewest tokens a step must schedule to teach the recompute model (decodes do not)
+#: steps scheduling fewer tokens are decodes: their median is the fixed cost of a step
 MIN_PREFILL = 64
+#: the fewest tokens a step must schedule to teach the per-token costs. Below this a step's
+#: time is its fixed cost and noise (on an H200 a 64-token prefill took 16-41 ms, a decode
+#: 19 ms: three of them fitted 210 us/token, 10x the truth, and every 2k hit was claimed)
+MIN_FIT = 512
 #: beyond this multiple of the furthest position measured, recompute is not extrapolated
 REACH_MARGIN = 1.25
 
@@ -73,7 +81,7 @@ class Decision:
     """How many of the hit's tokens to claim, and why."""
 
     tokens: int
-    reason: str  #: claimed | unmeasured | explore | always | slow_pool | never
+    reason: str  #: claimed | unmeasured | explore | always | slow_pool | reach_probe | never
     predicted_load: float = math.nan  #: seconds, for the claimed (or best) prefix
     predicted_recompute: float = math.nan
 
@@ -115,8 +123,8 @@ class PrefillModel:
 
     The fixed cost of a step, ``c0``, is the median of the steps scheduling fewer than
     :data:`MIN_PREFILL` tokens (decodes: plenty of them); ``c1`` and ``c2`` are fitted
-    to the prefill steps' time above ``c0``. Fitting all three to prefill steps alone
-    is ill-posed when they are all one chunk size (vLLM splits long prompts into
+    to the time above ``c0`` of prefill steps of at least :data:`MIN_FIT` tokens. Fitting
+    all three to prefill steps alone is ill-posed when they are all one chunk size (vLLM splits long prompts into
     ``max_num_batched_tokens`` chunks): the intercept then soaks up the per-token cost.
     ``reach`` is the furthest position a prefill step computed: beyond it the model
     does not extrapolate.
@@ -140,7 +148,7 @@ class PrefillModel:
             return
         if tokens < MIN_PREFILL:
             self._small.append(float(seconds))
-        else:
+        elif tokens >= MIN_FIT:
             self.samples.append((now, (float(tokens), float(work)), float(seconds)))
             self._reach.append(float(reach or tokens))
         self._coef = None
@@ -175,6 +183,18 @@ class PrefillModel:
         _, c1, c2 = coef
         n = end - start
         return c1 * n + c2 * n * (start + n / 2)
+
+    def recompute_floor(self, now: float, start: int, end: int) -> float | None:
+        """A lower bound of :meth:`recompute` that holds past the reach: the fitted cost
+        up to the reach, then every further token at the cost of the token at the reach
+        (a token's cost only grows with its position)."""
+        coef = self.coefficients(now)
+        if coef is None:
+            return None
+        _, c1, c2 = coef
+        reach = max(float(start), min(float(end), self.reach))
+        within = c1 * (reach - start) + c2 * (reach - start) * (start + (reach - start) / 2)
+        return within + (end - reach) * (c1 + c2 * reach)
 
     def step(self, now: float) -> float:
         """The fixed cost of one engine step (seconds; 0 before it is measured)."""
@@ -245,6 +265,9 @@ class ClaimAdvisor:
         self._declining_since: float | None = None
         self._last_explore = -math.inf
         self.counts: dict[str, int] = {}
+        #: the last decisions: ``(clock, start, hit, decision)`` (what an operator or a bench
+        #: compares with what the requests then took)
+        self.recent: deque[tuple[float, int, int, Decision]] = deque(maxlen=_WINDOW)
 
     def observe(self, steps: Iterable[Sequence[float]] = (),
                 loads: Iterable[Sequence[float]] = ()) -> None:
@@ -262,7 +285,17 @@ class ClaimAdvisor:
         to claim; ``backlog``: tokens already being loaded ahead of this one."""
         d = self._decide(start, hit, chunk, backlog)
         self.counts[d.reason] = self.counts.get(d.reason, 0) + 1
+        self.recent.append((self.clock(), start, hit, d))
         return d
+
+    def snapshot(self) -> dict[str, object]:
+        """The models' state and the recent decisions, as plain data."""
+        now = self.clock()
+        return {"coefficients": self.prefill.coefficients(now), "reach": self.prefill.reach,
+                "prefill_samples": [[t, *x, y] for t, x, y in self.prefill.samples],
+                "load_samples": [list(x) for x in self.loads.samples], "counts": dict(self.counts),
+                "decisions": [[at, start, hit, d.tokens, d.reason, d.predicted_load,
+                               d.predicted_recompute] for at, start, hit, d in self.recent]}
 
     def _decide(self, start: int, hit: int, chunk: int, backlog: int) -> Decision:
         policy = self.rules.policy
@@ -278,6 +311,9 @@ class ClaimAdvisor:
         if tokens > 0 and load <= (1.0 - self.rules.margin) * recompute:
             self._declining_since = None
             return Decision(tokens, "claimed", load, recompute)
+        if start + hit > REACH_MARGIN * self.prefill.reach:
+            # only a floor of the recompute was known: recompute once, to measure that far
+            return Decision(0, "reach_probe", load, recompute)
         if self._declining_since is None:
             self._declining_since = now
         explore_due = (now - max(self._last_explore, self.loads.last_sample)
@@ -295,8 +331,8 @@ class ClaimAdvisor:
             return None
         if self.prefill.coefficients(now) is None:
             return None
-        if start + hit > REACH_MARGIN * self.prefill.reach:
-            return None  # never measured this far: claim, and learn what the load costs
+        beyond = start + hit > REACH_MARGIN * self.prefill.reach
+        recompute_of = self.prefill.recompute_floor if beyond else self.prefill.recompute
         chunks = max(1, hit // max(1, chunk))
         stride = max(1, -(-chunks // CANDIDATES))
         lengths = sorted({min(chunks, k) * chunk for k in range(stride, chunks + stride, stride)})
@@ -306,7 +342,7 @@ class ClaimAdvisor:
             return None
         best: tuple[float, int, float, float] | None = None
         for tokens in lengths:
-            recompute = self.prefill.recompute(now, start, start + tokens)
+            recompute = recompute_of(now, start, start + tokens)
             if recompute is None:
                 return None
             load = load_seconds(backlog + tokens) + wait

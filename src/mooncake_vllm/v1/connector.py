@@ -47,6 +47,7 @@ from mooncake_vllm.v1.kv_groups import check_kv_cache_config, check_kv_caches
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.metrics import PoolStats, build_prom_metrics
 from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
+from mooncake_vllm.v1.nesting import adopt_failure_policy, check_stats_name, parent_config, required_layout
 from mooncake_vllm.v1.placement import thread_nice
 from mooncake_vllm.v1.scheduler import SchedulerLogic
 from mooncake_vllm.v1.telemetry import Telemetry
@@ -124,6 +125,10 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                  kv_cache_config: Any = None) -> None:
         follow_vllm_logging()
         _require_supported_vllm()
+        #: the enclosing MultiConnector's config (None: we are the engine's connector)
+        parent = parent_config(vllm_config)
+        if parent is not None:
+            check_stats_name(MooncakeStoreConnector, type(self).__name__)
         thread_nice()  # a bad $MOONCAKE_VLLM_THREAD_NICE is refused at start, not in a thread
         if _BASE_TAKES_KV_CACHE_CONFIG:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -143,6 +148,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                                   timeout=settings.connect_timeout)
         tenant = self.store_config.tenant_id
         block_size = int(vllm_config.cache_config.block_size)
+        # the layout vLLM gives the KV follows the PARENT's wish (P2P MooncakeConnector: HND)
+        wanted = required_layout(parent) if parent is not None else None
         self.scheduler: SchedulerLogic | None = None
         self.worker: WorkerLogic | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -150,10 +157,12 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                     ktc, "kv_load_failure_policy"):
                 # The scheduler reads this right after building us: a pool miss is never fatal.
                 ktc.kv_load_failure_policy = "recompute"
+                adopt_failure_policy(parent, "recompute")  # nested: the scheduler reads the parent's
             waits = self.can_load and _installed_fact("deferred_lookup")
             load_async = settings.load_async and _installed_fact("load_error_reporting")
             self.telemetry = Telemetry(self.shared, vllm_config)
-            self.scheduler = SchedulerLogic(rank_namespaces(vllm_config, settings, tenant=tenant),
+            self.scheduler = SchedulerLogic(rank_namespaces(vllm_config, settings, tenant=tenant,
+                                                            required=wanted),
                                             block_size,
                                             self.telemetry.timed_lookup(self._lookup),
                                             can_load=self.can_load,
@@ -174,8 +183,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         else:
             tp_rank, pp_rank = _worker_ranks()
             (namespace,) = rank_namespaces(vllm_config, settings, tenant=tenant,
-                                           only=(tp_rank, pp_rank)).namespaces
-            layout = expected_layout(vllm_config, pp_rank, variant=settings.layout_variant)
+                                           only=(tp_rank, pp_rank), required=wanted).namespaces
+            layout = expected_layout(vllm_config, pp_rank, variant=settings.layout_variant,
+                                     required=wanted)
             self.telemetry = Telemetry(self.shared, vllm_config, worker=namespace)
             assert self.telemetry.source is not None  # a worker's Telemetry meters its clients
             self.worker = WorkerLogic(namespace, layout,
@@ -311,10 +321,6 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         """``vllm:mooncake_vllm_*`` series in the server's /metrics (vLLM >= 0.11.1)."""
         return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-    def get_kv_connector_kv_cache_events(self) -> Any:
-        """Worker side: what the pool gained or lost this step (vLLM >= 0.13.0)."""
-        return self.telemetry.take_worker_events()
-
     def update_connector_output(self, connector_output: Any) -> None:
         self.telemetry.received(connector_output)
 
@@ -329,6 +335,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         if self.scheduler is not None:
             out.update({f"scheduler_{k}": v for k, v in self.scheduler.counters.items()})
             out["scheduler_loading_tokens"] = self.scheduler.loading_tokens()
+            events = self.telemetry.scheduler_events
+            if events is not None:
+                out.update({f"scheduler_{k}": v for k, v in events.counters.items()})
         if self.worker is not None:
             out.update({f"worker_{k}": v for k, v in self.worker.counters.items()})
         client = self.shared.get()

@@ -5,10 +5,10 @@ the server runs with ``--kv-events-config`` (``enable_kv_cache_events``):
 
 * **Workers** (:class:`WorkerEvents`) note, after each save, which of its keys the
   pool answers present (one batched, time-boxed lookup on the save thread), and
-  after a load that failed, which of its keys the pool no longer has. vLLM
-  collects them per step (``get_kv_connector_kv_cache_events``) as
-  :class:`PoolKVEvents` and hands them to the scheduler side
-  (``update_connector_output``).
+  after a load that failed, which of its keys the pool no longer has. The
+  records ride the worker's stats each step (``get_kv_connector_stats``:
+  ``MultiConnector`` forwards its children's stats, not their worker events) to the
+  scheduler side (``update_connector_output``), as :class:`PoolKVEvents`.
 * **The scheduler side** (:class:`SchedulerEvents`) knows, for every chunk it
   planned to save or load, vLLM's block hash, the parent hash and the tokens. A
   chunk becomes ``BlockStored(medium="MOONCAKE")`` once EVERY rank (TP x PP) has
@@ -149,7 +149,8 @@ class SchedulerEvents:
         self._ranks: OrderedDict[str, set[str]] = OrderedDict()
         self._stored: list[str] = []
         self._removed: list[str] = []
-        self.counters = {"stored_events": 0, "removed_events": 0, "unnamed_chunks": 0}
+        self.counters = {"stored_events": 0, "removed_events": 0, "unnamed_chunks": 0,
+                         "dropped_records": 0}
 
     # ------------------------------------------------------------------ planning
     def planned(self, meta: Any, requests: Any) -> None:

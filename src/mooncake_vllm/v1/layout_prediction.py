@@ -26,6 +26,7 @@ from mooncake_vllm.errors import UnsupportedVersionError
 
 __all__ = [
     "LAYOUT_ALIASES",
+    "LEGACY_NAMES",
     "SPLIT_PAGE_LAYOUTS",
     "gpu_layout_name",
     "predict_block",
@@ -33,6 +34,8 @@ __all__ = [
 
 #: legacy names vLLM accepts for the generic layouts
 LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+#: the legacy name of a generic layout (a connector of a newer vLLM may ask by the generic one)
+LEGACY_NAMES = {generic: legacy for legacy, generic in LAYOUT_ALIASES.items()}
 #: generic layouts per whether memory runs heads before tokens inside a layer's page
 _HEADS_FIRST = {"LBHNC": True, "BLHNC": True, "LBNHC": False, "BLNHC": False,
                 # 0.27-0.28: the backends' [B, H, N, 2*D] per layer, NHD/HND by stride order
@@ -65,8 +68,11 @@ def _blackwell_flashinfer(vllm_config: Any) -> bool:
     return True
 
 
-def gpu_layout_name(vllm_config: Any, facts: Any, *, env: Any = None) -> str:
-    """vLLM's layout name for this config: ``NHD``/``HND`` or a ``KVCacheLayout`` name."""
+def gpu_layout_name(vllm_config: Any, facts: Any, *, env: Any = None,
+                    required: str | None = None) -> str:
+    """vLLM's layout name for this config: ``NHD``/``HND`` or a ``KVCacheLayout`` name;
+    ``required``: what the engine's connector asks for (ours alone: nothing; inside a
+    ``MultiConnector`` beside the P2P ``MooncakeConnector``: HND)."""
     env = os.environ if env is None else env
     source = facts.kv_layout_source
     if source is None:
@@ -81,7 +87,10 @@ def gpu_layout_name(vllm_config: Any, facts: Any, *, env: Any = None) -> str:
     if facts.kv_layout_env and env.get("VLLM_KV_CACHE_LAYOUT"):
         return str(env["VLLM_KV_CACHE_LAYOUT"])
     # the connector's own wish: NixlConnector (connector-utils), the connector class's
-    # get_required_kvcache_layout (backends-utils, 0.10.1+): ours asks for none
+    # get_required_kvcache_layout (backends-utils, 0.10.1+): ours asks for none, a parent
+    # MultiConnector for its children's (the P2P MooncakeConnector: HND)
+    if required:
+        return LEGACY_NAMES.get(str(required), str(required))
     return "NHD"
 
 

@@ -41,8 +41,8 @@ try:  # vLLM >= 0.11.1
 except ImportError:  # pragma: no cover
     _PromBase = None
 
-__all__ = ["COUNTERS", "METRIC_PREFIX", "MISS_SERIES", "OPS", "Meter", "MeteredSource", "PoolPromMetrics",
-           "PoolStats", "build_prom_metrics", "pool_up"]
+__all__ = ["COUNTERS", "MAX_EVENT_RECORDS", "METRIC_PREFIX", "MISS_SERIES", "OPS", "Meter", "MeteredSource",
+           "PoolPromMetrics", "PoolStats", "build_prom_metrics", "own_stats", "pool_up"]
 
 #: Every exported metric is named ``vllm:mooncake_vllm_<name>``.
 METRIC_PREFIX = "vllm:mooncake_vllm_"
@@ -63,6 +63,10 @@ COUNTERS: Mapping[str, str] = {
     "claims_declined_slow_pool": "Lookups whose hit was not claimed: the pool measured slower "
                                  "than recompute (load_policy auto).",
     "claims_declined_never": "Lookups whose hit was not claimed: load_policy never.",
+    "claims_declined_reach_probe": "Lookups whose hit was not claimed because the prompt reached "
+                                   "further than any prefill measured and its load did not beat "
+                                   "a floor of its recompute: vLLM recomputed it once, to measure "
+                                   "that far (load_policy auto).",
     "claim_probes": "Partial claims made while declining, to measure the pool again.",
     "waits_for_shared_load": "Requests deferred while another request's load brought their "
                              "blocks (one load per block).",
@@ -77,13 +81,19 @@ OPS: Mapping[str, str] = {
     "save": "Seconds per batched block save into the pool (worker side).",
 }
 _MAX_SAMPLES = 1024  # per operation and report: a stalled front end never grows us unbounded
+#: pool KV-event records one PoolStats carries at most (the newest kept, the rest counted in
+#: ``events_dropped``): they ride every step's stats to the scheduler side and on to the front end
+MAX_EVENT_RECORDS = 4096
 #: store-client counters (``StoreStats``) that are dropped saves
 _STORE_DROPS = ("saves_skipped", "saves_dropped_no_slot", "saves_abandoned")
 
 
 @dataclass
 class PoolStats(_StatsBase):
-    """One interval's deltas: ``{"counters": {...}, "latency": {op: [s]}, "pool_up": {who: 0|1}}``.
+    """One interval's deltas: ``{"counters": {...}, "latency": {op: [s]}, "pool_up": {who: 0|1}}``,
+    and for our scheduler side ``"perf"`` (the claim policy's timings) and ``"events"`` (the
+    workers' pool KV-event records ``[side, kind, digest]``: vLLM's ``MultiConnector`` forwards
+    no worker events, every connector's stats).
 
     Plain dicts, lists and numbers only: vLLM sends it between processes.
     """
@@ -96,7 +106,18 @@ class PoolStats(_StatsBase):
         self.data: dict[str, Any] = {"counters": {}, "latency": {}, "pool_up": {}}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(part) for part in ("counters", "latency", "pool_up", "perf"))
+        return not any(self.data.get(part) for part in ("counters", "latency", "pool_up", "perf",
+                                                         "events"))
+
+    def add_events(self, records: Any, dropped: int = 0) -> None:
+        """Append pool KV-event records, keeping the newest :data:`MAX_EVENT_RECORDS`."""
+        mine = self.data.setdefault("events", [])
+        mine.extend([list(r) for r in records])
+        over = len(mine) - MAX_EVENT_RECORDS
+        if over > 0:
+            del mine[:over]
+        if over > 0 or dropped:
+            self.data["events_dropped"] = self.data.get("events_dropped", 0) + max(over, 0) + dropped
 
     def aggregate(self, other: Any) -> PoolStats:
         """Add ``other``'s counters, append its samples, take its pool-up values."""
@@ -113,6 +134,8 @@ class PoolStats(_StatsBase):
         mine.setdefault("pool_up", {}).update(data.get("pool_up", {}))
         for kind, samples in data.get("perf", {}).items():  # the claim policy's timings
             mine.setdefault("perf", {}).setdefault(kind, []).extend(samples)
+        if data.get("events") or data.get("events_dropped"):
+            self.add_events(data.get("events", ()), int(data.get("events_dropped", 0)))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -126,6 +149,20 @@ class PoolStats(_StatsBase):
         if ups:
             out["pool_up"] = min(ups.values())
         return out
+
+
+def own_stats(stats: Any) -> dict[str, Any]:
+    """Our :class:`PoolStats` data in what vLLM hands ``update_connector_output``: ours, or our
+    entry of ``MultiConnector``'s per-class stats (``{}`` when there is none)."""
+    data = getattr(stats, "data", None)
+    if not isinstance(data, dict):
+        return {}
+    if isinstance(stats, PoolStats):
+        return data
+    for entry in data.values():  # MultiKVConnectorStats: class name -> that child's stats
+        if isinstance(entry, PoolStats):
+            return entry.data
+    return {}
 
 
 def pool_up(source: ClientSource) -> int:
@@ -182,7 +219,8 @@ class Meter:
 
 #: scheduler-side counters exported under their own names
 _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declined_slow_pool",
-                      "claims_declined_never", "claim_probes", "waits_for_shared_load")
+                      "claims_declined_never", "claims_declined_reach_probe", "claim_probes",
+                      "waits_for_shared_load")
 
 
 def scheduler_counters(scheduler: Any, client: Any = None) -> dict[str, int]:

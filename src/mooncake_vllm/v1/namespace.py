@@ -135,9 +135,11 @@ def _layer_count(vllm_config: Any, pp_rank: int) -> int:
 
 
 def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
-                    variant: str | None = None) -> ExpectedLayout:
+                    variant: str | None = None, required: str | None = None) -> ExpectedLayout:
     """Predict the KV block layout of pipeline stage ``pp_rank`` from the config;
-    ``variant`` (``layout_variant`` of the settings) overrides the variant tag."""
+    ``variant`` (``layout_variant`` of the settings) overrides the variant tag;
+    ``required``: the layout the engine's connector asks vLLM for (ours nested in a
+    ``MultiConnector``: the parent's wish, :func:`~mooncake_vllm.v1.nesting.required_layout`)."""
     model_config = vllm_config.model_config
     block_size = int(vllm_config.cache_config.block_size)
     head_size = int(model_config.get_head_size())
@@ -163,7 +165,7 @@ def expected_layout(vllm_config: Any, pp_rank: int = 0, *,
         shape = (heads, block_size, 2 * head_size)
     else:  # GPU, or MLA anywhere (the CPU MLA backend keeps the generic latent layout)
         facts = installed_facts(strict=True)
-        name = gpu_layout_name(vllm_config, facts)
+        name = gpu_layout_name(vllm_config, facts, required=required)
         kind, heads_first, shape = predict_block(
             facts, name, use_mla=use_mla, heads=heads, head_size=head_size,
             block_size=block_size)
@@ -209,7 +211,8 @@ class RankNamespaces:
 
 
 def rank_namespaces(vllm_config: Any, settings: ConnectorSettings, *, tenant: str = "",
-                    only: tuple[int, int] | None = None) -> RankNamespaces:
+                    only: tuple[int, int] | None = None,
+                    required: str | None = None) -> RankNamespaces:
     """Namespaces of all TP×PP ranks (or of the one ``(tp_rank, pp_rank)``);
     ``tenant`` is the Mooncake config's ``tenant_id``; the settings' ``cache_prefix`` joins too."""
     parallel = vllm_config.parallel_config
@@ -218,7 +221,8 @@ def rank_namespaces(vllm_config: Any, settings: ConnectorSettings, *, tenant: st
     block_size = int(vllm_config.cache_config.block_size)
     out: list[KeyNamespace] = []
     for pp in range(pp_size):
-        layout = expected_layout(vllm_config, pp, variant=settings.layout_variant)
+        layout = expected_layout(vllm_config, pp, variant=settings.layout_variant,
+                                 required=required)
         shared = tp_shared(vllm_config, layout)
         for tp in range(tp_size):
             if only is not None and only != (tp, pp):

@@ -61,8 +61,9 @@ MAX_SHARED_WAIT = 30.0
 COUNTERS = CounterNames(
     initial=("lookups", "hit_tokens", "load_jobs", "save_jobs", "local_hit_chunks_not_saved",
              "declined_tokens", "claims_declined_slow_pool", "claims_declined_never",
+             "claims_declined_reach_probe",
              "claim_probes", "waits_for_shared_load"),
-    later=frozenset({"failed_loads_not_retried"}), families=(r"handoff_[a-z_]+",))
+    later=frozenset({"failed_loads_not_retried", "perf_reports"}), families=(r"handoff_[a-z_]+",))
 
 
 @dataclass
@@ -207,7 +208,7 @@ class SchedulerLogic:
         if decision.reason == "explore":
             self.counters["claim_probes"] += 1
         declined = hits - decision.tokens // bs
-        if declined > 0 and decision.reason in ("slow_pool", "never"):
+        if declined > 0 and decision.reason in ("slow_pool", "never", "reach_probe"):
             self.counters[f"claims_declined_{decision.reason}"] += 1
             self.counters["declined_tokens"] += declined * bs
             if decision.reason == "slow_pool":
@@ -228,6 +229,7 @@ class SchedulerLogic:
     def observe_perf(self, perf: Any) -> None:
         """Step and load timings the workers measured (``PoolStats.data["perf"]``)."""
         if isinstance(perf, dict):
+            self.counters["perf_reports"] += 1
             self.claims.observe(steps=perf.get("steps", ()), loads=perf.get("loads", ()))
 
     def loads_over(self, req_ids: Iterable[str]) -> None:

@@ -1,7 +1,8 @@
 """Wires :mod:`.metrics` and :mod:`.events` onto one connector side.
 
-The connector's vLLM hooks (``get_kv_connector_stats``, ``get_kv_connector_kv_cache_events``,
-``update_connector_output``, ``take_events``) delegate here; this is the only
+The connector's vLLM hooks (``get_kv_connector_stats``, ``update_connector_output``,
+``take_events``) delegate here; the workers' pool KV-event records ride the stats (vLLM's
+``MultiConnector`` forwards no worker events, every child's stats); this is the only
 place that knows which side carries what. Built before its side's logic: the
 connector hands :class:`~mooncake_vllm.v1.scheduler.SchedulerLogic` the timed
 lookup (:meth:`Telemetry.timed_lookup`) and
@@ -21,6 +22,7 @@ from mooncake_vllm.v1.metrics import (
     Meter,
     MeteredSource,
     PoolStats,
+    own_stats,
     pool_up,
     scheduler_counters,
     worker_counters,
@@ -84,12 +86,13 @@ class Telemetry:
         if perf is not None:  # for the scheduler's claim policy, not for the metrics
             stats = stats or PoolStats()
             stats.data["perf"] = perf
+        events = self.worker_events.take() if self.worker_events is not None else None
+        if events is not None:  # for the scheduler's KV events, not for the metrics
+            stats = stats or PoolStats()
+            stats.add_events(events.get_all_events())
         return stats
 
     # ------------------------------------------------------------------ events
-    def take_worker_events(self) -> PoolKVEvents | None:
-        return self.worker_events.take() if self.worker_events is not None else None
-
     def planned(self, meta: Any) -> None:
         """Scheduler side, after each step's metadata: name the chunks it moves."""
         if self.scheduler_events is not None:
@@ -97,17 +100,24 @@ class Telemetry:
             self.scheduler_events.planned(meta, self.scheduler.requests)
 
     def received(self, connector_output: Any) -> None:
+        """Scheduler side, each step: the workers' timings and pool records (from our stats,
+        alone or inside a ``MultiConnector``'s) and which transfers ended."""
+        own = own_stats(getattr(connector_output, "kv_connector_stats", None))
         if self.scheduler is not None:
-            stats = getattr(connector_output, "kv_connector_stats", None)
-            perf = getattr(stats, "data", {}).get("perf") if stats is not None else None
+            perf = own.get("perf")
             if perf:
                 self.scheduler.observe_perf(perf)
             over = set(getattr(connector_output, "finished_recving", None) or ())
             over |= set(getattr(connector_output, "finished_sending", None) or ())
             if over:
                 self.scheduler.loads_over(over)
+        records = own.pop("events", None)  # consumed here: the front end does not need them
+        dropped = own.pop("events_dropped", 0)
         if self.scheduler_events is not None:
-            self.scheduler_events.received(getattr(connector_output, "kv_cache_events", None))
+            if dropped:
+                self.scheduler_events.counters["dropped_records"] += int(dropped)
+            if records:
+                self.scheduler_events.received(PoolKVEvents([tuple(r) for r in records]))
 
     def take_events(self) -> list[Any]:
         return self.scheduler_events.take_events() if self.scheduler_events is not None else []

@@ -1,0 +1,60 @@
+"""Instance load and cache counters from the instances' own /metrics (stub upstreams, the real proxy)."""
+
+from __future__ import annotations
+
+import time
+
+from mooncake_vllm.proxy.engine_load import EngineLoad, parse
+from mooncake_vllm.proxy.instances import Instance, parse_endpoint
+
+from ._helpers import proxy, run, stubs, wait_for
+
+VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 600.0
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
+vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 300.0
+"""
+
+
+def test_parse_sums_label_sets_and_ignores_the_rest() -> None:
+    assert parse(VLLM_TEXT) == {"running": 3.0, "waiting": 4.0, "kv_usage": 0.25, "prompt_tokens": 1000.0,
+                                "hbm_hit_tokens": 600.0, "pool_hit_tokens": 300.0}
+    assert parse("# nothing\nother_metric 1\n") == {}
+
+
+def test_instance_load_is_the_engine_count_while_fresh() -> None:
+    inst = Instance("decode", parse_endpoint("127.0.0.1:1"))
+    inst.in_flight = 2
+    assert inst.load == 2
+    inst.engine = EngineLoad.from_metrics(parse(VLLM_TEXT), max_age=3.0)
+    assert inst.load == 7  # other clients' requests count too
+    inst.engine = EngineLoad.from_metrics(parse(VLLM_TEXT), max_age=3.0, at=time.monotonic() - 10)
+    assert inst.load == 2  # stale: only what the proxy knows
+
+
+def test_proxy_metrics_repeat_each_instances_counters() -> None:
+    async def go() -> None:
+        async with stubs(2) as ups, proxy([], ups, flow="kv_both", engine_metrics_interval=0.1) as (
+                server, base, client):
+            ups[1].waiting, ups[1].hit_tokens = 5, 32
+            async with client.post(base + "/v1/completions", json={"prompt": "a b c", "max_tokens": 1}) as r:
+                assert r.status == 200
+            await wait_for(lambda: all(i.engine is not None and i.engine.waiting == u.waiting
+                                       for i, u in zip(server.pool.of_kind("decode"), ups)))
+            assert server.pool.of_kind("decode")[1].load == 5
+            async with client.get(base + "/metrics") as r:
+                text = await r.text()
+            inst = ups[1].address
+            assert (f'mooncake_proxy_instance_engine_requests{{kind="decode",instance="{inst}",state="waiting"}} 5'
+                    in text)
+            assert f'mooncake_proxy_instance_cached_tokens_total{{kind="decode",instance="{inst}",source="hbm"}} 32' \
+                in text
+            assert "mooncake_proxy_instance_prompt_tokens_total" in text
+
+    run(go)

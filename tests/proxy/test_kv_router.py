@@ -1,0 +1,116 @@
+"""KvRouter's decisions without sockets: queued prefill work, settling it, the engines' own
+counts, and the ``no_events`` fallback for an instance that publishes nothing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from mooncake_vllm.proxy.engine_load import EngineLoad
+from mooncake_vllm.proxy.instances import Instance, parse_endpoint
+from mooncake_vllm.proxy.kv_hashes import PromptHasher
+from mooncake_vllm.proxy.kv_policy import KvRouter, PromptKey
+from mooncake_vllm.proxy.scheduling import KvAwarePolicy
+
+BS = 4
+DOC = list(range(100, 140))  # 10 full blocks
+
+
+def _stored(tokens: list[int]) -> dict:
+    hashes = PromptHasher("sha256", "vllm-none-hash").block_hashes(tokens, BS)
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+            "token_ids": tokens[: len(hashes) * BS], "block_size": BS, "medium": "GPU", "extra_keys": None}
+
+
+def _fleet(n: int) -> list[Instance]:
+    return [Instance("decode", parse_endpoint(f"127.0.0.1:{9000 + i}")) for i in range(n)]
+
+
+def _router() -> tuple[KvRouter, KvAwarePolicy]:
+    router = KvRouter("tcp://127.0.0.1:1")  # never started: batches are handed in directly
+    router.configure("0.32.0", {})
+    return router, KvAwarePolicy(router, "decode")
+
+
+def _key(tokens: list[int]) -> PromptKey:
+    return PromptKey(b"", list(tokens))
+
+
+def test_routed_work_queues_until_settled() -> None:
+    router, policy = _router()
+    a, b = _fleet(2)
+    router.on_batch(a.key, 0, [_stored(DOC)])
+    router.on_batch(b.key, 0, [_stored([7] * 4)])
+    key = _key(DOC + [1, 2, 3, 4])
+    assert policy.select([a, b], key) is a  # 40 of 44 tokens local: 4 tokens of work
+    assert router.pending[a.key] == pytest.approx(4.0)
+    # 20 cold prompts' worth of work queued on a: a cold prompt is sooner on b
+    router.pending[a.key] += 20 * 44
+    cold = _key(list(range(500, 544)))
+    assert policy.select([a, b], cold) is b
+    router.settle("decode", key)
+    router.settle("decode", key)  # idempotent
+    assert router.pending[a.key] == pytest.approx(20 * 44)
+    router.settle("decode", cold)
+    assert b.key not in router.pending
+
+
+def test_requests_the_engine_reports_beyond_ours_count_as_queued_work() -> None:
+    router, policy = _router()
+    a, b = _fleet(2)
+    router.on_batch(a.key, 0, [_stored(DOC)])
+    router.on_batch(b.key, 0, [_stored(DOC)])
+    for _ in range(4):  # the mean work per request: cold prompts
+        key = _key(list(range(900, 944)))
+        policy.select([a, b], key)
+        router.settle("decode", key)
+    a.engine = EngineLoad(at=1e18, max_age=1e18, waiting=3)  # other clients' requests on a
+    assert router.queued(a) > router.queued(b)
+    assert policy.select([a, b], _key(DOC)) is b
+
+
+def test_an_instance_that_publishes_nothing_turns_routing_to_prefix(caplog: pytest.LogCaptureFixture) -> None:
+    router, policy = _router()
+    a, b = _fleet(2)
+    router.on_batch(a.key, 0, [_stored(DOC)])  # a publishes; b never does
+    caplog.set_level(logging.WARNING)
+    for i in range(12):
+        key = _key([1000 + i] * 8)
+        policy.select([a, b], key)
+        router.settle("decode", key)
+    assert router.unheard_requests[b.key] >= router.silent_after
+    assert router.counters[("fallbacks", "decode", "no_events")] > 0
+    assert f"instance {b.key} published no KV events" in caplog.text
+    # its first batch (or an answer from its replay socket) ends the fallback
+    router.on_batch(b.key, 0, [])
+    before = router.counters[("fallbacks", "decode", "no_events")]
+    policy.select([a, b], _key(DOC))
+    assert router.counters[("fallbacks", "decode", "no_events")] == before
+    # leaving rotation forgets that it was heard
+    router.sync("decode", [a])
+    assert b.key not in router.heard
+
+
+def test_the_pool_costs_what_the_instances_really_load() -> None:
+    """Predicted pool tokens the instances recompute instead (their load policy declined) make
+    the pool cost like a recompute; loaded ones keep ``weights.pool``."""
+    router, _ = _router()
+    a, b = _fleet(2)
+    a.engine = EngineLoad(at=1e18, max_age=1e18, pool_hit_tokens=1000)
+    b.engine = EngineLoad(at=1e18, max_age=1e18)
+    router.calibrate([a, b])  # the starting point
+    router._pool_predicted += 1000  # routed for 1000 pool tokens, none loaded
+    for _ in range(10):
+        router.calibrate([a, b])
+        router._pool_predicted += 1000
+    assert router.pool_realized < 0.05
+    assert router.effective_weights().pool > 0.95
+    a.engine = EngineLoad(at=1e18, max_age=1e18, pool_hit_tokens=0)  # restarted: counters from 0
+    router.calibrate([a, b])
+    for k in range(1, 11):  # now every predicted token is loaded
+        router._pool_predicted += 1000
+        a.engine = EngineLoad(at=1e18, max_age=1e18, pool_hit_tokens=1000 * k)
+        router.calibrate([a, b])
+    assert router.pool_realized > 0.95
+    assert abs(router.effective_weights().pool - router.weights.pool) < 0.05
