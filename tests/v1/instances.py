@@ -12,7 +12,7 @@ from mooncake_vllm.compat import installed_facts
 from mooncake_vllm.keys import KeyNamespace
 
 __all__ = ["SERVE_HIT_ARGS", "announced_namespace", "complete", "counts_connector_hits", "external_hits",
-           "hits", "loads_here", "prompt", "tokens"]
+           "hits", "loads_here", "prompt", "tokens", "upsert_raw"]
 
 ANNOUNCE = re.compile(r"mooncake-vllm \S+: MooncakeStoreConnector on the vLLM V1 engine .* "
                       r"role (\w+), .*namespace (\S+)")
@@ -97,3 +97,18 @@ def external_hits(url: str, response: dict | None = None) -> float:
               if line.startswith("vllm:external_prefix_cache_hits_total")]
     assert values, "the server exports no vllm:external_prefix_cache_hits_total: 0 hits would be vacuous"
     return sum(values)
+
+
+def upsert_raw(stack: Any, values: dict[str, bytes]) -> None:
+    """Write ``values`` into the stack's pool with a plain Mooncake client (planted, damaged or
+    foreign values, under whatever keys a test names)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", stack.metadata_url, 0, 16 << 20, "tcp", "",
+                     stack.master_address) == 0
+    try:
+        for key, value in values.items():
+            assert raw.upsert(key, value) == 0, key
+    finally:
+        raw.close()

@@ -25,6 +25,7 @@ from instances import external_hits as _external_hits
 from instances import hits as _hits
 from instances import prompt as _prompt
 from instances import tokens as _tokens
+from instances import upsert_raw as _upsert
 
 from mooncake_vllm import codec
 from mooncake_vllm.config import load_store_config
@@ -100,18 +101,6 @@ def test_cross_instance_hit_is_token_identical(run: Any, saved: dict, reference:
     assert b["connector"]["worker_loaded_blocks"] == (9 if LOADS else 0)
     assert b["connector"]["worker_failed_blocks"] == 0
 
-
-def _upsert(stack: LocalStack, values: dict[str, bytes]) -> None:
-    from mooncake.store import MooncakeDistributedStore
-
-    raw = MooncakeDistributedStore()
-    assert raw.setup("127.0.0.1", stack.metadata_url, 0, 16 << 20, "tcp", "",
-                     stack.master_address) == 0
-    try:
-        for key, value in values.items():
-            assert raw.upsert(key, value) == 0, key
-    finally:
-        raw.close()
 
 
 def _framed_random(key: str, fingerprint: str, nbytes: int, seed: int) -> bytes:

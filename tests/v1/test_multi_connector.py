@@ -19,6 +19,7 @@ import pytest
 from instances import announced_namespace, loads_here
 from instances import prompt as _prompt
 from instances import tokens as _tokens
+from instances import upsert_raw as _upsert
 
 from mooncake_vllm import codec
 from mooncake_vllm.demo.run import run_instance
@@ -44,18 +45,6 @@ def multi_config(role: str, example_dir: Path, **ours: Any) -> dict[str, Any]:
                  "kv_connector_extra_config": {"shared_storage_path": str(example_dir)}},
                 child]}}
 
-
-def _upsert(stack: LocalStack, values: dict[str, bytes]) -> None:
-    from mooncake.store import MooncakeDistributedStore
-
-    raw = MooncakeDistributedStore()
-    assert raw.setup("127.0.0.1", stack.metadata_url, 0, 16 << 20, "tcp", "",
-                     stack.master_address) == 0
-    try:
-        for key, value in values.items():
-            assert raw.upsert(key, value) == 0, key
-    finally:
-        raw.close()
 
 
 @pytest.fixture(scope="module")
