@@ -53,7 +53,7 @@ MIN_PREFILL = 64
 #: time is its fixed cost and noise (on an H200 a 64-token prefill took 16-41 ms, a decode
 #: 19 ms: three of them fitted 210 us/token, 10x the truth, and every 2k hit was claimed)
 MIN_FIT = 512
-#: beyond this multiple of the furthest position measured, recompute is not extrapolated
+#: beyond this multiple of the furthest position measured, only a floor of recompute is trusted
 REACH_MARGIN = 1.25
 
 
@@ -124,10 +124,10 @@ class PrefillModel:
     The fixed cost of a step, ``c0``, is the median of the steps scheduling fewer than
     :data:`MIN_PREFILL` tokens (decodes: plenty of them); ``c1`` and ``c2`` are fitted
     to the time above ``c0`` of prefill steps of at least :data:`MIN_FIT` tokens. Fitting
-    all three to prefill steps alone is ill-posed when they are all one chunk size (vLLM splits long prompts into
-    ``max_num_batched_tokens`` chunks): the intercept then soaks up the per-token cost.
-    ``reach`` is the furthest position a prefill step computed: beyond it the model
-    does not extrapolate.
+    all three to prefill steps alone is ill-posed when they are all one chunk size (vLLM
+    splits long prompts into ``max_num_batched_tokens`` chunks): the intercept then soaks
+    up the per-token cost. ``reach`` is the furthest position a prefill step computed:
+    well past it (:meth:`reaches_past`) only :meth:`recompute_floor` is trusted.
     """
 
     def __init__(self, half_life: float) -> None:
@@ -152,6 +152,10 @@ class PrefillModel:
             self.samples.append((now, (float(tokens), float(work)), float(seconds)))
             self._reach.append(float(reach or tokens))
         self._coef = None
+
+    def reaches_past(self, end: int) -> bool:
+        """Whether position ``end`` lies past :data:`REACH_MARGIN` times the reach."""
+        return end > REACH_MARGIN * self.reach
 
     def fixed(self) -> float:
         """``c0``: the median small step (0 before one is measured)."""
@@ -311,7 +315,7 @@ class ClaimAdvisor:
         if tokens > 0 and load <= (1.0 - self.rules.margin) * recompute:
             self._declining_since = None
             return Decision(tokens, "claimed", load, recompute)
-        if start + hit > REACH_MARGIN * self.prefill.reach:
+        if self.prefill.reaches_past(start + hit):
             # only a floor of the recompute was known: recompute once, to measure that far
             return Decision(0, "reach_probe", load, recompute)
         if self._declining_since is None:
@@ -331,7 +335,7 @@ class ClaimAdvisor:
             return None
         if self.prefill.coefficients(now) is None:
             return None
-        beyond = start + hit > REACH_MARGIN * self.prefill.reach
+        beyond = self.prefill.reaches_past(start + hit)
         recompute_of = self.prefill.recompute_floor if beyond else self.prefill.recompute
         chunks = max(1, hit // max(1, chunk))
         stride = max(1, -(-chunks // CANDIDATES))
