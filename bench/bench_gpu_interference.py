@@ -140,8 +140,6 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         _serve(engine, [load])
         hits: dict[str, list[list[int]]] = {}
         for n, prompts in pr["hits"].items():
-            if int(n) > p["max_hit_len"]:
-                continue
             hits[n] = []
             for prompt in prompts:
                 r = req(prompt, 16)
@@ -173,8 +171,6 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         wait_saves_idle()
         hits: dict[str, list[dict[str, Any]]] = {}
         for n, prompts in pr["hits"].items():
-            if int(n) > p["max_hit_len"]:
-                continue  # (in-tree at 32k ran past the measure box)
             hits[n] = []
             for prompt in prompts:
                 r, again = req(prompt, 16), req(prompt, 16)
@@ -350,9 +346,11 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         kv, env = _mode_config(mode, args.prev_site)
         per = prompts["per_mode"][mode] if mode in prompts["per_mode"] else {}
         wait = args.intree_save_wait if name == "writer-intree" else 0.0
-        spec = {"engine": engine, "kv_config": kv, "prompts": {**prompts["shared"], **per},
+        hits = prompts["shared"]["hits"]
+        if mode == "intree":  # at 32k its reader ran past the measure box
+            hits = {n: v for n, v in hits.items() if int(n) <= args.intree_max_len}
+        spec = {"engine": engine, "kv_config": kv, "prompts": {**prompts["shared"], **per, "hits": hits},
                 "params": {**params, "extra_save_wait": wait,
-                           "max_hit_len": args.intree_max_len if mode == "intree" else 1 << 30,
                            "write_degraded": name == "writer-ours" and bool(args.degraded_modes)}}
         procs[name] = _proc(name, spec, work, {**base_env, **env})
     t0 = time.monotonic()
