@@ -2,6 +2,10 @@
 """Helpers for carrying vLLM + Mooncake to the GPU machine (stdlib only; runs here and there).
 
   carry_tool.py extract ARCHIVE=DEST ...     unpack .tar.xz archives in parallel, one process each
+  carry_tool.py unpack-stream DEST SHA256 DONE PART ...
+                                             unpack the .tar.xz split into PARTs (in order) into
+                                             DEST while hashing the stream; DONE is written only
+                                             if all of it unpacked and the sha256 matches
   carry_tool.py fatbin-list SO               entries of an ELF's .nv_fatbin (kind, arch, bytes)
   carry_tool.py fatbin-prune SRC DST [ARCH [PATCH]]
                                              copy SRC to DST, dropping the fatbin ELF images that an
@@ -25,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import hashlib
+import io
 import json
 import os
 import struct
@@ -302,6 +307,58 @@ def extract(jobs: list[tuple[str, str]]) -> int:
     return 0
 
 
+class _HashedParts(io.RawIOBase):
+    """The concatenation of ``parts`` as one readable stream, hashed as it is read."""
+
+    def __init__(self, parts: list[str]) -> None:
+        self._parts = list(parts)
+        self._file = None
+        self.hash = hashlib.sha256()
+        self.bytes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:  # type: ignore[no-untyped-def]
+        while True:
+            if self._file is None:
+                if not self._parts:
+                    return 0
+                self._file = open(self._parts.pop(0), "rb")
+            n = self._file.readinto(buf)
+            if n:
+                self.hash.update(memoryview(buf)[:n])
+                self.bytes += n
+                return n
+            self._file.close()
+            self._file = None
+
+
+def unpack_stream(dest: str, want: str, done: str, parts: list[str]) -> int:
+    t = time.time()
+    os.makedirs(dest, exist_ok=True)
+    raw = _HashedParts(parts)
+    n = 0
+    with tarfile.open(fileobj=io.BufferedReader(raw, 1 << 22), mode="r|xz") as tf:
+        for member in tf:
+            if hasattr(tarfile, "tar_filter"):
+                tf.extract(member, dest, filter="tar")
+            else:
+                tf.extract(member, dest)
+            n += 1
+    while raw.readinto(bytearray(1 << 20)):  # hash any padding after the tar's end
+        pass
+    got = raw.hash.hexdigest()
+    if got != want:
+        print(f"SHA256 MISMATCH for {parts[0]}..: {got} != {want}", flush=True)
+        return 1
+    with open(done, "w") as f:
+        f.write(f"{n} members, {raw.bytes} bytes, {time.time() - t:.1f}s\n")
+    print(f"unpacked {len(parts)} parts ({raw.bytes / 2**20:.0f} MiB, {n} members) in "
+          f"{time.time() - t:.1f}s", flush=True)
+    return 0
+
+
 def sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -317,6 +374,8 @@ def main(argv: list[str]) -> int:
     cmd, args = argv[0], argv[1:]
     if cmd == "extract":
         return extract([tuple(a.split("=", 1)) for a in args])
+    if cmd == "unpack-stream":
+        return unpack_stream(args[0], args[1], args[2], args[3:])
     if cmd == "fatbin-list":
         for a in args:
             fatbin_list(a)
