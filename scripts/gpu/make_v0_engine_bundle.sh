@@ -6,12 +6,11 @@
 # published but -cuda13, and plain mooncake-transfer-engine is the CUDA 12 build) — pinned to the
 # versions our vllm-0.10.0 contract env runs (transformers 4.54.0, ...: an unpinned resolve takes
 # transformers 5.x, which 0.10.0 predates). Installed with python3.12 into STAGE/site, trimmed
-# (see TRIM), packed per group as .tar.xz, split into PIECE-byte pieces, each in its own folder
-# .carry/v0pNN (one `carry` entry per device call), with MANIFEST (sha256 of every piece and every
-# whole archive) in .carry/v0p00. The etcd server binary (the etcd-server .deb's, static) travels
-# in the `rest` group as bin/etcd.
+# (step 3 says what travels how), split into PIECE-byte pieces, each in its own folder .carry/v0pNN
+# (one `carry` entry per device call), with MANIFEST (sha256 of every piece and every whole
+# archive) in .carry/v0p00. The etcd server binary (the etcd-server .deb's, static) travels too.
 # On the GPU machine scripts/gpu/v0_take.sh checks and assembles them.
-#   bash scripts/gpu/make_v0_engine_bundle.sh          (~40 min on 2 cores: xz -6 of ~5 GB)
+#   bash scripts/gpu/make_v0_engine_bundle.sh          (~25 min on 2 cores: xz -6 of torch)
 # Knobs: STAGE (/work/v0stage), PY312 (a python3.12 for pip --target), PIECE (58720256 = 56 MiB:
 # a call carries 64 MiB with the ~6 MB working tree),
 # XZ_LEVEL (6). Steps whose output exists are skipped (delete STAGE to redo).
@@ -39,8 +38,7 @@ if [ ! -f "$STAGE/dl.done" ]; then
   touch "$STAGE/dl.done"
 fi
 
-# 2. install for cp312, without ray / cupy (ray's compiled-graph extra: multi-node only) and
-#    xformers (V0 on Hopper selects FLASH_ATTN)
+# 2. install for cp312 (torch is taken from this tree; the rest travels as wheels)
 if [ ! -f "$STAGE/site.done" ]; then
   rm -rf "$STAGE/site"
   # shellcheck disable=SC2046
@@ -49,52 +47,40 @@ if [ ! -f "$STAGE/site.done" ]; then
   touch "$STAGE/site.done"
 fi
 
-# 3. TRIM: what no V0 serving process loads. cv2/scipy/numba/llvmlite: only imported by features
-#    not used here (video, spec-decode n-gram); the image has its own if anything asks. Mooncake's
-#    process-group/EP plugins and its benchmark; torch's C++ headers (no extension is built);
-#    triton's static CUPTI; cuBLAS's nvblas, cuFFT's fftw shim, cuSOLVER's multi-GPU library
-#    (no DT_NEEDED of torch or vLLM names them).
-cd "$STAGE/site"
-rm -rf cv2 opencv_python_headless* scipy scipy-* scipy.libs numba numba-* llvmlite llvmlite-* \
-  torch/include triton/backends/nvidia/lib/cupti/libcupti_static.a \
-  nvidia/cublas/lib/libnvblas.so.12 nvidia/cufft/lib/libcufftw.so.11 \
-  nvidia/cusolver/lib/libcusolverMg.so.11 \
-  mooncake/_ep*.so mooncake/libmooncake_ep_device.so mooncake/libmooncake_pg*.so \
-  mooncake/pg_2_*.so mooncake/transfer_engine_bench
-find . -name __pycache__ -prune -exec rm -rf {} +
-mkdir -p bin && cp "$(command -v etcd)" bin/etcd
-
-# 4. pack per group (unpacked in parallel there), split, manifest
+# 3. what travels: torch (1.6 GB unpacked) repacked as .tar.xz from the pip-installed tree, minus
+#    its C++ headers (no extension is built there): xz -6 takes it to ~60 % of the wheel's deflate;
+#    every other wheel as it is (already deflated; recompressing 2 GB more with xz costs over an
+#    hour on 2 cores for ~10 pieces), in one plain tar with the etcd server, installed there by
+#    carry_tool.py install-wheels in parallel. Left out: ray / cupy (ray's compiled-graph extra:
+#    multi-node only), xformers (V0 on Hopper selects FLASH_ATTN), opencv / scipy / numba /
+#    llvmlite (only video, audio and V1's n-gram drafts import them; the image has its own).
 out=$root/.carry
-mkdir -p "$STAGE/packs"
-members() {  # the top-level entries of one group
-  case $1 in
-    torch) ls -d torch torch-* torchgen functorch 2>/dev/null ;;
-    cudnn) ls -d nvidia_cudnn* ;;
-    nvidia) ls -d nvidia cusparselt nvidia_* | grep -v '^nvidia_cudnn' ;;
-    vllm) ls -d vllm vllm-* ;;
-    rest) ls -A | grep -v -E '^(torch|torch-.*|torchgen|functorch|nvidia|nvidia_.*|cusparselt|vllm|vllm-.*)$' ;;
-  esac
-}
-for g in torch cudnn nvidia vllm rest; do
-  a=$STAGE/packs/$g.tar.xz
-  [ -s "$a" ] && continue
-  excl=(); [ "$g" = nvidia ] && excl=(--anchored --exclude=nvidia/cudnn)
-  [ "$g" = cudnn ] && set -- nvidia/cudnn || set --
-  # shellcheck disable=SC2046
-  tar -C "$STAGE/site" "${excl[@]}" -cf - "$@" $(members "$g") | xz -"$XZ_LEVEL" -T2 > "$a.tmp"
-  mv "$a.tmp" "$a"
-  echo "packed $g: $(stat -c %s "$a") bytes"
-done
+packs=$STAGE/packs
+mkdir -p "$packs"
+if [ ! -s "$packs/torch.tar.xz" ]; then
+  rm -rf "$STAGE/site/torch/include"
+  (cd "$STAGE/site" && find torch torchgen functorch -name __pycache__ -prune -exec rm -rf {} +
+   tar -cf - torch torch-*.dist-info torchgen functorch) | xz -"$XZ_LEVEL" -T2 > "$packs/torch.tar.xz.tmp"
+  mv "$packs/torch.tar.xz.tmp" "$packs/torch.tar.xz"
+fi
+if [ ! -s "$packs/wheels.tar" ]; then
+  rm -rf "$STAGE/wheels" && mkdir -p "$STAGE/wheels/bin"
+  ls "$STAGE"/dl/*.whl | grep -v -E '/(torch|ray|cupy_cuda12x|xformers|opencv_python_headless|scipy|numba|llvmlite)-' \
+    | xargs -I{} ln {} "$STAGE/wheels/"
+  cp "$(command -v etcd)" "$STAGE/wheels/bin/etcd"
+  tar -C "$STAGE/wheels" -cf "$packs/wheels.tar.tmp" . && mv "$packs/wheels.tar.tmp" "$packs/wheels.tar"
+fi
+
+# 4. split, manifest (`archive NAME SHA256 BYTES`, `piece FOLDER FILE SHA256`)
 rm -rf "$out"/v0p[0-9]*
 mkdir -p "$out/v0p00"
 n=1
 : > "$out/v0p00/MANIFEST"
-for g in torch cudnn nvidia vllm rest; do
-  a=$STAGE/packs/$g.tar.xz
-  echo "archive $g.tar.xz $(sha256sum "$a" | cut -d' ' -f1) $(stat -c %s "$a")" >> "$out/v0p00/MANIFEST"
-  split -b "$PIECE" -d -a 2 "$a" "$STAGE/packs/$g.part."
-  for p in "$STAGE"/packs/"$g".part.*; do
+for a in "$packs/torch.tar.xz" "$packs/wheels.tar"; do
+  g=$(basename "$a"); g=${g%%.*}
+  echo "archive $(basename "$a") $(sha256sum "$a" | cut -d' ' -f1) $(stat -c %s "$a")" >> "$out/v0p00/MANIFEST"
+  split -b "$PIECE" -d -a 2 "$a" "$packs/$g.part."
+  for p in "$packs/$g".part.*; do
     d=$(printf '%s/v0p%02d' "$out" "$n")
     mkdir -p "$d"; mv "$p" "$d/"
     echo "piece $(basename "$d") $(basename "$p") $(sha256sum "$d/$(basename "$p")" | cut -d' ' -f1)" \
@@ -102,5 +88,5 @@ for g in torch cudnn nvidia vllm rest; do
     n=$((n + 1))
   done
 done
-echo "$((n - 1)) pieces + v0p00 (manifest, etcd) in $out"
-du -sh "$out"/v0p00 "$STAGE/packs"
+echo "$((n - 1)) pieces + v0p00 (MANIFEST) in $out"
+du -sh "$packs"/*

@@ -30,7 +30,7 @@ run_step() { echo "=== $1 $(date +%T)"; }
 
 wait_unpacked() {
   local g t=0
-  for g in torch cudnn nvidia vllm rest; do
+  for g in torch wheels; do
     while [ ! -e "$S/.$g-done" ]; do
       [ $t -ge "${V0_UNPACK_WAIT:-300}" ] && { echo "NOT UNPACKED: $g ($(cat /tmp/v0parts/$g.log 2>/dev/null))"; return 1; }
       sleep 1; t=$((t + 1))
@@ -50,6 +50,7 @@ prepare() {
   if [ ! -d /tmp/mc0313/mooncake ]; then
     mkdir -p /tmp/mc0313 && cp -a "$S"/mooncake "$S"/mooncake_transfer_engine* /tmp/mc0313/
   fi
+  mkdir -p "$S/bin"; cp -p "${V0_WHEELS:-/tmp/v0wheels}/bin/etcd" "$S/bin/etcd" 2>/dev/null
   printf '#!/bin/sh\nexec python3 -c "import sys; from mooncake.http_metadata_server import main; sys.exit(main())" "$@"\n' \
     > "$S/bin/mooncake_http_metadata_server" && chmod +x "$S/bin/mooncake_http_metadata_server"
 }
@@ -71,7 +72,7 @@ for step in $steps; do
   case $step in
     stack)
       prepare || exit 1
-      MC_METADATA=etcd MC_MASTER_PORT=50001 MCBIN=$S/mooncake ETCD_BIN=$S/bin/etcd \
+      MC_METADATA=etcd MC_MASTER_PORT=50001 MCBIN=$S/mooncake ETCD_BIN=${V0_WHEELS:-/tmp/v0wheels}/bin/etcd \
         LD_LIBRARY_PATH=$V0_LD bash scripts/gpu/mc_up.sh || exit 1
       for _ in $(seq 240); do [ -f /tmp/model/config.json ] && break; sleep 1; done
       ls /tmp/model ;;

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,9 @@ def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
     return module
 
 
-carry_tool = _load("carry_tool", ROOT / "scripts" / "gpu" / "carry_tool.py")
+sys.path.insert(0, str(ROOT / "scripts" / "gpu"))  # its worker processes import it by name
+import carry_tool  # noqa: E402
+
 bench = _load("bench_gpu_ttft", ROOT / "bench" / "bench_gpu_ttft.py")
 
 
@@ -63,6 +66,39 @@ def test_unpack_stream_writes_done_only_when_the_whole_archive_matches(tmp_path:
     assert not done.exists()
     assert carry_tool.unpack_stream(str(dest), good, str(done), parts) == 0
     assert done.exists() and (dest / "pkg" / "data.bin").read_bytes() == payload
+
+
+def _wheel(path: Path, files: dict[str, tuple[bytes, int]]) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, (data, mode) in files.items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = mode << 16
+            zf.writestr(info, data)
+    return path
+
+
+def test_wheels_travel_in_a_plain_tar_and_install_as_pip_target_would(tmp_path: Path) -> None:
+    """Two wheels sharing a namespace folder, a .data/purelib file, an executable kept executable."""
+    wheels = tmp_path / "w"
+    wheels.mkdir()
+    _wheel(wheels / "a-1-py3-none-any.whl", {"ns/__init__.py": (b"", 0o644),
+                                             "ns/a/tool": (b"#!/bin/sh\n", 0o755),
+                                             "a-1.dist-info/METADATA": (b"Name: a", 0o644)})
+    _wheel(wheels / "b-1-py3-none-any.whl", {"ns/__init__.py": (b"", 0o644),
+                                             "b-1.data/purelib/ns/b.py": (b"B = 1\n", 0o644),
+                                             "b-1.data/headers/x.h": (b"", 0o644)})
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        tf.add(wheels, arcname=".")
+    blob = buf.getvalue()
+    parts = [str(p) for p in _pieces(tmp_path, blob, 700)]
+    site, done = tmp_path / "site", tmp_path / "site" / ".wheels-done"
+    assert carry_tool.unpack_stream(str(tmp_path / "unpacked"), hashlib.sha256(blob).hexdigest(),
+                                    str(done), parts, str(site)) == 0
+    assert done.exists()
+    assert (site / "ns" / "b.py").read_text() == "B = 1\n"
+    assert os.access(site / "ns" / "a" / "tool", os.X_OK)
+    assert (site / "a-1.dist-info" / "METADATA").exists() and not (site / "x.h").exists()
 
 
 def _carried(repo: Path, blob: bytes) -> None:
