@@ -34,7 +34,7 @@ if [ ! -f "$STAGE/dl.done" ]; then
   # shellcheck disable=SC2086
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp $plat \
     -c "$STAGE/constraints.txt" -d "$STAGE/dl" vllm==0.10.0 torchvision==0.22.1 \
-    mooncake-transfer-engine-non-cuda==0.3.13.post1
+    mooncake-transfer-engine-non-cuda==0.3.13.post1 "xxhash>=3"  # + this project's own needs
   touch "$STAGE/dl.done"
 fi
 
