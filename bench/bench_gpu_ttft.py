@@ -131,7 +131,7 @@ def _in_process_counters() -> dict[str, int]:
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        return dict(get_kv_transfer_group().store.stats().snapshot())
+        return dict(get_kv_transfer_group().store.stats.snapshot())
     except Exception:  # noqa: BLE001 - no connector here (V1, or mode none)
         return {}
 

@@ -67,6 +67,8 @@ def test_v0_producer_then_v0_consumer_bypasses_with_exact_kv(stack_env, dev) -> 
         out, bypass, _ = consumer.recv_kv_caches_and_hidden_states(
             None, prefill_input(prompts, cons_tables, BS, device=dev), dst)
         assert bypass is True
+        counted = consumer.store.stats.snapshot()
+        assert (counted["hits"], counted["misses"], counted["blocks_got"]) == (4, 0, 4)
         for i, p in enumerate(prompts):
             assert torch.equal(_tokens_kv(dst, cons_tables[i], len(p)),
                                _tokens_kv(src, prod_tables[i], len(p)))
@@ -117,6 +119,8 @@ def test_partial_hit_loads_nothing_and_recomputes(stack_env, dev) -> None:
             None, prefill_input([known, unknown], [[4, 5, 6], [7, 8, 9]], BS, device=dev), dst)
         assert (out, bypass) == (None, False)
         assert all(float(kv.abs().sum()) == 0.0 for kv in dst)  # nothing written
+        counted = consumer.store.stats.snapshot()  # the known prompt's 2 blocks, the other's 2
+        assert (counted["hits"], counted["misses"], counted["blocks_got"]) == (2, 2, 0)
         # the known prompt alone is a full hit
         _out, bypass, _ = consumer.recv_kv_caches_and_hidden_states(
             None, prefill_input([known], [[4, 5, 6]], BS, device=dev), dst)

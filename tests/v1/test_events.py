@@ -14,7 +14,14 @@ from typing import Any
 
 import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as published
+
+try:  # how vLLM publishes a block hash in its own events
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as published
+except ImportError:  # older releases (0.9.x): BlockHash tuples, published as their hash_value
+
+    def published(block_hash: Any) -> Any:
+        return getattr(block_hash, "hash_value", block_hash)
+
 
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.keys import KeyNamespace

@@ -177,7 +177,8 @@ class MooncakeStoreConnector(KVConnectorBase):
         plans: list[tuple[SeqSpan, list[str], Tail]] = []
         for span in spans:
             keys = chunk_keys(self.namespace, span.tokens)
-            if keys and not all(self.store.exists(keys)):
+            # counted as V1 counts them: blocks found (hits) and not (misses)
+            if keys and self.store.longest_prefix(keys) < len(keys):
                 return miss
             raw = self.store.get_value(tail_key(self.namespace, span.tokens))
             tail = Tail.unpack(raw) if raw is not None else None

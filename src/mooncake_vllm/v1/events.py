@@ -237,6 +237,6 @@ def _external(block_hash: Any) -> Any:
     """vLLM's published form of a block hash (bytes, or int with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)."""
     try:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-    except ImportError:  # pragma: no cover
-        return block_hash
+    except ImportError:  # older releases hash into BlockHash tuples and publish their hash_value
+        return getattr(block_hash, "hash_value", block_hash)
     return maybe_convert_block_hash(block_hash)
