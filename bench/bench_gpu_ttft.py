@@ -206,8 +206,9 @@ def summarize_v0(folder: str) -> None:
         return str(x["tokens"] == y["tokens"]) if x and y else "-"
 
     print("| tokens | V0 A recompute | V0 A in-HBM hit | V0 B pool hit (fresh) | B blocks loaded "
-          "(ours) / full blocks | B = A in-HBM hit | V1 C pool hit (after A exited) "
-          "| C tokens from pool (vLLM) | V1 C in-HBM hit | C pool = C in-HBM hit |")
+          "(ours) / full blocks | B = A's computation / A's in-HBM hit "
+          "| V1 C pool hit (after A exited) | C tokens from pool (vLLM) | V1 C in-HBM hit "
+          "| C pool = C in-HBM hit |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     lengths = sorted({r["n"] for r in runs["v0_A"].values() if r["label"].startswith("L")})
@@ -217,7 +218,9 @@ def summarize_v0(folder: str) -> None:
         b = runs["v0_B"].get(key)
         c, c2 = runs["v1_C"].get(key), runs["v1_C"].get(f"{key}-again")
         loaded = str(b.get("ours", {}).get("blocks_got", "-")) if b else "-"
-        cells = [str(n), ms(a), ms(a2), ms(b), f"{loaded} / {n // block}", same(b, a2), ms(c),
+        a_cell = ms(a) + (" (a pool hit)" if a and a.get("ours", {}).get("blocks_got") else "")
+        cells = [str(n), a_cell, ms(a2), ms(b), f"{loaded} / {n // block}",
+                 f"{same(b, a)} / {same(b, a2)}", ms(c),
                  str(c["cached"]) if c else "-", ms(c2), same(c, c2)]
         rows.append(cells)
         print("| " + " | ".join(cells) + " |")

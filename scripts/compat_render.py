@@ -201,10 +201,12 @@ def _render_v0(releases: list[str], by_release: dict[str, list[dict[str, Any]]])
            "(marker `v0`: `tests/v0` and the V0 contract test) that drive our V0 connector through "
            "the real V0 classes of that release in its contract env (`tox -e contract-vllm0100`), "
            "and GPU runs (level `gpu`, recorded with "
-           f"`{COMMAND} record --level gpu ...`, see `{COMMAND} --help`). The V0 engine has not run "
-           "on the lent GPU machine: every V0 release pins torch <= 2.7, the machine has torch 2.11 "
-           "and no network, and a call carries at most 64 MiB; V0's data path (full blocks and the "
-           "prompt tail) ran there on CUDA KV caches ([gpu.md](gpu.md#what-did-not-run-on-a-gpu)).",
+           f"`{COMMAND} record --level gpu ...`, see `{COMMAND} --help`). The V0 engine itself ran "
+           "on the lent H200 with vLLM 0.10.0 and its own torch 2.7.1+cu126 (carried in 56 MiB "
+           "pieces beside the machine's torch 2.11): a fresh V0 instance served 2k / 8k / 16k "
+           "prompts from the pool, and vLLM 0.24's V1 read the blocks V0 wrote "
+           "([gpu.md](gpu.md#the-legacy-v0-engine-on-the-h200-issue-25-2026-12-03-0942-1003-utc)); "
+           "the other V0 releases (0.8.3 – 0.9.2, which pin other torch versions) did not run there.",
            "",
            "| vLLM | V0 connector-level tests, real classes (contract env) | GPU runs |",
            "|---|---|---|"]

@@ -164,7 +164,7 @@ def test_summarize_v0_compares_each_pool_hit_with_the_in_hbm_hit(tmp_path: Path,
                                    run("L2048-again", 0.04, [1, 2], cached=2047)])
     bench.summarize_v0(str(tmp_path))
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2048")]
-    assert row == ["| 2048 | 200 | 50 | 80 | 128 / 128 | True | 90 | 2048 | 40 | False |"]
+    assert row == ["| 2048 | 200 | 50 | 80 | 128 / 128 | True / True | 90 | 2048 | 40 | False |"]
 
 
 def test_ttft_reads_v1_latency_or_v0_timestamps() -> None:
