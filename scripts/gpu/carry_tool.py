@@ -2,6 +2,13 @@
 """Helpers for carrying vLLM + Mooncake to the GPU machine (stdlib only; runs here and there).
 
   carry_tool.py extract ARCHIVE=DEST ...     unpack .tar.xz archives in parallel, one process each
+  carry_tool.py unpack-stream DEST SHA256 DONE PART ... [--install-wheels SITE]
+                                             unpack the tar (.xz or plain) split into PARTs (in
+                                             order) into DEST while hashing the stream; then
+                                             install every DEST/*.whl into SITE; DONE is written
+                                             only if all of it worked and the sha256 matches
+  carry_tool.py install-wheels SITE WHEEL ...  install wheels into SITE in parallel, as
+                                             `pip install --no-deps --target` lays them out
   carry_tool.py fatbin-list SO               entries of an ELF's .nv_fatbin (kind, arch, bytes)
   carry_tool.py fatbin-prune SRC DST [ARCH [PATCH]]
                                              copy SRC to DST, dropping the fatbin ELF images that an
@@ -25,12 +32,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import hashlib
+import io
 import json
 import os
 import struct
 import sys
 import tarfile
 import time
+import zipfile
 
 FATBIN_MAGIC = 0xBA55ED50
 KIND = {1: "ptx", 2: "elf"}
@@ -302,6 +311,114 @@ def extract(jobs: list[tuple[str, str]]) -> int:
     return 0
 
 
+class _HashedParts(io.RawIOBase):
+    """The concatenation of ``parts`` as one readable stream, hashed as it is read."""
+
+    def __init__(self, parts: list[str]) -> None:
+        self._parts = list(parts)
+        self._file = None
+        self.hash = hashlib.sha256()
+        self.bytes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:  # type: ignore[no-untyped-def]
+        while True:
+            if self._file is None:
+                if not self._parts:
+                    return 0
+                self._file = open(self._parts.pop(0), "rb")
+            n = self._file.readinto(buf)
+            if n:
+                self.hash.update(memoryview(buf)[:n])
+                self.bytes += n
+                return n
+            self._file.close()
+            self._file = None
+
+
+def unpack_stream(dest: str, want: str, done: str, parts: list[str],
+                  site: str | None = None) -> int:
+    t = time.time()
+    os.makedirs(dest, exist_ok=True)
+    raw = _HashedParts(parts)
+    n = 0
+    with tarfile.open(fileobj=io.BufferedReader(raw, 1 << 22), mode="r|*") as tf:
+        for member in tf:
+            if hasattr(tarfile, "tar_filter"):
+                tf.extract(member, dest, filter="tar")
+            else:
+                tf.extract(member, dest)
+            n += 1
+    while raw.readinto(bytearray(1 << 20)):  # hash any padding after the tar's end
+        pass
+    got = raw.hash.hexdigest()
+    if got != want:
+        print(f"SHA256 MISMATCH for {parts[0]}..: {got} != {want}", flush=True)
+        return 1
+    if site is not None:
+        wheels = sorted(os.path.join(dest, w) for w in os.listdir(dest) if w.endswith(".whl"))
+        if install_wheels(site, wheels):
+            return 1
+    with open(done, "w") as f:
+        f.write(f"{n} members, {raw.bytes} bytes, {time.time() - t:.1f}s\n")
+    print(f"unpacked {len(parts)} parts ({raw.bytes / 2**20:.0f} MiB, {n} members) in "
+          f"{time.time() - t:.1f}s", flush=True)
+    return 0
+
+
+def _install_wheel(job: tuple[str, str]) -> tuple[str, float, int]:
+    """One wheel into ``site``: its files at the root, ``*.data/{purelib,platlib}`` merged there,
+    ``*.data/scripts`` into ``site/bin``, other ``*.data`` dropped; Unix modes kept (ptxas, the
+    Mooncake binaries are executables)."""
+    wheel, site = job
+    t = time.time()
+    n = 0
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            top, _, rest = name.partition("/")
+            if top.endswith(".data"):
+                kind, _, rest = rest.partition("/")
+                if kind in ("purelib", "platlib"):
+                    name = rest
+                elif kind == "scripts":
+                    name = "bin/" + rest
+                else:
+                    continue
+            if not name or name.endswith("/"):
+                continue
+            path = os.path.join(site, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp{os.getpid()}"  # wheels share files (nvidia/__init__.py)
+            with zf.open(info) as src, open(tmp, "wb") as dst:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+            mode = (info.external_attr >> 16) & 0o777
+            os.chmod(tmp, mode or 0o644)
+            os.replace(tmp, path)
+            n += 1
+    return wheel, time.time() - t, n
+
+
+def install_wheels(site: str, wheels: list[str]) -> int:
+    """Install ``wheels`` into ``site`` in parallel, biggest first; 1 if any failed."""
+    os.makedirs(site, exist_ok=True)
+    jobs = sorted(((w, site) for w in wheels), key=lambda j: -os.path.getsize(j[0]))
+    t, failed = time.time(), 0
+    with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
+        futures = {ex.submit(_install_wheel, j): j[0] for j in jobs}
+        for fut in cf.as_completed(futures):
+            try:
+                fut.result()
+            except Exception as exc:  # noqa: BLE001 - say which wheel, go on with the others
+                print(f"FAILED {os.path.basename(futures[fut])}: {exc!r}", flush=True)
+                failed = 1
+    print(f"installed {len(wheels)} wheels into {site} in {time.time() - t:.1f}s", flush=True)
+    return failed
+
+
 def sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -317,6 +434,14 @@ def main(argv: list[str]) -> int:
     cmd, args = argv[0], argv[1:]
     if cmd == "extract":
         return extract([tuple(a.split("=", 1)) for a in args])
+    if cmd == "unpack-stream":
+        site = None
+        if "--install-wheels" in args:
+            i = args.index("--install-wheels")
+            site, args = args[i + 1], args[:i] + args[i + 2:]
+        return unpack_stream(args[0], args[1], args[2], args[3:], site)
+    if cmd == "install-wheels":
+        return install_wheels(args[0], args[1:])
     if cmd == "fatbin-list":
         for a in args:
             fatbin_list(a)

@@ -7,7 +7,7 @@ export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLIN
 export VLLM_USE_FLASHINFER_SAMPLER=0          # else the sampler imports flashinfer, which is not carried
 export VLLM_HOST_IP=127.0.0.1 MC_TCP_BIND_ADDRESS=127.0.0.1 MOONCAKE_REQUESTER_LOCAL_HOSTNAME=127.0.0.1
 export MOONCAKE_CONFIG_PATH=${MOONCAKE_CONFIG_PATH:-$_p/mc/config.json}   # written by mc_up.sh
-export MCBIN=$_p/site/mooncake                # mooncake_master, mooncake_client
+export MCBIN=${MCBIN:-$_p/site/mooncake}     # mooncake_master, mooncake_client
 # libcudart.so.13 (Mooncake's cuda13 build needs it): the torch venv's nvidia/cu13/lib
 if [ -z "${CUDART_DIR:-}" ] || [ ! -e "$CUDART_DIR/libcudart.so.13" ]; then
   CUDART_DIR=

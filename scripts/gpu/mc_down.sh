@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Stop what mc_up.sh started, by pid only: the holders first, then the master (TERM, then KILL after 5 s).
+# Stop what mc_up.sh started, by pid only: the holders first, then the master, then etcd (TERM, then KILL
+# after 5 s).
 MC=${MC_DIR:-${GPU_PREFIX:-/tmp}/mc}
 holders=$(cd "$MC" 2>/dev/null && ls holder*.pid 2>/dev/null | sed 's/\.pid$//')
-for p in $holders master; do
+for p in $holders master etcd; do
   f=$MC/$p.pid
   [ -f "$f" ] || continue
   pid=$(cat "$f")

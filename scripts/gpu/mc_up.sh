@@ -7,6 +7,11 @@
 # machine stays warm; mc_down.sh stops them by pid. Env knobs: MC_SEGMENT (holder's global segment,
 # bytes, default 16 GiB, split over the holders), MC_HOLDERS (4), MC_MASTER_PORT (50051),
 # MC_METRICS_PORT (9003), MC_HOLDER_PORT (50052; holder i listens on +i), MC_WAIT (seconds, 30).
+# MC_METADATA=etcd (issue 25, the seed's legacy recipe): an etcd server (ETCD_BIN, default `etcd` on
+# PATH) on 127.0.0.1:MC_ETCD_PORT (2379) is the metadata server of the holders and of both configs,
+# and two more configs are written: seed.json = the seed's v0/mooncake-tcp.json as written (its
+# keys, loopback addresses) and seed-client.json = the same + "global_segment_size": "0" (a pure
+# client, so what it saves lives in the holders and outlives it).
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/env.sh"
@@ -15,9 +20,12 @@ SEG=${MC_SEGMENT:-17179869184}
 PORT=${MC_MASTER_PORT:-50051} METRICS=${MC_METRICS_PORT:-9003} HPORT=${MC_HOLDER_PORT:-50052}
 WAIT=${MC_WAIT:-30}
 HOLDERS=${MC_HOLDERS:-4}
+METADATA=${MC_METADATA:-P2PHANDSHAKE}
+ETCD_PORT=${MC_ETCD_PORT:-2379}
+[ "$METADATA" = etcd ] && METADATA=etcd://127.0.0.1:$ETCD_PORT
 mkdir -p "$MC"
 t0=${EPOCHREALTIME/./}
-secs() { local us=$(( ${EPOCHREALTIME/./} - t0 )); echo "$((us / 1000000)).$(((us / 10000) % 100))s"; }
+secs() { local us=$(( ${EPOCHREALTIME/./} - t0 )); printf "%d.%02ds" $((us / 1000000)) $(((us / 10000) % 100)); }
 alive() { [ -f "$MC/$1.pid" ] && kill -0 "$(cat "$MC/$1.pid")" 2>/dev/null; }
 tcp_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 metrics() {  # GET /metrics from the master with bash alone (no curl there)
@@ -32,8 +40,35 @@ start() {  # start NAME CMD...: own session, pid file = the program's own pid
 }
 
 cat > "$MC/config.json" <<JSON
-{"metadata_server":"P2PHANDSHAKE","global_segment_size":"0","local_buffer_size":"1GB","protocol":"tcp","device_name":"","master_server_address":"127.0.0.1:$PORT","mode":"standalone-store"}
+{"metadata_server":"$METADATA","global_segment_size":"0","local_buffer_size":"1GB","protocol":"tcp","device_name":"","master_server_address":"127.0.0.1:$PORT","mode":"standalone-store"}
 JSON
+
+if [ "${METADATA#etcd://}" != "$METADATA" ]; then
+  cat > "$MC/seed.json" <<JSON
+{
+  "local_hostname": "127.0.0.1",
+  "metadata_server": "$METADATA",
+  "protocol": "tcp",
+  "device_name": "",
+  "master_server_address": "127.0.0.1:$PORT"
+}
+JSON
+  sed 's/"master_server_address"/"global_segment_size": "0",\n  "master_server_address"/' \
+    "$MC/seed.json" > "$MC/seed-client.json"
+  if alive etcd; then
+    echo "[mc_up] etcd already running (pid $(cat "$MC/etcd.pid"))"
+  else
+    rm -rf "$MC/etcd.pid" "$MC/etcd-data"
+    start etcd "${ETCD_BIN:-etcd}" --data-dir "$MC/etcd-data" --name mc \
+      --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+      --listen-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" \
+      --initial-advertise-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" \
+      --initial-cluster "mc=http://127.0.0.1:$((ETCD_PORT + 1))"
+    for ((i = 0; i < WAIT * 20; i++)); do tcp_open "$ETCD_PORT" && break; alive etcd || break; sleep 0.05; done
+    if ! tcp_open "$ETCD_PORT"; then echo "[mc_up] ETCD NOT UP after $(secs)"; tail -20 "$MC/etcd.log"; exit 1; fi
+    echo "[mc_up] etcd pid $(cat "$MC/etcd.pid") accepts on 127.0.0.1:$ETCD_PORT after $(secs)"
+  fi
+fi
 
 if alive master; then
   echo "[mc_up] master already running (pid $(cat "$MC/master.pid"))"
@@ -58,7 +93,7 @@ start_holder() {  # start_holder NAME PORT
   mark=$(mounts)
   start "$name" "$MCBIN/mooncake_client" --host=127.0.0.1 --port="$port" --global_segment_size="$each" \
     --local_buffer_size=268435456 --master_server_address="127.0.0.1:$PORT" \
-    --metadata_server=P2PHANDSHAKE --protocol=tcp
+    --metadata_server="$METADATA" --protocol=tcp
   # ready once the master logs one more mount
   for ((i = 0; i < WAIT * 20; i++)); do
     [ "$(mounts)" -gt "$mark" ] && { cap=$each; break; }
