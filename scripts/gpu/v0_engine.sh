@@ -78,7 +78,10 @@ for step in $steps; do
       ls /tmp/model ;;
     a) instance v0_A v0 /tmp/mc/seed-client.json --phase A --again ;;
     b) instance v0_B v0 /tmp/mc/seed.json --phase B ;;
-    c) instance v1_C v1 /tmp/mc/seed.json --phase C --again --extra '{"load_policy": "always"}' ;;
+    c) # /tmp/site's cuda13 Mooncake would be a second Mooncake distribution on the V1 path
+      mkdir -p /tmp/mc0314 && mv /tmp/site/mooncake_transfer_engine_cuda13-*.dist-info /tmp/mc0314/ 2>/dev/null
+      instance v1_C v1 /tmp/mc/seed.json --phase C --again --extra '{"load_policy": "always"}'
+      mv /tmp/mc0314/* /tmp/site/ 2>/dev/null ;;
     table) python3 bench/bench_gpu_ttft.py --summarize-v0 "$R" | tee "$OUT/v0_table.md"
       cp /tmp/mc/*.json "$R/" 2>/dev/null; tar -czf "$OUT/v0_runs.tgz" -C /tmp res_v0 mc/master.log 2>/dev/null ;;
     tests)

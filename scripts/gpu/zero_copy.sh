@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# On the GPU machine after install.sh (b1; .carry/v0 carried for step 3): the GPU zero-copy proof.
+# On the GPU machine after install.sh (b1): the GPU zero-copy proof.
 #   1. pytest -m gpu tests/store (every layout, staged and zero-copy, each reading the other's
 #      values; GPU checksums = host checksums; planted corrupt/foreign/xxh3 values are misses;
 #      a block reused before its zero-copy put is removed) + the CPU checksum tests;
 #      JUnit with provenance in $OUT/gpu-store.xml
 #   2. bench/bench_gpu_store.py: both gpu_path values side by side with the ceilings; $OUT/gpu_store.json
-#   3. scripts/gpu/v0_tests.sh: tests/v0 with vLLM 0.10.0's V0 classes on CUDA KV; $OUT/v0-gpu.xml
-#   4. the 8B-class model for the engine call (scripts/gpu/engine.sh)
-# MOONCAKE_VLLM_TREE_COMMIT / _STATE: the commit this copy of the tree was made from.
+#   3. the 8B-class model for the engine call (scripts/gpu/engine.sh)
+# MOONCAKE_VLLM_TREE_COMMIT / _STATE: the commit this copy of the tree was made from. (The V0
+# tests on CUDA now run inside the real V0 engine's environment: v0_engine.sh tests, issue 25.)
 set -uo pipefail
 source scripts/gpu/env.sh
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PATH=/tmp/site/bin:/tmp/site/mooncake:$PATH
@@ -24,10 +24,6 @@ bash scripts/gpu/mc_up.sh >/dev/null 2>&1 || bash scripts/gpu/mc_up.sh
 MOONCAKE_CONFIG_PATH=/tmp/mc/config.json timeout ${BENCH_TIMEOUT:-240} python3 bench/bench_gpu_store.py 2>&1 \
   | grep -v "^[EWI][0-9]\{4\} " | tail -20
 bash scripts/gpu/mc_down.sh >/dev/null 2>&1
-echo "=== v0 $(date +%T)"
-# run from a copy in <repo>/.carry/gpuwt: the bundle is the repo's .carry/v0
-[ -f .carry/v0/v0site.tar.xz ] || export V0_BUNDLE=../v0/v0site.tar.xz
-bash scripts/gpu/v0_tests.sh
 echo "=== model $(date +%T)"
 [ "${MAKE_MODEL:-1}" = 1 ] && python3 scripts/gpu/make_model.py /tmp/model 2>&1 | tail -2
 echo "=== done $(date +%T)"
