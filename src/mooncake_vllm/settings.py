@@ -149,7 +149,8 @@ KEYS: tuple[ExtraKey, ...] = (
              "request whose prefill "
              "instance named, through the proxy's store flow, the blocks it is saving; then it loads "
              "what is there and vLLM recomputes the rest (V1, vLLM >= 0.10.2; `check` MCV-W018 "
-             "flags older decodes)"),
+             "flags older decodes); a prefill instance publishes its hand-off marker within half "
+             "of its own handoff_timeout, with the blocks saved by then"),
     ExtraKey("load_policy", "auto", _choice(LOAD_POLICIES),
              'use "auto" (claim what loads faster than it recomputes), "always" or "never"',
              'which pool hits a V1 instance claims (vLLM >= 0.11.1): `"auto"` claims tokens only '
@@ -245,6 +246,12 @@ class ConnectorSettings:
     def clients_for_worker(self) -> int:
         """How many store clients a worker opens (``"auto"`` resolved on this host)."""
         return self.store_clients or auto_store_clients()
+
+    def marker_due(self) -> float:
+        """Seconds after a hand-off's declaration by which a prefill worker publishes its
+        marker, saves finished or not: half of ``handoff_timeout`` (of its default where 0),
+        so the decode, waiting the same bound, always hears before it gives up."""
+        return (self.handoff_timeout or float(_default("handoff_timeout"))) / 2
 
 
 def auto_store_clients(cores: int | None = None) -> int:

@@ -336,6 +336,45 @@ def test_the_marker_waits_for_a_slow_save_of_its_request(workers: Any) -> None:
     assert client.events == ["saved", "marker 2 2"]
 
 
+def test_a_marker_is_published_when_due_even_if_a_save_before_it_hangs(workers: Any) -> None:
+    """Issue 27: a put may take its whole time box (op_timeout + size/MIN_RATE >= the decode's
+    5 s handoff_timeout); the marker behind it came after the decode gave up, with nothing
+    saved. It is due at ``marker_due``: published then with the chunks present so far (none:
+    the decode stops waiting and recomputes at once), and never a second time."""
+    from mooncake_vllm.v1.metadata import BlockJob
+
+    class Client(_GatedClient):
+        def __init__(self) -> None:
+            super().__init__(snapshot=True)
+            self.markers: list[tuple[str, int, float]] = []
+
+        def publish_marker(self, key: str, keys: Any, value: Any) -> bool:
+            present = json.loads(value(0 if not self.gate.is_set() else len(keys)))["present"]
+            self.markers.append((key, present, time.monotonic()))
+            return True
+
+    client = Client()
+    saver = WorkerLogic(NS, EXPECTED, _Source(client), can_load=False, can_save=True,
+                        marker_due=0.3)
+    workers(saver)
+    saver.register_kv_caches(_cache(5))
+    digests = [f"{i:032x}" for i in range(2)]
+    start = time.monotonic()
+    saver.wait_for_save(MooncakeConnectorMetadata(
+        saves=[BlockJob("s", digests, [1, 2])], handoffs={"s": ("ab" * 16, digests)}))
+    assert client.started.wait(5)
+    deadline = time.monotonic() + 5
+    while not client.markers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(k, p) for k, p, _ in client.markers] == [(handoff_key(NS.prefix(), "ab" * 16), 0)]
+    assert 0.3 <= client.markers[0][2] - start < 2.0  # when due, the put still hanging
+    assert saver.counters["handoff_markers_due"] == 1
+    client.gate.set()
+    _wait_idle(saver)
+    assert len(client.markers) == 1  # the save thread does not publish it again
+    assert saver.counters["handoff_markers"] == 1
+
+
 def test_a_worker_without_pool_fails_its_marker_and_the_wait_stays_bounded(workers: Any) -> None:
     saver = WorkerLogic(NS, EXPECTED, _Source(None), can_load=False, can_save=True)
     workers(saver)

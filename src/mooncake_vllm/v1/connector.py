@@ -193,7 +193,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                       can_save=self.can_save,
                                       queue_size=settings.save_queue_size,
                                       gpu_path=settings.gpu_path,
-                                      store_clients=settings.clients_for_worker())
+                                      store_clients=settings.clients_for_worker(),
+                                      marker_due=settings.marker_due())
             self.telemetry.attach_worker(self.worker)
         self.shared.start()
         INSTANCES.add(self)

@@ -20,7 +20,12 @@
 * **Hand-off markers** (:mod:`~mooncake_vllm.v1.handoff`): a hand-off declared
   in a step's metadata is queued behind that request's saves on the same save
   thread; once they are committed the thread checks which of its chunks are
-  present and publishes the marker the decode instance waits for.
+  present and publishes the marker the decode instance waits for. A marker is
+  due ``marker_due`` seconds after its declaration (half of ``handoff_timeout``):
+  if the saves before it are still running then (a put may take its whole time
+  box, longer than the decode waits), a second thread publishes it at once with
+  the chunks present so far, so the decode stops waiting and recomputes the
+  rest instead of waiting out ``handoff_timeout`` with nothing (issue 27).
 * **Preemption** never waits for the pool: queued zero-copy saves of a
   preempted request are cancelled, one in flight gets ``preempt_wait`` seconds.
 * **CUDA snapshots never stall the forward pass**: where the release reports
@@ -45,6 +50,7 @@ from mooncake_vllm.handoff_protocol import handoff_key, marker_value
 from mooncake_vllm.keys import KeyNamespace
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.stats import CounterNames, Counters
+from mooncake_vllm.store.health import FailureLog
 from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
@@ -70,16 +76,20 @@ COUNTERS = CounterNames(initial=(
     "copy_fences_waited",  # ... still running when the blocks were freed
     "save_jobs", "dropped_jobs", "cancelled_jobs",
     "dropped_blocks",  # planned saves that never reached the pool
-    "holds_expired", "handoff_markers", "handoff_markers_failed"))
+    "holds_expired", "handoff_markers", "handoff_markers_failed",
+    "handoff_markers_due"))  # published at their due time, before the saves ahead finished
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Marker:
-    """Publish hand-off ``handoff_id``'s marker (queued behind the request's saves)."""
+    """Publish hand-off ``handoff_id``'s marker (queued behind the request's saves), at
+    the latest at ``due`` (monotonic seconds); ``taken``: someone publishes it (once)."""
 
     req_id: str
     handoff_id: str
     digests: list[str]
+    due: float = float("inf")
+    taken: bool = False
 
 
 class WorkerLogic:
@@ -90,7 +100,7 @@ class WorkerLogic:
                  can_load: bool, can_save: bool, queue_size: int = 64,
                  save_deadline: float = 30.0, preempt_wait: float = 1.0,
                  clock: Any = time.monotonic, gpu_path: str = "auto",
-                 store_clients: int = 1) -> None:
+                 store_clients: int = 1, marker_due: float = 2.5) -> None:
         self.namespace = namespace
         self.prefix = namespace.prefix()
         self.expected = expected
@@ -123,6 +133,12 @@ class WorkerLogic:
         #: read freely; counted only through :meth:`_count` (engine and save threads)
         self.counters = Counters(COUNTERS)
         self._thread: threading.Thread | None = None
+        #: a hand-off marker is published at the latest this long after its declaration
+        self._marker_due = marker_due
+        self._markers: list[_Marker] = []  # queued, not yet taken, in due order
+        self._due_thread: threading.Thread | None = None
+        self._stopping = False
+        self._due_log = FailureLog()
 
     def _count(self, name: str, amount: int = 1) -> None:
         """Add to a counter (under the lock: the engine and save threads both count)."""
@@ -143,6 +159,11 @@ class WorkerLogic:
         if self.can_save and self._thread is None:
             self._thread = threading.Thread(target=self._save_loop, name="mcv-save", daemon=True)
             self._thread.start()
+            # not moved off the compute cores nor reniced: it must run when the save thread,
+            # starved or stuck in a put, cannot
+            self._due_thread = threading.Thread(target=self._due_loop, name="mcv-handoff-due",
+                                                daemon=True)
+            self._due_thread.start()
 
     def keys(self, digests: Iterable[str]) -> list[str]:
         return [f"{self.prefix}/{d}" for d in digests]
@@ -242,8 +263,13 @@ class WorkerLogic:
         # vLLM tells the workers of preemptions: a CUDA copy's fence may wait until the free
         self._queue_saves(meta.saves, client, defer_fences=meta.preemptions_reported)
         if self.can_save and self._thread is not None:
+            due = self._clock() + self._marker_due
             for req_id, (handoff_id, digests) in meta.handoffs.items():
-                self._queue.put_nowait(_Marker(req_id, handoff_id, digests))
+                marker = _Marker(req_id, handoff_id, digests, due)
+                with self._cond:
+                    self._markers.append(marker)
+                    self._cond.notify_all()
+                self._queue.put_nowait(marker)
 
     def _queue_saves(self, saves: list[BlockJob], client: Any, *, defer_fences: bool) -> None:
         for job in saves:
@@ -292,7 +318,8 @@ class WorkerLogic:
                 return
             if isinstance(item, _Marker):
                 try:
-                    self._publish(item)
+                    if self._take(item):
+                        self._publish(item)
                 finally:
                     self._queue.task_done()
                 continue
@@ -313,8 +340,44 @@ class WorkerLogic:
                     self._job_done(job.req_id)
                 self._queue.task_done()
 
+    def _take(self, marker: _Marker) -> bool:
+        """Claim ``marker`` for publishing: ``False`` when it was published already."""
+        with self._cond:
+            if marker.taken:
+                return False
+            marker.taken = True
+            if marker in self._markers:
+                self._markers.remove(marker)
+            return True
+
+    def _due_loop(self) -> None:
+        """Publish every marker whose due time passed before the save thread reached it."""
+        while True:
+            with self._cond:
+                while not self._stopping:
+                    now = self._clock()
+                    due = [m for m in self._markers if m.due <= now]
+                    if due:
+                        break
+                    wait = min((m.due for m in self._markers), default=now + 1.0) - now
+                    self._cond.wait(max(0.001, min(wait, 1.0)))
+                if self._stopping:
+                    return
+            for marker in due:
+                if self._take(marker):
+                    late = self._clock() - (marker.due - self._marker_due)
+                    self._publish(marker)
+                    self._count("handoff_markers_due")
+                    self._due_log.warn("due", (
+                        f"mooncake-vllm: hand-off marker of request {marker.req_id} published "
+                        f"{late:.1f} s after its declaration, before its saves finished (the pool "
+                        "puts were slower than half of handoff_timeout): the decode instance "
+                        "loads what is present and recomputes the rest (counter "
+                        "worker_handoff_markers_due)"))
+
     def _publish(self, marker: _Marker) -> None:
-        """The request's saves are committed: say how many leading chunks are present."""
+        """The request's saves are committed (or its marker is due): say how many leading
+        chunks are present."""
         client = self.source.get()
         ok = False
         if client is not None:
@@ -409,6 +472,9 @@ class WorkerLogic:
         loads, self._loads = self._loads, None
         if loads is not None:
             loads.shutdown(timeout)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
         thread, self._thread = self._thread, None
         if thread is None:
             return
