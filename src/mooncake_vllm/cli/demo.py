@@ -61,10 +61,22 @@ def _model(args: argparse.Namespace) -> Path:
     return built
 
 
+def _pool_tokens(b: dict[str, Any]) -> int:
+    """Tokens instance B got from the pool, as the installed vLLM can tell."""
+    from mooncake_vllm.compat.facts import installed_facts
+
+    facts = installed_facts()
+    if facts is None or facts.external_hit_counter:
+        return int(b["metrics"]["vllm:external_prefix_cache_hits"])  # missing = broken metrics, never "0"
+    # vLLM <= 0.11.0 counts no connector hits; B is a fresh process, so every token it had
+    # cached came from the pool
+    return int(b["results"][0]["cached_tokens"])
+
+
 def summarize(a: dict[str, Any], b: dict[str, Any], prompt_len: int) -> tuple[str, bool]:
     """The result table, and whether the demo showed what it should."""
     ra, rb = a["results"][0], b["results"][0]
-    pool = int(b["metrics"]["vllm:external_prefix_cache_hits"])  # missing = broken metrics, never "0"
+    pool = _pool_tokens(b)
     same = ra["tokens"] == rb["tokens"]
     rows = [
         ("prompt tokens", f"{prompt_len}", f"{prompt_len}"),
@@ -86,11 +98,19 @@ def summarize(a: dict[str, Any], b: dict[str, Any], prompt_len: int) -> tuple[st
 
 
 def run(args: argparse.Namespace) -> int:
+    from mooncake_vllm.compat.facts import installed_facts
     from mooncake_vllm.config import parse_size
     from mooncake_vllm.demo.run import run_instance
     from mooncake_vllm.services import DiskTier, LocalStack, ServiceError
     from mooncake_vllm.settings import auto_store_clients
 
+    facts = installed_facts()
+    if facts is not None and not facts.load_error_reporting:
+        print(f"mooncake-vllm demo: vLLM {facts.release} cannot recompute a block whose load fails "
+              "(load error reporting came in vLLM 0.11.1), so the connector saves to the pool but "
+              "never loads from it there: instance B could not be served from the pool. Fix: run "
+              "the demo with vLLM >= 0.11.1 (the same pool and keys)", file=sys.stderr)
+        return 1
     tmp = None
     if args.workdir:
         work = Path(args.workdir)
