@@ -373,19 +373,21 @@ class StoreClient:
         if not keys or not t.admits():
             return [None] * len(keys)
 
-        def take() -> list[bytes | None]:
-            out: list[bytes | None] = []
-            for key, code in zip(keys, t.batch_exist(list(keys))):
-                raw = t.store.get(key) if code == 1 else None
-                out.append(codec.unframe_value(key, raw) if raw else None)
-                if raw:
-                    t.remove(key)
-            return out
+        def read() -> list[bytes | None]:
+            return [t.store.get(key) or None if code == 1 else None
+                    for key, code in zip(keys, t.batch_exist(list(keys)))]
 
         # a late poll is asked again (the waiter's own bound ends the wait): it opens no
-        # breaker, which would turn the lookup right after the wait into a 0-block miss
-        got = t.run(t.markers, t.lookup_timeout, take, breaker=False)
-        return [None] * len(keys) if isinstance(got, BaseException) else got
+        # breaker, which would turn the lookup right after the wait into a 0-block miss.
+        # Markers are removed only once their values are in hand: a read that overran its box
+        # (and finishes later in the box's worker) leaves them for the next poll
+        got = t.run(t.markers, t.lookup_timeout, read, breaker=False)
+        if isinstance(got, BaseException):
+            return [None] * len(keys)
+        taken = [key for key, raw in zip(keys, got) if raw]
+        if taken:
+            t.run(t.markers, t.lookup_timeout, lambda: [t.remove(key) for key in taken], breaker=False)
+        return [codec.unframe_value(key, raw) if raw else None for key, raw in zip(keys, got)]
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
