@@ -22,12 +22,9 @@ def _result(ttft: float, tokens: list[int], hits: float) -> dict:
 @pytest.fixture
 def counting_vllm(monkeypatch):  # type: ignore[no-untyped-def]
     """The table logic as on a vLLM that counts connector hits (0.11.1+), whatever is installed."""
-    from mooncake_vllm.compat import facts
     from mooncake_vllm.demo import run
 
-    newest = SimpleNamespace(external_hit_counter=True)
-    monkeypatch.setattr(facts, "installed_facts", lambda: newest)
-    monkeypatch.setattr(run, "installed_facts", lambda: newest)
+    monkeypatch.setattr(run, "installed_facts", lambda: SimpleNamespace(external_hit_counter=True))
 
 
 @pytest.mark.usefixtures("counting_vllm")
@@ -42,9 +39,9 @@ def test_summary_reports_pool_tokens_speed_and_identity() -> None:
 
 
 def test_summary_counts_b_cached_tokens_where_vllm_counts_no_connector_hits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from mooncake_vllm.compat import facts
+    from mooncake_vllm.demo import run
 
-    monkeypatch.setattr(facts, "installed_facts", lambda: SimpleNamespace(external_hit_counter=False))
+    monkeypatch.setattr(run, "installed_facts", lambda: SimpleNamespace(external_hit_counter=False))
     b = {"results": [{"ttft_s": 0.5, "tokens": [1, 2], "cached_tokens": 1920}], "metrics": {}}
     table, ok = summarize(_result(2.0, [1, 2], 0), b, 2000)
     assert ok and "1920" in table

@@ -63,14 +63,11 @@ def _model(args: argparse.Namespace) -> Path:
 
 def _pool_tokens(b: dict[str, Any]) -> int:
     """Tokens instance B got from the pool, as the installed vLLM can tell."""
-    from mooncake_vllm.compat.facts import installed_facts
+    from mooncake_vllm.demo.run import counts_connector_hits
 
-    facts = installed_facts()
-    if facts is None or facts.external_hit_counter:
+    if counts_connector_hits():
         return int(b["metrics"]["vllm:external_prefix_cache_hits"])  # missing = broken metrics, never "0"
-    # vLLM <= 0.11.0 counts no connector hits; B is a fresh process, so every token it had
-    # cached came from the pool
-    return int(b["results"][0]["cached_tokens"])
+    return int(b["results"][0]["cached_tokens"])  # B is a fresh process: its cached tokens came from the pool
 
 
 def summarize(a: dict[str, Any], b: dict[str, Any], prompt_len: int) -> tuple[str, bool]:

@@ -28,7 +28,8 @@ from typing import Any
 
 from mooncake_vllm.compat.facts import installed_facts
 
-__all__ = ["INSTANCE_ENV", "PREFIX_CACHE_METRICS", "connector_counters", "kv_transfer_config",
+__all__ = ["INSTANCE_ENV", "PREFIX_CACHE_METRICS", "connector_counters", "counts_connector_hits",
+           "kv_transfer_config",
            "run_instance", "wait_saves_idle", "worker_side", "main"]
 
 #: Environment every offline instance gets (in-process engine, offline, quiet).
@@ -61,6 +62,14 @@ PREFIX_CACHE_METRICS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
                         "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits")
 
 
+def counts_connector_hits() -> bool:
+    """Whether the installed vLLM counts a connector's hits itself
+    (``vllm:external_prefix_cache_hits``, 0.11.1+); before, a fresh instance's
+    ``cached_tokens`` are its pool hits."""
+    facts = installed_facts()
+    return facts is None or facts.external_hit_counter
+
+
 def _metric_totals(llm: Any) -> dict[str, float]:
     """vLLM's prefix-cache counters summed over engines.
 
@@ -72,8 +81,7 @@ def _metric_totals(llm: Any) -> dict[str, float]:
         name = getattr(metric, "name", "")
         if "prefix_cache" in name and hasattr(metric, "value"):
             out[name] = out.get(name, 0.0) + float(metric.value)
-    facts = installed_facts()
-    needed = PREFIX_CACHE_METRICS if facts is None or facts.external_hit_counter \
+    needed = PREFIX_CACHE_METRICS if counts_connector_hits() \
         else PREFIX_CACHE_METRICS[:2]  # vLLM <= 0.11.0: no connector counter (results' cached_tokens)
     missing = [name for name in needed if name not in out]
     if missing:
