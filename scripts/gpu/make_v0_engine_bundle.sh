@@ -38,12 +38,11 @@ if [ ! -f "$STAGE/dl.done" ]; then
   touch "$STAGE/dl.done"
 fi
 
-# 2. install for cp312 (torch is taken from this tree; the rest travels as wheels)
+# 2. install torch for cp312 (repacked from this tree in step 3; the rest travels as wheels)
 if [ ! -f "$STAGE/site.done" ]; then
   rm -rf "$STAGE/site"
-  # shellcheck disable=SC2046
   "$PY312" -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/site" \
-    $(ls "$STAGE"/dl/*.whl | grep -v -E '/(ray|cupy_cuda12x|xformers)-')
+    "$STAGE"/dl/torch-*.whl
   touch "$STAGE/site.done"
 fi
 
