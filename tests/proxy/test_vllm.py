@@ -25,6 +25,7 @@ from mooncake_vllm.demo.run import kv_transfer_config
 from mooncake_vllm.demo.tiny_model import VOCAB_SIZE
 from mooncake_vllm.proxy import flows
 from mooncake_vllm.services import LocalStack, ManagedProcess, start_vllm_server
+from tests.v1.instances import loads_here
 
 from ._helpers import ADMIN_KEY, proxy, run, sse_events
 
@@ -95,12 +96,15 @@ def reference(tiny_model: Path, fleet: dict[str, ManagedProcess]) -> dict[str, A
         body = json.dumps({"model": str(tiny_model), "prompt": list(prompt), **GEN}).encode()
         req = urllib.request.Request(proc.url + "/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
-        choice = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]
-        out[prompt] = (choice["text"], choice.get("token_ids"), len(choice["prompt_token_ids"]))
+        answer = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        choice = answer["choices"][0]  # (prompt_token_ids in a choice came after vLLM 0.9.2)
+        out[prompt] = (choice["text"], choice.get("token_ids"), answer["usage"]["prompt_tokens"])
     assert _metric(str(proc.url), "vllm:external_prefix_cache_hits_total") == hits_before  # nothing loaded
     return out
 
 
+@pytest.mark.skipif(not loads_here(), reason="our connector loads only on vLLM >= 0.11.1 (a failed load "
+                    "could not be recomputed before): a decode here never takes the prefill's KV")
 def test_1p1d_through_the_pool_matches_a_single_instance(tiny_model: Path, reference: dict[str, Any],
                                                           fleet: dict[str, ManagedProcess]) -> None:
     dec = fleet["decode"]

@@ -141,7 +141,7 @@ def _select(args: argparse.Namespace, inv: Any, config: Any) -> list[Any]:
     if not groups:
         raise ValueError(f"no registered namespace matches {wanted} (see `mooncake-vllm pool namespaces`)")
     if len(groups) > 1:
-        keys = list(groups)
+        keys = sorted(groups, key=_field_order)  # one order on every run: block_size 32 before 64
         differ = [name for name, _ in keys[0] if len({dict(k)[name] for k in keys}) > 1]
         values = "; ".join(f"{n}: {' vs '.join(str(dict(k)[n]) for k in keys)}" for n in differ)
         flags = ", ".join("--" + n.replace("_", "-") for n in differ)
@@ -200,3 +200,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(_table(inv, with_bytes=args.pool_command == "stats"))
     return 0
+
+
+def _field_order(fields: tuple[tuple[str, object], ...]) -> list[tuple[int, float, str]]:
+    """Sort key of an engine's fields: numbers by value, the rest as text."""
+    return [(0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v)) for _, v in fields]
