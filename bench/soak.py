@@ -75,11 +75,12 @@ def _vllm_fleet(fleet: Fleet, model: Path, pd: bool = True) -> tuple[dict[str, s
 def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat: int = 1,
         store_only: bool = True, loopback: bool = False, warmup: float = 20.0,
         model: Path | None = None, holders: int = 2, segment_size: int = 32 << 20,
-        client_ttl: int = 5, pd: bool = True) -> dict[str, Any]:
+        client_ttl: int = 5, pd: bool = True, kv_cache_bytes: int = 8 << 20) -> dict[str, Any]:
     """One soak; returns the report (also printed/written by :func:`main`)."""
     why = "--loopback" if loopback else namespaces_available()
     net = None if why else Net().up()
-    fleet = Fleet(workdir, net, holders=holders, segment_size=segment_size, client_ttl=client_ttl)
+    fleet = Fleet(workdir, net, holders=holders, segment_size=segment_size, client_ttl=client_ttl,
+                  kv_cache_bytes=kv_cache_bytes)
     faults = schedule(kinds, seconds, warmup, repeat)
     print(f"soak: {'namespaces on 10.231.7.0/24' if net else f'loopback ({why})'}; "
           f"{seconds:.0f} s, {clients} clients; faults:", flush=True)
@@ -138,15 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loopback", action="store_true", help="no namespaces: every service on 127.0.0.1")
     p.add_argument("--model", type=Path, default=None, help="model dir (default: the tiny random Llama)")
     p.add_argument("--no-pd", action="store_true", help="no 1P1D pair (two kv_both instances only)")
+    p.add_argument("--kv-cache-mib", type=int, default=8,
+                   help="each vLLM instance's KV cache (default 8 MiB = 8k tokens of the tiny model, "
+                        "a third of the 16 documents: the pool serves what the instance evicted)")
     p.add_argument("--out", type=Path, default=Path("bench-results/soak"))
     args = p.parse_args(argv)
+    if args.kv_cache_mib < 2:
+        p.error(f"--kv-cache-mib: got {args.kv_cache_mib}, expected >= 2 (one 2048-token request of the tiny model)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     kinds = (list(STORE_FAULTS if args.store_only else KINDS) if args.faults == "all"
              else args.faults.split(","))
     with tempfile.TemporaryDirectory(prefix="mvsoak-") as tmp:
         result = run(Path(tmp), seconds=args.minutes * 60, clients=args.clients, kinds=kinds,
                      repeat=args.repeat, store_only=args.store_only, loopback=args.loopback,
-                     warmup=args.warmup, model=args.model, pd=not args.no_pd)
+                     warmup=args.warmup, model=args.model, pd=not args.no_pd,
+                     kv_cache_bytes=args.kv_cache_mib << 20)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     samples = result.pop("samples", None) or []
     write(result, samples, result.get("series", []), args.out)

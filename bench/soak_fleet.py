@@ -59,6 +59,9 @@ class Fleet:
     holders: int = 2
     segment_size: int = 128 << 20  #: each holder's
     client_ttl: int = 5
+    #: each vLLM instance's KV cache: smaller than the documents, or its own prefix cache
+    #: answers every repeat and the pool is never asked
+    kv_cache_bytes: int = 8 << 20
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
     places: dict[str, Placement] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
@@ -120,7 +123,8 @@ class Fleet:
         env = {"MOONCAKE_CONFIG_PATH": str(self.config_path)} if role is not None else {}
         port = self.ports.setdefault(name, free_port())
         return start_vllm_server(model, port, self.workdir, kv_transfer_config(role) if role else None,
-                                 env, name=name, timeout=1800, placement=where)
+                                 env, name=name, timeout=1800, placement=where,
+                                 kv_cache_bytes=self.kv_cache_bytes)
 
     def start_proxy(self, name: str, model: str, flow: str, prefill: list[str], decode: list[str],
                     ) -> ManagedProcess:

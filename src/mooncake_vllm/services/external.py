@@ -156,8 +156,10 @@ def start_vllm_server(
     timeout: float | None = None,
     name: str = "vllm",
     placement: Placement = LOOPBACK,
+    kv_cache_bytes: int = 64 << 20,
 ) -> ManagedProcess:
-    """Start vLLM's OpenAI server on CPU (float32, block 32, 64 MiB KV, eager) on ``placement``
+    """Start vLLM's OpenAI server on CPU (float32, block 32, ``kv_cache_bytes`` of KV, default
+    64 MiB, eager) on ``placement``
     (default 127.0.0.1; its Mooncake clients advertise that address too).
 
     Ready when ``GET /v1/models`` answers 200 (within ``timeout``, default
@@ -167,7 +169,7 @@ def start_vllm_server(
     """
     wd = Path(workdir)
     host = placement.host
-    size, size_env = kv_cache_size(64 << 20)
+    size, size_env = kv_cache_size(kv_cache_bytes)
     size_args = [f"--{k.replace('_', '-')}={v}" for k, v in size.items()]
     env = {**size_env, **(env or {})}
     wait = timeout if timeout is not None else float(os.environ.get("MOONCAKE_VLLM_SERVER_TIMEOUT", "300"))
