@@ -6,7 +6,7 @@
 # Both run in their own session (setsid), so they outlive this call and serve the next calls while the
 # machine stays warm; mc_down.sh stops them by pid. Env knobs: MC_SEGMENT (holder's global segment,
 # bytes, default 16 GiB, split over the holders), MC_HOLDERS (4), MC_MASTER_PORT (50051),
-# MC_METRICS_PORT (9003), MC_HOLDER_PORT (50052; holder i listens on +i), MC_WAIT (seconds, 30).
+# MC_METRICS_PORT (9003), MC_HOLDER_PORT (50100; holder i listens on +i: clear of the seed's P2P bootstrap ports 50052/50053), MC_WAIT (seconds, 30).
 # MC_METADATA=etcd (issue 25, the seed's legacy recipe): an etcd server (ETCD_BIN, default `etcd` on
 # PATH) on 127.0.0.1:MC_ETCD_PORT (2379) is the metadata server of the holders and of both configs,
 # and two more configs are written: seed.json = the seed's v0/mooncake-tcp.json as written (its
@@ -17,7 +17,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/env.sh"
 MC=${MC_DIR:-${GPU_PREFIX:-/tmp}/mc}
 SEG=${MC_SEGMENT:-17179869184}
-PORT=${MC_MASTER_PORT:-50051} METRICS=${MC_METRICS_PORT:-9003} HPORT=${MC_HOLDER_PORT:-50052}
+PORT=${MC_MASTER_PORT:-50051} METRICS=${MC_METRICS_PORT:-9003} HPORT=${MC_HOLDER_PORT:-50100}
 WAIT=${MC_WAIT:-30}
 HOLDERS=${MC_HOLDERS:-4}
 METADATA=${MC_METADATA:-P2PHANDSHAKE}

@@ -16,7 +16,7 @@ for ((i = 0; i < ${MODEL_WAIT:-150}; i++)); do [ -f /tmp/model/config.json ] && 
 echo "[multi] model ready after ${i}s; RDMA devices: $(ls /sys/class/infiniband 2>/dev/null | wc -l)"
 # what the checker says about the seed's MultiConnector deployment on this host (MCV-E105, MCV-W031)
 python3 -c "import sys; from mooncake_vllm.cli import main; sys.exit(main())" check --probe \
-  --target-vllm "$(python3 -c 'import vllm; print(vllm.__version__)')" \
+  --target-vllm "$(python3 -c 'from importlib.metadata import version; print(version("vllm"))')" \
   tests/checker/data/seed_v1/xpyd.sh tests/checker/data/seed_v1/kv_both.sh > "$OUT/check.txt" 2>&1
 grep -E "MCV-(E105|W031)" "$OUT/check.txt"
 nvidia-smi --query-gpu=memory.used,memory.total,utilization.gpu --format=csv,noheader -l 2 > "$OUT/smi.log" 2>&1 &
