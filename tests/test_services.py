@@ -36,6 +36,7 @@ from mooncake_vllm.services import (
     watch_dev_shm,
 )
 from tests.conftest import TEST_HOLDERS
+from tests.v1.instances import vllm_source_contains
 
 PY = sys.executable
 
@@ -346,7 +347,8 @@ def test_vllm_server_on_tiny_model(tiny_model: Path, workdir: Path) -> None:
         # vLLM's model-class inspection is cached where every later start finds it (a cold
         # cache costs each start a subprocess that imports vLLM again)
         infos = proc.workdir / "vllm-cache" / "modelinfos"
-        assert infos.is_symlink() and list(infos.glob("*LlamaForCausalLM.json"))
+        if vllm_source_contains("model_executor/models/registry.py", "modelinfos"):  # (not 0.10.0 and older)
+            assert infos.is_symlink() and list(infos.glob("*LlamaForCausalLM.json"))
     finally:
         proc.stop()
     assert _live_group(proc.pid) == []

@@ -65,6 +65,26 @@ def _fact(name: str) -> bool:
     return facts is None or bool(getattr(facts, name))
 
 
+def vllm_source_contains(relpath: str, text: str) -> bool:
+    """Whether the installed vLLM's file ``relpath`` (inside the package) contains ``text``,
+    read without importing vLLM (for what no fact of the connector's covers: test set-up)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = Path(next(iter(spec.submodule_search_locations))) / relpath
+    return path.is_file() and text in path.read_text(errors="replace")
+
+
+def example_connector() -> str:
+    """vLLM's example (shared-storage) connector's registry name: ``ExampleConnector``, or
+    ``SharedStorageConnector`` on releases before the rename (0.9.2, 0.10.0)."""
+    factory = "distributed/kv_transfer/kv_connector/factory.py"
+    return "ExampleConnector" if vllm_source_contains(factory, '"ExampleConnector"') else "SharedStorageConnector"
+
+
 def loads_here() -> bool:
     """Whether our connector loads on this vLLM: only where vLLM recomputes a block whose
     load fails (0.11.1+); before, it saves and never loads (a failed load would be wrong KV)."""

@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 import pytest
-from instances import announced_namespace, hits, prompt, tokens
+from instances import announced_namespace, hits, loads_here, prompt, tokens, vllm_source_contains
 
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.demo.run import run_instance
@@ -45,6 +45,9 @@ def client(module_local_stack: LocalStack) -> Any:
     c.close()
 
 
+@pytest.mark.skipif(not loads_here() or not vllm_source_contains("engine/arg_utils.py", "attention_config"),
+                    reason="needs a vLLM that picks the CPU MLA kernel by attention_config and where "
+                           "our connector loads (0.11.1+)")
 def test_mla_latent_kv_is_stored_once_and_loaded_bit_exact(run: Any, client: StoreClient) -> None:
     """Stored once under ``tp=shared``; B's loaded blocks are A's computed blocks, bit for bit.
 
