@@ -151,7 +151,9 @@ VLLM_CHANGES: tuple[Change, ...] = (
        cpu_kv_view="2bhnd",
        # wheels: v1/metrics/loggers.py counts external_prefix_cache_hits in 0.11.2, not in
        # 0.9.2-0.11.0 (0.11.1 unread)
-       external_hit_counter=True),
+       external_hit_counter=True,
+       # wheels 0.24.0 (seen killing the H200 prefill, 2026-12-03) and 0.32.0; 0.11.1-0.23 unread
+       multi_prom_asserts_children=True),
     _c("0.12.0", "vllm §7: prefer_cross_layer_blocks/register_cross_layers_kv_cache (opt-in cross-layer KV)",
        cross_layer_kv="opt-in"),
     _c("0.13.0", "vllm §5/§6/§7/§11: V1 P2P MooncakeConnector; +kv_load_failure_policy; hashing.py algorithms; "
@@ -201,6 +203,9 @@ VLLM_CHANGES: tuple[Change, ...] = (
        cross_layer_kv="layout"),
     _c("0.32.0", "vllm §5: kv_buffer_size, kv_rank, kv_parallel_size, kv_ip removed",
        kv_config_fields=_KV_FIELDS_0130 - _KV_REMOVED_0320, removed_kv_fields=_KV_REMOVED_0320),
+    _c("0.33.0", "wheel 0.33.0: MultiKVConnectorPromMetrics.observe skips children without Prometheus "
+       "metrics, and the P2P MooncakeConnector has its own",
+       multi_prom_asserts_children=False),
 )  # fmt: skip
 
 

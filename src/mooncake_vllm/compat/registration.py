@@ -184,5 +184,8 @@ def register() -> None:
             log.warning("mooncake-vllm: %s has no KVConnectorFactory; not registering", FACTORY_MODULE)
             return
         claim_name(factory, plan)
+        from mooncake_vllm.compat.vllm_fixes import apply
+
+        apply(facts)
     except Exception:  # noqa: BLE001 - a plugin must never break vLLM start-up
         log.warning("mooncake-vllm: registration failed; vLLM left untouched", exc_info=True)

@@ -127,6 +127,11 @@ class VllmFacts:
     #: (and ``LLM.reset_prefix_cache(reset_connector=True)``) reach the connector, which then
     #: removes its namespaces from the pool; elsewhere ``mooncake-vllm pool clear`` does it
     connector_reset_hook: bool = False
+    #: ``MultiKVConnectorPromMetrics.observe`` asserts that every child reporting stats has
+    #: Prometheus metrics: the P2P ``MooncakeConnector`` reports stats and has none, so a
+    #: ``MultiConnector`` holding it kills the frontend's output handler at its first transfer
+    #: (the seed's P2P + store recipe; ``compat.vllm_fixes`` makes it skip them, as 0.33 does)
+    multi_prom_asserts_children: bool = False
     #: where a V1 connector's own stats go: "none" (no hooks) | "log" (get_kv_connector_stats +
     #: build_kv_connector_stats: a periodic "KV Transfer metrics" log line) | "prometheus"
     #: (+ build_prom_metrics: the server's /metrics)
