@@ -22,7 +22,6 @@ import pytest
 
 from mooncake_vllm.checker import run_check
 from mooncake_vllm.cli import main
-from mooncake_vllm.compat import installed_facts
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.demo.run import run_instance
 from mooncake_vllm.inventory import scan_pool
@@ -32,10 +31,10 @@ from mooncake_vllm.store import StoreClient
 from mooncake_vllm.store.namespaces import register_namespaces
 from tests.v1.instances import complete as _complete
 from tests.v1.instances import external_hits as _external_hits
+from tests.v1.instances import fact
 
-_FACTS = installed_facts()
 #: whether this vLLM's reset endpoint reaches the connector (vLLM 0.14+)
-RESET_HOOK = _FACTS is None or _FACTS.connector_reset_hook
+RESET_HOOK = fact("connector_reset_hook")
 #: the connector's start-up line: the namespace and its digest
 ANNOUNCE = re.compile(r"namespace (mcv1\|\S+) \(digest ([0-9a-f]{16})\)")
 PROMPT = [10 + (i * 7919) % 1900 for i in range(260)]  # 8 full chunks of 32, 4 of 64

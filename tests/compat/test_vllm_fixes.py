@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mooncake_vllm.compat import vllm_facts
+from mooncake_vllm.compat import installed_facts, vllm_facts
 from mooncake_vllm.compat.vllm_fixes import MULTI_MODULE, apply, skip_unregistered_prom_children
 
 pytestmark = pytest.mark.vllm
@@ -33,12 +33,12 @@ def test_the_p2p_childs_stats_no_longer_stop_the_multiconnector(caplog: pytest.L
     multi = pytest.importorskip(MULTI_MODULE)
     real = getattr(multi, "MultiKVConnectorPromMetrics", None)
     if real is None:  # no connector Prometheus metrics in this vLLM (before 0.11.1): nothing to fix
-        assert not vllm_facts(_installed()).multi_prom_asserts_children
+        assert not installed_facts().multi_prom_asserts_children
         pytest.skip("this vLLM's MultiConnector has no Prometheus metrics")
     ours = _Recorder()
     stats = {"MooncakeConnector": {"data": {"transfer_duration": [0.1]}},
              "MooncakeStoreConnector": {"data": {"hits": 1}}}
-    if vllm_facts(_installed()).multi_prom_asserts_children:  # the bug, in this very wheel
+    if installed_facts().multi_prom_asserts_children:  # the bug, in this very wheel
         bare = type("BareMultiPromMetrics", (real,), {})  # vLLM's own observe (unpatched if the
         bare.observe = getattr(real.observe, "__wrapped__", real.observe)  # plugin ran here already)
         with pytest.raises(AssertionError, match="MooncakeConnector is not contained"):
@@ -74,14 +74,6 @@ def test_apply_never_raises_where_the_class_cannot_be_found(monkeypatch: pytest.
     assert apply(vllm_facts("0.24.0")) == []
 
 
-def _installed() -> str:
-    from mooncake_vllm.compat.detect import installed_vllm
-
-    dist = installed_vllm()
-    assert dist is not None
-    return dist.version
-
-
 def _passed(data: Any) -> Any:
     """What the real observe handed our child (0.32: the stats dict's "data"; 0.33: the dict)."""
     return data.get("data", data) if isinstance(data, dict) else data
@@ -94,4 +86,4 @@ def test_the_plugin_applies_it_where_the_facts_say() -> None:
     register()  # what vLLM's plugin loader runs in every process (the frontend builds the metrics)
     cls = getattr(multi, "MultiKVConnectorPromMetrics", None)
     patched = cls is not None and getattr(cls.observe, "_mooncake_vllm_skips_unregistered", False)
-    assert patched == vllm_facts(_installed()).multi_prom_asserts_children
+    assert patched == installed_facts().multi_prom_asserts_children

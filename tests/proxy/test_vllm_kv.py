@@ -22,6 +22,7 @@ from mooncake_vllm.proxy.kv_events import vllm_args
 from mooncake_vllm.proxy.kv_hashes import ALGORITHMS
 from mooncake_vllm.proxy.kv_index import LOCAL, POOL
 from mooncake_vllm.services import LocalStack, ManagedProcess, free_port, start_vllm_server
+from tests.v1.instances import fact
 
 from ._helpers import proxy, run, wait_for
 
@@ -34,7 +35,7 @@ FACTS = installed_facts()
 SEED_ENV = ({"PYTHONHASHSEED": "0"} if FACTS is not None and FACTS.v1_hash_seed == "seed-required" else {})
 #: before 0.10.2 vLLM's events carry only its builtin hash (sha256 stops its publisher), which
 #: no other process reproduces: kv_aware says so and routes like prefix_aware
-ROUTABLE = FACTS is None or FACTS.sha256_kv_events
+ROUTABLE = fact("sha256_kv_events")
 HASH_ARGS = (("--prefix-caching-hash-algo", "sha256")
              if ROUTABLE and FACTS is not None and FACTS.default_hash_algorithm not in ALGORITHMS else ())
 DOC = " ".join(f"clause {i}: the parties agree that section {i % 7} applies." for i in range(60))
@@ -123,7 +124,7 @@ def test_a_repeated_document_goes_to_the_instance_that_holds_it(tiny_model: Path
             # takes a connector's events (0.10.2+)
             assert kv.indexes[holder.key].count(LOCAL) > 0
             pool_events = sum(i.count(POOL) for i in kv.indexes.values())
-            assert pool_events > 0 or (FACTS is not None and not FACTS.connector_kv_events), \
+            assert pool_events > 0 or not fact("connector_kv_events"), \
                 "no MOONCAKE events from our connector"
 
     run(go, timeout=600)

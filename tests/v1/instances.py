@@ -59,7 +59,7 @@ def complete(url: str, prompt: list[int]) -> dict:
         return json.loads(resp.read())
 
 
-def _fact(name: str) -> bool:
+def fact(name: str) -> bool:
     """A boolean fact of the installed vLLM (True without one: the newest behaviour)."""
     facts = installed_facts()
     return facts is None or bool(getattr(facts, name))
@@ -88,12 +88,12 @@ def example_connector() -> str:
 def loads_here() -> bool:
     """Whether our connector loads on this vLLM: only where vLLM recomputes a block whose
     load fails (0.11.1+); before, it saves and never loads (a failed load would be wrong KV)."""
-    return _fact("load_error_reporting")
+    return fact("load_error_reporting")
 
 
 def counts_connector_hits() -> bool:
     """Whether this vLLM counts a connector's hits itself (0.11.1+, see ``hits``)."""
-    return _fact("external_hit_counter")
+    return fact("external_hit_counter")
 
 
 #: what a ``vllm serve`` needs for :func:`external_hits` to read its count from a response

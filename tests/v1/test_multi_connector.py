@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from instances import announced_namespace, example_connector, loads_here
+from instances import announced_namespace, example_connector, fact, loads_here
 from instances import prompt as _prompt
 from instances import tokens as _tokens
 from instances import upsert_raw as _upsert
@@ -69,7 +69,7 @@ def test_multi_connector_saves_loads_reports_and_recovers(
     # The reference (no connector) runs side by side with it: start-up dominates on 2 cores
     facts = installed_facts()
     # KV events where vLLM takes a connector's (0.13+); vLLM 0.9.2's null publisher cannot start
-    events = facts is None or facts.connector_kv_events
+    events = fact("connector_kv_events")
     with ThreadPoolExecutor(2) as ex:
         ref_run = ex.submit(run, "multi-ref", None)
         a_run = ex.submit(run, "multi-a", multi_config("kv_both", tmp_path / "ex-a"), kv_events=events)
