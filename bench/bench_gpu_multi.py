@@ -6,6 +6,11 @@ Modes, each with its own instances and pool namespace (``cache_prefix``):
   pass is the recompute, the second an in-HBM prefix hit of every full block, whose answers
   are the reference (``equal_to_single``): a decode that got the prompt's KV computes what a
   prefix hit computes; in bf16 a full prefill may differ from both (``recompute_equals_hit``).
+  GPU prompt lengths are a whole number of 16-token blocks plus one (2049, 8001): the hit,
+  vLLM's P2P decode (it receives every prompt token but the last) and a pool load (every
+  full block) then all compute exactly the last token — the same computation, so bf16
+  answers compare; at 2048 the P2P decode computed 1 token where the hit computed 16 and
+  9 of 10 bf16 answers differed (H200, 2026-12-03).
 * ``p2p``: prefill (``kv_producer``) + decode (``kv_consumer``) with vLLM's P2P
   ``MooncakeConnector`` alone; proxy ``--flow p2p``.
 * ``p2p_store``: the seed's ``MultiConnector(MooncakeConnector + MooncakeStoreConnector)``
@@ -283,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="model dir (GPU: /tmp/model)")
     ap.add_argument("--modes", default=None, help=f"comma list (GPU default {','.join(GPU_MODES)}; "
                                                   f"CPU {','.join(CPU_MODES)})")
-    ap.add_argument("--lengths", default=None, help="prompt lengths (GPU 2048,8000; CPU 300,700)")
+    ap.add_argument("--lengths", default=None, help="prompt lengths (GPU 2049,8001; CPU 300,700)")
     ap.add_argument("--per-length", type=int, default=None, help="prompts per length (GPU 5, CPU 2)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (GPU 64, CPU 8)")
     ap.add_argument("--max-len", type=int, default=None)
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     gpu = not args.cpu
     modes = (args.modes or ",".join(GPU_MODES if gpu else CPU_MODES)).split(",")
-    lengths = [int(x) for x in (args.lengths or ("2048,8000" if gpu else "300,700")).split(",")]
+    lengths = [int(x) for x in (args.lengths or ("2049,8001" if gpu else "300,700")).split(",")]
     per_length = args.per_length or (5 if gpu else 2)
     args.max_tokens = args.max_tokens or (64 if gpu else 8)
     args.max_len = args.max_len or (max(lengths) + args.max_tokens + 64 if gpu else 2048)

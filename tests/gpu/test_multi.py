@@ -5,7 +5,9 @@ A small random bf16 Llama; bench/bench_gpu_multi.py's ``single`` and ``p2p_store
 against the running pool of scripts/gpu/mc_up.sh (``$MOONCAKE_CONFIG_PATH``): the answers
 equal a single instance's, the decode's prompt KV comes by P2P (vLLM counts external hits,
 ours loads nothing there), ours saves it through the MultiConnector on the prefill, and a
-fresh instance with the plain seed JSON gets the prompts from the pool. The 8B-class TTFT
+fresh instance with the plain seed JSON gets the prompts from the pool. The prompt is 125
+blocks of 16 plus one token: the P2P decode, the prefix hit and the pool load all compute
+only its last token, so the bf16 answers compare (bench_gpu_multi's docstring). The 8B-class TTFT
 and ITL comparison is the bench itself (scripts/gpu/multi.sh).
 """
 
@@ -35,7 +37,7 @@ def test_seed_multiconnector_xpyd_through_the_proxy(tmp_path: Path) -> None:
         pytest.skip("needs the pool of scripts/gpu/mc_up.sh")
     model = _model(tmp_path / "model")
     out = tmp_path / "multi.json"
-    rc = bench(["--model", str(model), "--modes", "single,p2p_store", "--lengths", "2000",
+    rc = bench(["--model", str(model), "--modes", "single,p2p_store", "--lengths", "2001",
                 "--per-length", "2", "--max-tokens", "16", "--gpu-util", "0.2", "--out", str(out)])
     result = json.loads(out.read_text())
     assert rc == 0, result["errors"]
