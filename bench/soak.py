@@ -72,6 +72,25 @@ def _vllm_fleet(fleet: Fleet, model: Path, pd: bool = True) -> tuple[dict[str, s
     return targets, str(fleet.procs["ref"].url)
 
 
+def _kv_idle(metrics: dict[str, str], wait: float = 30.0) -> dict[str, float | None]:
+    """Each instance's ``vllm:kv_cache_usage_perc`` once the load has stopped: it must fall to
+    0 (no blocks held for us: a save or load that never ended would keep its request's blocks).
+    Polled up to ``wait`` s; None where the instance did not answer."""
+    from soak_load import scrape
+
+    deadline = time.monotonic() + wait
+    while True:
+        usage: dict[str, float | None] = {}
+        for name, url in metrics.items():
+            try:
+                usage[name] = scrape(url).get("vllm:kv_cache_usage_perc")
+            except Exception:  # noqa: BLE001 - recorded as None
+                usage[name] = None
+        if all(u == 0.0 for u in usage.values()) or time.monotonic() > deadline:
+            return usage
+        time.sleep(1.0)
+
+
 def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat: int = 1,
         store_only: bool = True, loopback: bool = False, warmup: float = 20.0,
         model: Path | None = None, holders: int = 2, segment_size: int = 32 << 20,
@@ -110,11 +129,12 @@ def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat
         samples = [s.row() for s in load.run_load(t0)]
         runner.stop.set()
         runner.join(60)
+        kv_idle = _kv_idle({n: u for n, u in metrics.items() if fleet.procs[n].alive()})
         sampler.stop.set()
         series = (hit_series(samples, seconds) if store_only else metrics_hit_series(sampler.rows))
         holders_rss = {f"h{i}": segment_size for i in range(1, holders + 1)}  # touched lazily
         result = report(samples, [f.row() for f in faults], series, sampler.rows, warmup, holders_rss)
-        result.update(hosts="namespaces" if net else f"loopback ({why})", seconds=seconds,
+        result.update(kv_idle=kv_idle, hosts="namespaces" if net else f"loopback ({why})", seconds=seconds,
                       clients=clients, store_only=store_only, sampler=sampler.rows,
                       samples=samples, series=series)
         return result

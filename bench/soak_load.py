@@ -210,8 +210,11 @@ class HttpLoad(_Loop):
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
+                event = json.loads(line[5:])
+                if not event.get("choices"):  # the proxy's error event: the upstream failed mid-stream
+                    raise RuntimeError(f"error event: {line[5:205].strip()}")
                 ttft = ttft if ttft is not None else time.monotonic() - start
-                tokens += json.loads(line[5:])["choices"][0].get("token_ids") or []
+                tokens += event["choices"][0].get("token_ids") or []
         return tokens, ttft
 
     def run_load(self, t0: float) -> list[Sample]:
