@@ -35,13 +35,28 @@ from soak_load import HttpLoad, Sampler, StoreLoad  # noqa: E402
 from soak_net import Net, namespaces_available  # noqa: E402
 from soak_report import hit_series, metrics_hit_series, report, table, write  # noqa: E402
 
-__all__ = ["STORE_FAULTS", "main", "run"]
+__all__ = ["STORE_FAULTS", "VLLM_BASELINE", "main", "rebuild", "run"]
 
 log = logging.getLogger("soak")
 
 #: faults a pool-only fleet can take (no vLLM, no proxy)
 STORE_FAULTS = ("holder_kill", "holder_stop", "master_kill", "master_stop", "metadata_restart",
                 "link_down", "flood")
+
+
+#: the no-connector reference serves every prompt too: its growth is vLLM's own
+VLLM_BASELINE: dict[str, Any] = {"baseline": "ref", "baselined": ("v1", "v2", "p", "d")}
+
+
+def rebuild(path: Path, warmup: float, segment_size: int = 32 << 20) -> dict[str, Any]:
+    """The report again from a soak's JSON (its samples, faults, series and resource samples)."""
+    old = json.loads(path.read_text())
+    holders = {n for r in old["sampler"] for n in r["usage"] if n.startswith("h") and n[1:].isdigit()}
+    result = report(old["samples"], old["faults"], [tuple(x) for x in old["series"]], old["sampler"], warmup,
+                    {h: segment_size for h in holders}, **({} if old["store_only"] else VLLM_BASELINE))
+    keep = ("kv_idle", "hosts", "seconds", "clients", "store_only", "sampler", "samples", "series")
+    result.update({k: old[k] for k in keep if k in old})
+    return result
 
 
 def _documents(n: int, vocab: int, seed: int = 27) -> list[list[int]]:
@@ -133,7 +148,8 @@ def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat
         sampler.stop.set()
         series = (hit_series(samples, seconds) if store_only else metrics_hit_series(sampler.rows))
         holders_rss = {f"h{i}": segment_size for i in range(1, holders + 1)}  # touched lazily
-        result = report(samples, [f.row() for f in faults], series, sampler.rows, warmup, holders_rss)
+        result = report(samples, [f.row() for f in faults], series, sampler.rows, warmup, holders_rss,
+                        **({} if store_only else VLLM_BASELINE))
         result.update(kv_idle=kv_idle, hosts="namespaces" if net else f"loopback ({why})", seconds=seconds,
                       clients=clients, store_only=store_only, sampler=sampler.rows,
                       samples=samples, series=series)
@@ -163,24 +179,37 @@ def main(argv: list[str] | None = None) -> int:
                    help="each vLLM instance's KV cache (default 8 MiB = 8k tokens of the tiny model, "
                         "a third of the 16 documents: the pool serves what the instance evicted)")
     p.add_argument("--out", type=Path, default=Path("bench-results/soak"))
+    p.add_argument("--report", type=Path, default=None,
+                   help="no soak: the report again from this soak JSON (with --warmup as it ran)")
     args = p.parse_args(argv)
     if args.kv_cache_mib < 2:
         p.error(f"--kv-cache-mib: got {args.kv_cache_mib}, expected >= 2 (one 2048-token request of the tiny model)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     kinds = (list(STORE_FAULTS if args.store_only else KINDS) if args.faults == "all"
              else args.faults.split(","))
+    if args.report is not None:
+        result = rebuild(args.report, args.warmup)
+        return _finish(result, args.out)
     with tempfile.TemporaryDirectory(prefix="mvsoak-") as tmp:
         result = run(Path(tmp), seconds=args.minutes * 60, clients=args.clients, kinds=kinds,
                      repeat=args.repeat, store_only=args.store_only, loopback=args.loopback,
                      warmup=args.warmup, model=args.model, pd=not args.no_pd,
                      kv_cache_bytes=args.kv_cache_mib << 20)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    return _finish(result, args.out)
+
+
+def _finish(result: dict[str, Any], out: Path) -> int:
+    """Write JSON + PNG, print the tables; 0 when nothing was wrong and nothing failed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     samples = result.pop("samples", None) or []
-    write(result, samples, result.get("series", []), args.out)
+    write(result, samples, result.get("series", []), out)
     print(table(result))
-    print(json.dumps({k: result[k] for k in ("hosts", "requests", "wrong", "failed", "ttft_p50", "ttft_p99")}))
+    print(json.dumps({k: result.get(k) for k in ("hosts", "requests", "wrong", "failed", "killed_in_flight",
+                                                 "ttft_p50", "ttft_p99", "kv_idle")}))
     for name, r in result["resources"].items():
-        print(f"  {name}: rss {r['rss_mb']} MB, fds {r['fds']}, within 10 %: {r['within']}")
+        base = f", within vLLM's own growth: {r['within_baseline']}" if "within_baseline" in r else ""
+        print(f"  {name}: rss {r['rss_mb']} MB (peak {r['peak'][0]}, {100 * r['rss_growth']:+.1f} %), "
+              f"fds {r['fds']} (peak {r['peak'][1]}), within 10 %: {r['within']}{base}")
     return 0 if result["wrong"] == 0 and result["failed"] == 0 else 1
 
 

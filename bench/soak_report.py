@@ -13,7 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["hit_series", "metrics_hit_series", "recovery", "report", "resources", "write"]
+__all__ = ["KILLS", "hit_series", "killed_in_flight", "metrics_hit_series", "miss_causes", "recovery", "report",
+           "resources", "table", "write"]
 
 TARGET = 0.8  #: of the pre-fault hit rate
 DEADLINE = 30.0  #: seconds after a fault's end
@@ -67,14 +68,23 @@ def recovery(series: list[tuple[float, float | None]], began: float, ended: floa
             "recovery_s": took, "met": took is not None and took <= DEADLINE}
 
 
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
 def resources(rows: list[dict[str, Any]], warmup: float, tolerance: float = 0.10,
-              allow: dict[str, int] | None = None) -> dict[str, Any]:
-    """Per service and process (a restart is a new pid): RSS and open fds at the level after
-    its warm-up — ``warmup`` s into the soak, or ``warmup`` s after a restart (a fresh process
-    opens its connections and touches its memory lazily: compared with its first sample, a
-    restarted vLLM "grew" by the connections its first transfers opened) — and at most
-    later. ``within``: the most stays within ``tolerance`` of that level (plus ``allow[name]``
-    bytes of RSS: a holder touches its pool segment lazily, up to the segment's size)."""
+              allow: dict[str, int] | None = None, window: float = 60.0,
+              baseline: str | None = None, baselined: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Per service and process (a restart is a new pid): RSS and open fds at their level after
+    warm-up — the median over ``window`` s from ``warmup`` s into the soak, or from ``warmup``
+    s after a restart (a fresh process opens its connections and touches its memory lazily) —
+    at the end (the median over its last ``window`` s) and at most (``peak``). ``within``: the
+    end stays within ``tolerance`` of the level (plus ``allow[name]`` bytes of RSS: a holder
+    touches its pool segment lazily, up to the segment's size; fds: at least 2 more). Medians,
+    not single samples: a socket per request in flight comes and goes with the load, a leak
+    stays. ``baselined`` processes (vLLM with our connector) may also grow as much as the
+    ``baseline`` process (the same vLLM without a connector, serving the same prompts) did:
+    that growth is vLLM's own (``within_baseline``)."""
     out: dict[str, Any] = {}
     names = sorted({n for r in rows for n in r["usage"]})
     for name in names:
@@ -87,49 +97,103 @@ def resources(rows: list[dict[str, Any]], warmup: float, tolerance: float = 0.10
             mine = [s for s in mine if s[0] >= settled]
             if not mine:
                 continue
-            _, rss0, fd0, _ = mine[0]
-            rss1, fd1 = max(s[1] for s in mine), max(s[2] for s in mine)
+            first = [s for s in mine if s[0] < mine[0][0] + window]
+            last = [s for s in mine if s[0] > mine[-1][0] - window]
+            rss0, fd0 = _median([s[1] for s in first]), _median([s[2] for s in first])
+            rss1, fd1 = _median([s[1] for s in last]), _median([s[2] for s in last])
             extra = (allow or {}).get(name, 0)
             runs.append({"pid": pid, "rss_mb": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)],
-                         "fds": [fd0, fd1], "within": rss1 <= rss0 * (1 + tolerance) + extra
+                         "fds": [fd0, fd1], "peak": [round(max(s[1] for s in mine) / 2**20, 1),
+                                                     max(s[2] for s in mine)],
+                         "rss_growth": round(rss1 / rss0 - 1, 3), "seconds": round(mine[-1][0] - mine[0][0]),
+                         "within": rss1 <= rss0 * (1 + tolerance) + extra
                          and fd1 <= max(fd0 * (1 + tolerance), fd0 + 2)})
         if runs:
             out[name] = {**runs[-1], "within": all(r["within"] for r in runs), "processes": runs}
+    base = out.get(baseline or "")
+    if base is not None:
+        allowed = max(tolerance, max(r["rss_growth"] for r in base["processes"]))
+        for name in baselined:
+            if name in out:
+                out[name]["within_baseline"] = out[name]["within"] or all(
+                    r["rss_growth"] <= allowed and r["fds"][1] <= max(r["fds"][0] * (1 + tolerance), r["fds"][0] + 2)
+                    for r in out[name]["processes"])
+    return out
+
+
+#: faults that SIGKILL a vLLM instance: its requests in flight may fail (counted apart)
+KILLS = ("vllm_kill",)
+
+
+def killed_in_flight(samples: list[dict[str, Any]], faults: list[dict[str, Any]]) -> list[int]:
+    """Indices of the failed requests that were in flight when a :data:`KILLS` fault began."""
+    kills = [f["began"] for f in faults if f["kind"] in KILLS and f["began"] is not None]
+    return [i for i, s in enumerate(samples) if s["failed"] and s.get("seconds") is not None
+            and any(s["t"] <= k <= s["t"] + s["seconds"] for k in kills)]
+
+
+def miss_causes(rows: list[dict[str, Any]], began: float, until: float) -> dict[str, int]:
+    """Our connector's misses by cause (``vllm:mooncake_vllm_miss_causes_total``) counted by
+    every instance between ``began`` and ``until`` (a restarted instance starts again at 0)."""
+    out: dict[str, int] = {}
+    start = max((i for i, r in enumerate(rows) if r["t"] <= began), default=0)  # the counts as it began
+    inside = [r for r in rows[start:] if r["t"] <= until]
+    for prev, row in zip(inside, inside[1:]):
+        for inst, now in row["metrics"].items():
+            then = prev["metrics"].get(inst)
+            for key, value in now.items():
+                if not key.startswith("vllm:mooncake_vllm_miss_causes_total{"):
+                    continue
+                old = then.get(key, 0.0) if then is not None else value
+                step = value - old if value >= old else value
+                if step:
+                    cause = key.split("cause=", 1)[1].rstrip("}")
+                    out[cause] = out.get(cause, 0) + int(step)
     return out
 
 
 def report(samples: list[dict[str, Any]], faults: list[dict[str, Any]],
            series: list[tuple[float, float | None]], usage_rows: list[dict[str, Any]],
-           warmup: float, allow: dict[str, int] | None = None) -> dict[str, Any]:
-    """The whole result: totals, one row per fault, resources."""
+           warmup: float, allow: dict[str, int] | None = None, baseline: str | None = None,
+           baselined: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The whole result: totals, one row per fault, resources. ``failed`` leaves out the
+    requests in flight on an instance that was killed (``killed_in_flight``, counted)."""
+    killed = set(killed_in_flight(samples, faults))
     per_fault = []
     for f in faults:
         if f["began"] is None:
             continue
         ended = f["ended"] if f["ended"] is not None else f["began"]
-        during = [s for s in samples if f["began"] <= s["t"] <= ended + DEADLINE]
+        mine = [(i, s) for i, s in enumerate(samples) if f["began"] <= s["t"] <= ended + DEADLINE]
         per_fault.append({**f, **recovery(series, f["began"], ended),
-                          "requests": len(during), "wrong": sum(s["wrong"] for s in during),
-                          "failed": sum(bool(s["failed"]) for s in during)})
+                          "requests": len(mine), "wrong": sum(s["wrong"] for _, s in mine),
+                          "failed": sum(bool(s["failed"]) and i not in killed for i, s in mine),
+                          "killed_in_flight": len(killed_in_flight(samples, [f])),
+                          "miss_causes": miss_causes(usage_rows, f["began"], ended + DEADLINE)})
     ttfts = sorted(s["ttft"] for s in samples if s.get("ttft") is not None)
     return {
         "requests": len(samples), "wrong": sum(s["wrong"] for s in samples),
-        "failed": sum(bool(s["failed"]) for s in samples),
+        "failed": sum(bool(s["failed"]) and i not in killed for i, s in enumerate(samples)),
+        "killed_in_flight": len(killed),
         "failures": sorted({s["failed"][:160] for s in samples if s["failed"]})[:20],
         "ttft_p50": ttfts[len(ttfts) // 2] if ttfts else None,
         "ttft_p99": ttfts[int(len(ttfts) * 0.99)] if ttfts else None,
-        "faults": per_fault, "resources": resources(usage_rows, warmup, allow=allow),
+        "faults": per_fault,
+        "resources": resources(usage_rows, warmup, allow=allow, baseline=baseline, baselined=baselined),
     }
 
 
 def table(result: dict[str, Any]) -> str:
     """The per-fault table (markdown)."""
-    lines = ["| fault | began s | lasted s | pre hit | low | recovery s | ≤30 s | requests | wrong | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| fault | began s | lasted s | pre hit | low | recovery s | ≤30 s | requests | wrong | failed "
+             "| killed in flight | misses by cause |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in result["faults"]:
         lasted = None if f["ended"] is None else round(f["ended"] - f["began"], 1)
+        causes = ", ".join(f"{k} {v}" for k, v in sorted((f.get("miss_causes") or {}).items())) or "-"
         lines.append(f"| {f['kind']} | {f['began']:.0f} | {lasted} | {f['pre']} | {f['low']} | "
-                     f"{f['recovery_s']} | {f['met']} | {f['requests']} | {f['wrong']} | {f['failed']} |")
+                     f"{f['recovery_s']} | {f['met']} | {f['requests']} | {f['wrong']} | {f['failed']} | "
+                     f"{f.get('killed_in_flight', 0)} | {causes} |")
     return "\n".join(lines)
 
 

@@ -46,6 +46,48 @@ def test_recovery_is_the_time_back_to_80_percent_of_the_pre_fault_rate() -> None
     assert recovery([(float(t), 1.0) for t in range(30)], 10.0, 12.0)["recovery_s"] == 0.0
 
 
+def _usage_rows(series: dict[str, list[tuple[int, int]]], pid: int = 7) -> list[dict]:
+    """Resource rows every 2 s: name -> [(rss bytes, fds)] per sample."""
+    n = len(next(iter(series.values())))
+    return [{"t": 2.0 * i, "metrics": {}, "usage": {k: [v[i][0], v[i][1], pid] for k, v in series.items()}}
+            for i in range(n)]
+
+
+def test_resources_compare_median_levels_and_vllm_own_growth() -> None:
+    from soak_report import resources
+
+    mb = 1 << 20
+    steady = [(100 * mb, 20 + (8 if i % 5 == 0 else 0)) for i in range(200)]  # a socket per request comes, goes
+    leak = [(100 * mb, 20 + i // 10) for i in range(200)]  # fds that only grow
+    grows = [(int((100 + 0.1 * i) * mb), 20) for i in range(200)]  # +20 % over the run
+    ref = [(int((100 + 0.15 * i) * mb), 20) for i in range(200)]  # the no-connector vLLM: +30 %
+    out = resources(_usage_rows({"steady": steady, "leak": leak, "ours": grows, "ref": ref}), warmup=10,
+                    baseline="ref", baselined=("ours", "leak"))
+    assert out["steady"]["within"] and out["steady"]["peak"][1] == 28
+    assert not out["leak"]["within"] and not out["leak"]["within_baseline"]
+    assert not out["ours"]["within"] and out["ours"]["within_baseline"]  # no more than vLLM's own
+    assert 0.15 < out["ours"]["rss_growth"] < out["ref"]["rss_growth"]
+    alone = resources(_usage_rows({"ours": grows}), warmup=10)
+    assert "within_baseline" not in alone["ours"]
+
+
+def test_failures_in_flight_on_a_killed_instance_and_misses_by_cause() -> None:
+    from soak_report import killed_in_flight, miss_causes, report
+
+    samples = [{"t": 10.0, "seconds": 1.0, "failed": "", "wrong": False, "ttft": 0.1},
+               {"t": 19.5, "seconds": 1.0, "failed": "RuntimeError: error event", "wrong": False, "ttft": None},
+               {"t": 40.0, "seconds": 1.0, "failed": "URLError: refused", "wrong": False, "ttft": None}]
+    faults = [{"kind": "vllm_kill", "at": 20.0, "began": 20.0, "ended": 30.0, "error": "", "what": ""}]
+    assert killed_in_flight(samples, faults) == [1]  # the third failed after the kill: it counts
+    key = "vllm:mooncake_vllm_miss_causes_total{cause=lost_segment}"
+    rows = [{"t": t, "usage": {}, "metrics": {"v1": {key: v}}} for t, v in ((18, 5.0), (22, 9.0), (24, 2.0), (26, 3.0))]
+    assert miss_causes(rows, 20, 60) == {"lost_segment": 7}  # from the count as it began: +4, restart +2, +1
+    assert miss_causes(rows, 23, 25) == {"lost_segment": 2}
+    result = report(samples, faults, [], rows, warmup=0)
+    assert result["failed"] == 1 and result["killed_in_flight"] == 1
+    assert result["faults"][0]["killed_in_flight"] == 1 and result["faults"][0]["failed"] == 1
+
+
 def test_short_soak_in_namespaces(tmp_path: Path) -> None:
     result = soak.run(tmp_path, seconds=50, clients=2, kinds=["holder_kill", "link_down"],
                       warmup=15, segment_size=32 << 20)
