@@ -6,6 +6,8 @@
   breaker once the master answers again — logged once.
 * A full pool: failed puts are counted and logged once per minute with the fix,
   and saves back off for a while instead of storming the pool.
+* A hand-off marker read that overran its box while the master stalled is not consumed
+  by its late worker: the next poll gets it.
 """
 
 from __future__ import annotations
@@ -147,3 +149,25 @@ def test_a_dead_holder_is_named_once_and_its_blocks_are_misses(
         client.close()
     finally:
         stack.stop()
+
+
+def test_a_marker_read_past_its_time_box_stays_for_the_next_poll(local_stack: LocalStack) -> None:
+    """A hand-off marker poll that overran its box (the master stalled) must not consume the
+    marker when its worker finishes later: the next poll gets it (issue 27: a decode waited out
+    handoff_timeout with every block in the pool because the late read removed the marker)."""
+    client = StoreClient.connect(load_store_config(local_stack.config_path))
+    key = f"mcv/health/handoff/{time.monotonic_ns()}"
+    assert client.publish_marker(key, [], lambda present: b"offer")
+    pid = local_stack.master.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert _poll(lambda: _all_threads_stopped(pid), 10)
+        assert client.take_markers([key]) == [None]  # past its box: the read goes on in the box's worker
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    got: list[Any] = [None]
+    assert _poll(lambda: got.__setitem__(0, client.take_markers([key])[0]) or got[0] is not None, 15), \
+        "the late read consumed the marker"
+    assert got[0] == b"offer"
+    assert client.take_markers([key]) == [None]  # one reader: taken means removed
+    client.close()
