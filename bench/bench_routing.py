@@ -50,7 +50,7 @@ from bench_v1_ttft import _model, pyplot
 from mooncake_vllm.demo.run import kv_transfer_config
 from mooncake_vllm.proxy.kv_events import vllm_args
 from mooncake_vllm.proxy.server import ProxyConfig, ProxyServer
-from mooncake_vllm.services import LocalStack, ManagedProcess, free_port, start_vllm_server
+from mooncake_vllm.services import LocalStack, ManagedProcess, cpu_binding, free_port, start_vllm_server
 
 FULL = {"instances": 3, "conversations": 24, "turns": 6, "docs": 8, "doc_tokens": 2000, "clients": 8,
         "question_tokens": 40, "out_tokens": 32, "max_model_len": 4096, "kv_bytes": 1 << 30,
@@ -84,7 +84,8 @@ def _fleet(p: dict[str, Any], work: Path, endpoint: str, stack: LocalStack | Non
         replay = f"tcp://127.0.0.1:{free_port()}"
         extra = (*vllm_args(endpoint, f"127.0.0.1:{port}", replay), "--max-model-len", str(p["max_model_len"]),
                  f"--kv-cache-memory-bytes={p['kv_bytes']}")
-        proc = start_vllm_server(model, port, work, cfg, env, name=f"{tag}{i}", extra_args=extra, timeout=1200)
+        proc = start_vllm_server(model, port, work, cfg, {**env, **cpu_binding(i)}, name=f"{tag}{i}",
+                                 extra_args=extra, timeout=1200)
         proc.replay = replay  # type: ignore[attr-defined]
         return proc
 

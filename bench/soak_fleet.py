@@ -23,6 +23,7 @@ from mooncake_vllm.services import (
     ManagedProcess,
     Placement,
     cli_argv,
+    cpu_binding,
     free_port,
     start_holder,
     start_http_metadata,
@@ -122,23 +123,11 @@ class Fleet:
         self.models[name] = (model, role)
         where = self.place(name) if role is not None else LOOPBACK
         env = {"MOONCAKE_CONFIG_PATH": str(self.config_path)} if role is not None else {}
-        env.update(self.cpu_binding(name))
+        env.update(cpu_binding(self.cores.setdefault(name, len(self.cores))))  # kept across restarts
         port = self.ports.setdefault(name, free_port())
         return start_vllm_server(model, port, self.workdir, kv_transfer_config(role) if role else None,
                                  env, name=name, timeout=1800, placement=where,
                                  kv_cache_bytes=self.kv_cache_bytes)
-
-    def cpu_binding(self, name: str) -> dict[str, str]:
-        """The core instance ``name``'s compute thread is bound to, spread over the machine's cores
-        by start order and kept across restarts. vLLM's CPU default binds every instance to the same
-        core (the last of ``VLLM_CPU_NUM_OF_RESERVED_CPU``'s complement): five instances on one core
-        of the 2-core box, and a SIGKILLed instance took 7.7 minutes to start again beside four busy
-        ones. Nothing where the user set ``VLLM_CPU_OMP_THREADS_BIND``."""
-        if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
-            return {}
-        order = self.cores.setdefault(name, len(self.cores))
-        cores = sorted(os.sched_getaffinity(0))
-        return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[(order + 1) % len(cores)])}
 
     def start_proxy(self, name: str, model: str, flow: str, prefill: list[str], decode: list[str],
                     ) -> ManagedProcess:

@@ -7,7 +7,7 @@ or on SIGTERM.
 
 from __future__ import annotations
 
-from mooncake_vllm.services.external import start_etcd, start_redis, start_vllm_server, vllm_env
+from mooncake_vllm.services.external import cpu_binding, start_etcd, start_redis, start_vllm_server, vllm_env
 from mooncake_vllm.services.mooncake import (
     HOLDER_KINDS,
     METADATA_KINDS,
@@ -47,6 +47,7 @@ __all__ = [
     "Placement",
     "ServiceError",
     "clean_dev_shm",
+    "cpu_binding",
     "cli_argv",
     "client_env",
     "find_binary",
