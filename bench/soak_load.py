@@ -241,7 +241,8 @@ class HttpLoad(_Loop):
 
 
 _SERIES = ("vllm:mooncake_vllm_hit_tokens_total", "vllm:prompt_tokens_total",
-           "vllm:mooncake_vllm_miss_causes_total", "vllm:kv_cache_usage_perc")
+           "vllm:mooncake_vllm_miss_causes_total", "vllm:kv_cache_usage_perc",
+           "vllm:mooncake_vllm_declined_tokens_total", "vllm:mooncake_vllm_lookups_total")
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -132,9 +132,14 @@ def killed_in_flight(samples: list[dict[str, Any]], faults: list[dict[str, Any]]
             and any(s["t"] <= k <= s["t"] + s["seconds"] for k in kills)]
 
 
+#: pool tokens the claim policy did not claim (load_policy auto: predicted slower than recomputing)
+DECLINED = "vllm:mooncake_vllm_declined_tokens_total"
+
+
 def miss_causes(rows: list[dict[str, Any]], began: float, until: float) -> dict[str, int]:
     """Our connector's misses by cause (``vllm:mooncake_vllm_miss_causes_total``) counted by
-    every instance between ``began`` and ``until`` (a restarted instance starts again at 0)."""
+    every instance between ``began`` and ``until`` (a restarted instance starts again at 0),
+    and the pool tokens its claim policy declined (``declined_tokens``)."""
     out: dict[str, int] = {}
     start = max((i for i, r in enumerate(rows) if r["t"] <= began), default=0)  # the counts as it began
     inside = [r for r in rows[start:] if r["t"] <= until]
@@ -142,12 +147,15 @@ def miss_causes(rows: list[dict[str, Any]], began: float, until: float) -> dict[
         for inst, now in row["metrics"].items():
             then = prev["metrics"].get(inst)
             for key, value in now.items():
-                if not key.startswith("vllm:mooncake_vllm_miss_causes_total{"):
+                if key == DECLINED:
+                    cause = "declined_tokens"
+                elif key.startswith("vllm:mooncake_vllm_miss_causes_total{"):
+                    cause = key.split("cause=", 1)[1].rstrip("}")
+                else:
                     continue
                 old = then.get(key, 0.0) if then is not None else value
                 step = value - old if value >= old else value
                 if step:
-                    cause = key.split("cause=", 1)[1].rstrip("}")
                     out[cause] = out.get(cause, 0) + int(step)
     return out
 

@@ -83,6 +83,9 @@ def test_failures_in_flight_on_a_killed_instance_and_misses_by_cause() -> None:
     rows = [{"t": t, "usage": {}, "metrics": {"v1": {key: v}}} for t, v in ((18, 5.0), (22, 9.0), (24, 2.0), (26, 3.0))]
     assert miss_causes(rows, 20, 60) == {"lost_segment": 7}  # from the count as it began: +4, restart +2, +1
     assert miss_causes(rows, 23, 25) == {"lost_segment": 2}
+    declined = [{"t": t, "usage": {}, "metrics": {"v1": {"vllm:mooncake_vllm_declined_tokens_total": v}}}
+                for t, v in ((0, 0.0), (5, 64.0))]
+    assert miss_causes(declined, 0, 10) == {"declined_tokens": 64}
     result = report(samples, faults, [], rows, warmup=0)
     assert result["failed"] == 1 and result["killed_in_flight"] == 1
     assert result["faults"][0]["killed_in_flight"] == 1 and result["faults"][0]["failed"] == 1
