@@ -68,7 +68,6 @@ class Fleet:
     ports: dict[str, int] = field(default_factory=dict)
     config_path: Path | None = None
     models: dict[str, tuple[Path, str | None]] = field(default_factory=dict)  #: vLLM role -> (model, kv_role)
-    cores: dict[str, int] = field(default_factory=dict)  #: vLLM name -> its place in start order (core binding)
     flooding: bool = False  #: read by the load: send unique documents (the ``flood`` fault)
     admin_key: str = "soak"
 
@@ -123,7 +122,7 @@ class Fleet:
         self.models[name] = (model, role)
         where = self.place(name) if role is not None else LOOPBACK
         env = {"MOONCAKE_CONFIG_PATH": str(self.config_path)} if role is not None else {}
-        env.update(cpu_binding(self.cores.setdefault(name, len(self.cores))))  # kept across restarts
+        env.update(cpu_binding(list(self.models).index(name)))  # first-start order: kept across restarts
         port = self.ports.setdefault(name, free_port())
         return start_vllm_server(model, port, self.workdir, kv_transfer_config(role) if role else None,
                                  env, name=name, timeout=1800, placement=where,

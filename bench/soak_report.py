@@ -72,6 +72,11 @@ def _median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def _fds_within(level: float, end: float, tolerance: float) -> bool:
+    """Open descriptors at the end within ``tolerance`` of their level (at least 2 more allowed)."""
+    return end <= max(level * (1 + tolerance), level + 2)
+
+
 def resources(rows: list[dict[str, Any]], warmup: float, tolerance: float = 0.10,
               allow: dict[str, int] | None = None, window: float = 60.0,
               baseline: str | None = None, baselined: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -106,8 +111,7 @@ def resources(rows: list[dict[str, Any]], warmup: float, tolerance: float = 0.10
                          "fds": [fd0, fd1], "peak": [round(max(s[1] for s in mine) / 2**20, 1),
                                                      max(s[2] for s in mine)],
                          "rss_growth": round(rss1 / rss0 - 1, 3), "seconds": round(mine[-1][0] - mine[0][0]),
-                         "within": rss1 <= rss0 * (1 + tolerance) + extra
-                         and fd1 <= max(fd0 * (1 + tolerance), fd0 + 2)})
+                         "within": rss1 <= rss0 * (1 + tolerance) + extra and _fds_within(fd0, fd1, tolerance)})
         if runs:
             out[name] = {**runs[-1], "within": all(r["within"] for r in runs), "processes": runs}
     base = out.get(baseline or "")
@@ -116,8 +120,7 @@ def resources(rows: list[dict[str, Any]], warmup: float, tolerance: float = 0.10
         for name in baselined:
             if name in out:
                 out[name]["within_baseline"] = out[name]["within"] or all(
-                    r["rss_growth"] <= allowed and r["fds"][1] <= max(r["fds"][0] * (1 + tolerance), r["fds"][0] + 2)
-                    for r in out[name]["processes"])
+                    r["rss_growth"] <= allowed and _fds_within(*r["fds"], tolerance) for r in out[name]["processes"])
     return out
 
 
