@@ -68,3 +68,31 @@ def test_cuda_blocks_are_checksummed_on_device_when_whole_words(head_dim: int,
                                                                  whole: bool) -> None:
     kv = [torch.zeros((2, 4, 1, 1, head_dim), dtype=torch.float16, device="cuda")]
     assert checksums_on_device(BlockLayout.from_kv_caches(kv)) is whole
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wait", ["save_copy", "load_scatter", "checksums"])
+def test_a_thread_waiting_for_our_copies_sleeps_instead_of_spinning(wait: str) -> None:
+    """The copies queue behind ~0.4 s of GPU work on the current (vLLM's) stream; the host
+    thread that waits for them must sleep in the driver: a default CUDA event spins a
+    core for as long (thread CPU time ~ wall time), beside vLLM's threads."""
+    import time
+
+    kv = [torch.zeros((2, 8, 16, 8, 128), dtype=torch.float16, device="cuda")]
+    layout = BlockLayout.from_kv_caches(kv)
+    mover = BlockMover(layout)
+    pool = SlotPool(HEADER_SIZE + layout.block_nbytes, 4, pinned=True, register=lambda p, n: 0)
+    runs = pool.take(2)
+    cycles_per_s = torch.cuda.get_device_properties(0).clock_rate * 1000  # kHz
+    torch.cuda._sleep(int(0.4 * cycles_per_s))  # the forward pass the copy must follow
+    if wait == "save_copy":
+        done, _ = mover.gather(pool, runs, [1, 2])
+    elif wait == "load_scatter":
+        done = mover.scatter(pool, runs, [True, True], [3, 4])  # a background load waits on it
+    else:
+        _, done = mover.checksums([1, 2])
+    wall0, cpu0 = time.perf_counter(), time.thread_time()
+    done.synchronize()
+    wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+    assert wall > 0.15, f"the copy did not queue behind the GPU work ({wall:.3f} s)"
+    assert cpu < 0.3 * wall, f"the waiting thread spun: {cpu:.3f} s CPU in {wall:.3f} s"

@@ -17,6 +17,11 @@ runs on) without ever synchronising the device:
 * **load**: host→device and the scatter run on our load stream after an event on
   vLLM's stream (earlier kernels may still use those blocks); vLLM's stream then
   waits for the scatter, so no layer reads a block before it is loaded.
+* **host waits sleep**: the events a thread of ours waits on (a save's bytes in the
+  slots, a background load's scatter, GPU checksums) are blocking-sync events, so the
+  waiting thread sleeps in the driver instead of spinning a core beside vLLM's (a
+  default CUDA event spins for as long as the queued work before it runs: a whole
+  forward pass when a save's gather waits for it).
 * **checksums on the GPU** (the zero-copy path, where Mooncake moves blocks straight
   between GPU memory and the pool): :meth:`BlockMover.checksums` computes the
   :data:`~mooncake_vllm.codec.WSUM64` checksum of blocks in place with torch ops
@@ -126,6 +131,10 @@ class BlockMover:
         """``[k, slot]`` rows → ``[k, layers, segs, seg_nbytes]`` block bytes (a view)."""
         return rows[:, HEADER_SIZE:].view(rows.shape[0], *self._shape)
 
+    def _host_wait_event(self) -> Any:
+        """An event some thread of ours will ``synchronize()`` on: it sleeps, not spins."""
+        return self._torch.cuda.Event(blocking=True)
+
     def _index(self, ids: Sequence[int]) -> Any:
         t = self._torch.tensor(list(ids), dtype=self._torch.long)
         if not self.cuda:
@@ -198,7 +207,7 @@ class BlockMover:
         written = torch.cuda.Event()
         written.record(vllm_stream)
         fence = CopyFence(torch.cuda.Event(), vllm_stream)
-        done = torch.cuda.Event()
+        done = self._host_wait_event()
         pieces = self._pieces(runs, self.save_stage.shape[0])
         try:
             with torch.cuda.stream(self.save_stream):
@@ -243,7 +252,7 @@ class BlockMover:
         if before is None:
             before = torch.cuda.Event()
             before.record(vllm_stream)
-        done = torch.cuda.Event()
+        done = self._host_wait_event()
         with torch.cuda.stream(self.load_stream):
             self.load_stream.wait_event(before)
             for start, k, pos in self._pieces(runs, self.load_stage.shape[0]):
@@ -298,7 +307,7 @@ class BlockMover:
         if before is None:
             before = torch.cuda.Event()
             before.record(torch.cuda.current_stream(self.device))
-        done = torch.cuda.Event()
+        done = self._host_wait_event()
         host = torch.empty(len(block_ids), dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(self.save_stream):
             self.save_stream.wait_event(before)
