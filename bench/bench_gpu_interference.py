@@ -1,13 +1,16 @@
 """Issue 12's interference and hit TTFT on a GPU: every mode side by side, one run, one GPU.
 
-A decode stream generates 256 tokens alone, then again while another request with an
-8k-token prompt is served (a pool hit, or recomputed with no connector); the stream's
-inter-token latency (ITL) p50/p99/max during that load (from adding the request to its
-first token) vs alone. Then pool hits at 2k/8k (TTFT, tokens from the pool, output
-compared with the recompute); mixed serving (``--clients`` closed-loop clients, one of
-``--docs`` shared documents the writer put in the pool + a unique question each:
-throughput, TTFT p50/p99, ITL p99); misses (unique prompts, TTFT vs no connector: what
-saving every block costs). Modes, one fresh vLLM process each (the reader)::
+Each reader first serves ``--warm-prompts`` unique prompts (misses, as a serving engine has
+before its first hit: the claim policy has measured prefills). A decode stream generates 256
+tokens alone, then again while another request with an 8k-token prompt is served (a pool
+hit, or recomputed with no connector); the stream's inter-token latency (ITL) p50/p99/max
+during that load (from adding the request to its first token) vs alone. Then pool hits at
+2k/8k (TTFT, tokens from the pool, output compared with the recompute); mixed serving
+(``--clients`` closed-loop clients, one of ``--docs`` shared documents the writer put in the
+pool + a unique question each: throughput, TTFT p50/p99, ITL p99); misses (unique prompts,
+TTFT vs no connector: what saving every block costs). ``--pyspy``: py-spy samples mixed reps
+1 (the GIL holder) and 2 (every thread on a CPU, native frames) of ``--pyspy-modes``. Modes,
+one fresh vLLM process each (the reader)::
 
     none       no connector: the 8k prompt is recomputed
     intree     vLLM's in-tree MooncakeStoreConnector (MOONCAKE_VLLM_DISABLE=1, PYTHONHASHSEED=0)
@@ -45,6 +48,7 @@ import functools
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -153,8 +157,9 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
     def measure() -> dict[str, Any]:
         from mooncake_vllm.demo.run import connector_counters, wait_saves_idle
 
-        warm, warm_hit = req(pr["warm"], 8), req(pr["warm_hit"], 2)
-        _serve(engine, [warm])
+        for prompt in pr["warm"]:  # misses first, as in serving: the claim policy's recompute samples
+            _serve(engine, [req(prompt, 8)])
+        warm_hit = req(pr["warm_hit"], 2)
         _serve(engine, [warm_hit])  # a first pool hit: one-time costs out of the measurement
         n_out = p["stream_tokens"]
         alone, stream = req(pr["stream_alone"], n_out), req(pr["stream_loaded"], n_out)
@@ -290,7 +295,8 @@ def _prompts(args: argparse.Namespace) -> dict[str, Any]:
               "hits": {str(n): [toks(n) for _ in range(args.hit_reps)] for n in args.lengths},
               "docs": [toks(args.doc_len) for _ in range(args.docs)],
               "degraded_docs": [toks(args.degraded_len) for _ in range(args.degraded_docs)]}
-    per_mode = {m: {"warm": toks(64), "stream_alone": toks(64), "stream_loaded": toks(64),
+    per_mode = {m: {"warm": [toks(args.warm_len) for _ in range(args.warm_prompts)],
+                    "stream_alone": toks(64), "stream_loaded": toks(64),
                     "questions": [[toks(args.question_len) for _ in range(args.requests)]
                                   for _ in range(args.mixed_reps)],
                     "misses": {str(n): [toks(n) for _ in range(args.miss_reps)]
@@ -311,6 +317,24 @@ def _mode_config(mode: str, prev_site: str = "") -> tuple[dict[str, Any] | None,
     if mode == "ours-load":  # loads only: what saving costs a serving engine, by difference
         return kv_transfer_config("kv_consumer"), env
     return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), env
+
+
+#: mixed reps profiled with ``--pyspy``: rep -> py-spy options (rep 1: whoever holds the GIL;
+#: rep 2: every thread on a CPU, native frames included (py-spy must pause the process for
+#: those, so fewer samples): a thread spinning in the driver)
+_PROFILES = {1: ["--gil", "--nonblocking", "-r", "200"], 2: ["--native", "-r", "50"]}
+
+
+def _profile(args: argparse.Namespace, mode: str, rep: int, pid: int) -> subprocess.Popen[bytes] | None:
+    """``--pyspy``: sample the reader (and its engine's processes) for ``--pyspy-seconds``
+    of mixed rep ``rep``, raw stacks per thread into ``<out dir>/pyspy-<mode>-mixed<rep>.txt``."""
+    if not args.pyspy or mode not in args.pyspy_modes or rep not in _PROFILES:
+        return None
+    out = Path(args.out).parent / f"pyspy-{mode}-mixed{rep}.txt"
+    return subprocess.Popen([args.pyspy, "record", "--pid", str(pid), "--subprocesses", "--threads",
+                             "-d", str(args.pyspy_seconds), "-f", "raw", "-o", str(out),
+                             *_PROFILES[rep]],
+                            stdout=subprocess.DEVNULL, stderr=open(f"{out}.log", "wb"))
 
 
 def _run(args: argparse.Namespace, work: Path) -> None:
@@ -408,12 +432,16 @@ def _run(args: argparse.Namespace, work: Path) -> None:
             for mode in (modes if rep % 2 == 0 else modes[::-1]):
                 if mode not in procs:
                     continue
+                spy = _profile(args, mode, rep, procs[mode].proc.pid)
                 try:
                     report["runs"][mode].setdefault("mixed_reps", []).append(
                         procs[mode].run(f"mixed{rep}", args.measure_timeout))
                 except RuntimeError as exc:
                     report["runs"][mode]["error"] = f"mixed{rep}: {exc}"
                     procs.pop(mode).close()
+                finally:
+                    if spy is not None:
+                        spy.wait()
             dump()
         for mode in modes:
             row = report["table"].get(mode, {}).get("mixed")
@@ -440,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batched", type=int, default=8192)
     ap.add_argument("--stream-tokens", type=int, default=256)
     ap.add_argument("--load-len", type=int, default=8000)
+    ap.add_argument("--warm-prompts", type=int, default=3,
+                    help="unique prompts each reader serves first (misses: an engine that served "
+                         "traffic, whose claim policy has measured its prefills)")
+    ap.add_argument("--warm-len", type=int, default=2048)
     ap.add_argument("--lengths", default="2048,8000")
     ap.add_argument("--hit-reps", type=int, default=2)
     ap.add_argument("--vocab-max", type=int, default=31900)
@@ -466,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--holder-pids", default="/tmp/mc/holder*.pid", help="glob of holder pid files")
     ap.add_argument("--init-timeout", type=float, default=240.0)
     ap.add_argument("--measure-timeout", type=float, default=120.0)
+    ap.add_argument("--pyspy", default="", help="py-spy binary: profile mixed reps 1 and 2")
+    ap.add_argument("--pyspy-modes", default="ours,ours-never,none")
+    ap.add_argument("--pyspy-seconds", type=int, default=6)
     ap.add_argument("--local-stack", action="store_true", help="start a Mooncake stack (CPU dry run)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -477,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     args.modes = args.modes.split(",")
     args.phases = args.phases.split(",")
     args.degraded_modes = [m for m in args.degraded_modes.split(",") if m]
+    args.pyspy_modes = args.pyspy_modes.split(",")
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-interference-"))
     if not args.local_stack:
         _run(args, work)
