@@ -40,6 +40,13 @@ def _endpoint(replicas: Any) -> str | None:
         return None
 
 
+def _dropped(where: str) -> None:
+    log.warning("mooncake-vllm: the master no longer lists the blocks of pool holder %s: it "
+                "stalled longer than the master's --client_ttl, which unmounted its segment and "
+                "dropped its blocks (or they were evicted); they are misses until saved again. "
+                "Keep --client_ttl above the longest stall a holder may have", where)
+
+
 class HolderGuard:
     """Suspended holders (by transfer endpoint) of one transport, and their probes."""
 
@@ -74,20 +81,21 @@ class HolderGuard:
             return out
         return None
 
-    def _answers(self, key: str) -> bool:
-        """A small real read from the holder of ``key`` within the probe timeout (an empty
-        read counts only while the master still lists the key: gone, it proves nothing)."""
+    def _probe(self, key: str) -> str:
+        """A small real read from the holder of ``key`` within the probe timeout: ``answers``,
+        ``silent``, or ``gone`` (an empty read while the master no longer lists the key: it
+        proves nothing about the holder, and there is nothing left there to wait for)."""
         try:
             got = self.box.run(self.probe_timeout, self._t.store.get, key)
         except (CallTimedOut, CallRejected):
-            return False
+            return "silent"
         if isinstance(got, BaseException):
-            return False
+            return "silent"
         if got:
-            return True
+            return "answers"
         listed = self._t.run(self._t.control, self.probe_timeout, self._t.store.is_exist, key,
                              breaker=False)
-        return not (isinstance(listed, int) and listed == 1)
+        return "silent" if isinstance(listed, int) and listed == 1 else "gone"
 
     def stalled(self, keys: Sequence[str]) -> bool:
         """A load of ``keys`` passed its deadline. True when the master answers (then it was
@@ -101,7 +109,12 @@ class HolderGuard:
             if where is not None:
                 first.setdefault(where, key)
         for where, key in first.items():
-            if where in self.suspended or self._answers(key):
+            if where in self.suspended:
+                continue
+            state = self._probe(key)
+            if state == "gone":
+                _dropped(where)
+            if state != "silent":
                 continue
             with self._lock:
                 self.suspended[where] = (self._clock() + self.cooldown, key)
@@ -136,10 +149,14 @@ class HolderGuard:
         for where, (due, key) in list(self.suspended.items()):
             if due > now:
                 continue
-            if self._answers(key):
+            state = self._probe(key)
+            if state != "silent":
                 with self._lock:
                     self.suspended.pop(where, None)
-                log.warning("mooncake-vllm: pool holder %s answers again", where)
+                if state == "answers":
+                    log.warning("mooncake-vllm: pool holder %s answers again", where)
+                else:
+                    _dropped(where)
             else:
                 with self._lock:
                     self.suspended[where] = (self._clock() + self.cooldown, key)
