@@ -203,3 +203,16 @@ def test_small_prefills_teach_no_per_token_cost() -> None:
     recompute = a.prefill.recompute(clock(), 0, 2032)
     assert recompute is not None and 0.03 < recompute < 0.07  # truth on the H200: ~0.05 s
     assert a.decide(0, 2032, BS).reason in ("slow_pool", "explore")
+
+
+def test_one_or_two_loads_decide_nothing_however_slow_the_first_was() -> None:
+    """H200, a fresh engine: its first load (1008 tokens) took 0.256 s beside the first saves,
+    its second (496 tokens) 0.022 s; a shape over those two priced 8k-32k loads at many times
+    their recompute and every later hit was declined (measured loads: 0.30 s for 16k)."""
+    clock = Clock()
+    a = advisor(clock, explore_every=1e9)
+    a.observe(steps=prefill_steps(), loads=[(1008.0, 0.256), (496.0, 0.022)])
+    d = a.decide(0, 15984, BS)
+    assert (d.tokens, d.reason) == (15984, "unmeasured")
+    a.observe(loads=[(15984.0, 0.30)])  # the third: a model now, and the outlier a third of it
+    assert a.decide(0, 15984, BS).reason == "claimed"

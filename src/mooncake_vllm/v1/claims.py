@@ -331,8 +331,8 @@ class ClaimAdvisor:
     def _best(self, now: float, start: int, hit: int, chunk: int,
               backlog: int) -> tuple[int, float, float] | None:
         """The prefix that saves the most: ``(tokens, load s, recompute s)``; ``None`` unmeasured."""
-        if len(self.prefill.samples) < self.rules.min_samples or not self.loads.samples:
-            return None
+        if min(len(self.prefill.samples), len(self.loads.samples)) < self.rules.min_samples:
+            return None  # one slow first load (a pool busy with the first saves) says little
         if self.prefill.coefficients(now) is None:
             return None
         beyond = self.prefill.reaches_past(start + hit)
