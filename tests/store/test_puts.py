@@ -12,7 +12,7 @@ import pytest
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.keys import KeyNamespace, chunk_keys
 from mooncake_vllm.layout import BlockLayout
-from mooncake_vllm.store import StoreClient
+from mooncake_vllm.store import StoreClient, puts
 from mooncake_vllm.store.puts import put_ticket
 
 _seed = itertools.count(200)
@@ -38,15 +38,30 @@ def _kv(shape: tuple[int, ...]) -> tuple[list[np.ndarray], BlockLayout, list[str
     return kv, layout, keys
 
 
+def _count_lane_puts(client: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Batches put per lane, from here on."""
+    used = [0] * len(client.transport.lanes)
+    for lane in client.transport.lanes:
+        def submit(*args: Any, _orig: Any = lane.saves.submit, _i: int = lane.index,
+                   **kwargs: Any) -> Any:
+            used[_i] += 1
+            return _orig(*args, **kwargs)
+        monkeypatch.setattr(lane.saves, "submit", submit)
+    return used
+
+
 @pytest.mark.parametrize("kind", sorted(SHAPES))
-def test_a_save_striped_over_lanes_stores_each_block_once_byte_exact(client: Any,
-                                                                     kind: str) -> None:
+def test_a_save_striped_over_lanes_stores_each_block_once_byte_exact(
+        client: Any, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     kv, layout, keys = _kv(SHAPES[kind])
     client.register_layout(layout, clients=3)
     ids = list(range(30))
     ticket = client.prepare_save(keys[:30], layout, ids)
     assert ticket.snapshot is (kind == "snapshot")
+    monkeypatch.setattr(puts, "LANE_BATCH_BYTES", 10 * client._paths_for(layout).slot_nbytes)
+    used = _count_lane_puts(client, monkeypatch)
     assert client.commit_save(ticket) == 30
+    assert used == [1, 1, 1], used  # 10 blocks on each lane
     stats = client.stats.snapshot()
     assert stats["blocks_put"] == 30 and stats["bytes_put"] == 30 * layout.block_nbytes
     assert client.put_blocks(keys[:30], layout, ids) == 0  # every key exists: none re-put
@@ -55,6 +70,17 @@ def test_a_save_striped_over_lanes_stores_each_block_once_byte_exact(client: Any
     assert client.get_blocks(keys[:10], layout, list(range(30, 40))) == [True] * 10
     for t, old in zip(kv, before):
         assert np.array_equal(t[30:40], old[:10])
+
+
+def test_a_small_save_goes_to_one_lane_in_one_call(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's few new blocks: one hand-off in vLLM's process, not one per lane."""
+    _, layout, keys = _kv(SHAPES["snapshot"])
+    client.register_layout(layout, clients=3)
+    assert 6 * client._paths_for(layout).slot_nbytes < puts.LANE_BATCH_BYTES
+    used = _count_lane_puts(client, monkeypatch)
+    assert client.put_blocks(keys[:6], layout, list(range(6))) == 6
+    assert sorted(used) == [0, 0, 1], used
+    assert client.get_blocks(keys[:6], layout, list(range(6, 12))) == [True] * 6
 
 
 def test_nothing_is_put_while_the_breaker_is_open(client: Any) -> None:

@@ -1,8 +1,8 @@
 """Puts of a captured save, striped over the transport's lanes.
 
-The blocks still to store are cut into one batch per lane (at most
-:data:`~mooncake_vllm.store.fetch.MAX_BATCH` keys each) and put at once, a round
-at a time. A snapshot's batch is framed (checksums + headers into its slots) on
+The blocks still to store are cut into one batch per lane (at least
+:data:`LANE_BATCH_BYTES`, at most :data:`~mooncake_vllm.store.fetch.MAX_BATCH` keys each)
+and put at once, a round at a time. A snapshot's batch is framed (checksums + headers into its slots) on
 its lane's worker, so checksums of several batches run in parallel; a zero-copy
 batch gets its headers from the checksums taken at capture, and after the put
 the blocks are checked again: a block vLLM reused meanwhile has its value
@@ -30,7 +30,13 @@ if TYPE_CHECKING:
     from mooncake_vllm.store.paths import LayoutPaths, SaveTicket
     from mooncake_vllm.store.transport import Lane, Transport
 
-__all__ = ["put_ticket"]
+__all__ = ["LANE_BATCH_BYTES", "put_ticket"]
+
+#: the least one lane's batch carries: a save smaller than this goes to one lane in one call.
+#: A request's few new blocks fanned over every lane cost vLLM's process a thread hand-off
+#: (a GIL switch beside its forward pass) per lane for bandwidth it does not need; a large
+#: save still stripes over all of them
+LANE_BATCH_BYTES = 16 << 20
 
 
 @dataclass
@@ -51,7 +57,8 @@ def put_ticket(transport: Transport, paths: LayoutPaths, ticket: SaveTicket,
     Sets ``ticket.abandoned`` when a put outlived its deadline (its late return
     hands the slots back)."""
     lanes = transport.lanes
-    per = max(1, min(MAX_BATCH, -(-len(todo) // len(lanes))))
+    least = max(1, LANE_BATCH_BYTES // paths.slot_nbytes)
+    per = min(MAX_BATCH, max(least, -(-len(todo) // len(lanes))))
     batches = [todo[i:i + per] for i in range(0, len(todo), per)]
     stored = 0
     for first in range(0, len(batches), len(lanes)):
