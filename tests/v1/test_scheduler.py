@@ -166,7 +166,7 @@ def test_saves_follow_chunked_prefill_and_delay_the_free() -> None:
 
 @pytest.mark.parametrize("load", [True, False], ids=["kv_both", "kv_producer"])
 def test_vllms_own_prefix_hits_are_not_captured_again(load: bool) -> None:
-    logic = _logic(FakePool(), load=load)
+    logic = _logic(FakePool(set(chunk_keys(_ns(), TOKENS)[:2])), load=load)  # saved when computed
     req = _request("r", TOKENS)
     assert logic.get_num_new_matched_tokens(req, 8) == (0, False)  # chunks 0-1: vLLM's cache
     logic.update_state_after_alloc(req, Blocks([3, 4, 5, 6, 7]), 0)
@@ -361,3 +361,41 @@ def test_a_declined_claim_does_not_save_again_what_the_pool_has() -> None:
     assert [(j.digests, j.block_ids) for j in meta.saves] == \
         [([k.rsplit("/", 1)[1] for k in keys[3:4]], [3])]  # only the chunk the pool lacks
     assert logic.counters["local_hit_chunks_not_saved"] == 3
+
+
+@pytest.mark.parametrize("load", [True, False], ids=["kv_both", "kv_producer"])
+def test_prefix_hits_the_pool_lost_are_saved_again_checked_once_per_interval(load: bool) -> None:
+    """A master restart emptied the pool (or a holder's segment was dropped): vLLM still
+    serves the prefix from HBM, so without a check nothing would ever put it back."""
+    clock = _Clock()
+    keys = chunk_keys(_ns(), TOKENS)
+    pool = FakePool({keys[0]})  # chunk 1 lost, chunk 0 still there
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=load, can_save=True,
+                           clock=clock)
+    req = _request("r", TOKENS)
+    assert logic.get_num_new_matched_tokens(req, 12) == (0, False)  # chunks 0-2: vLLM's cache
+    assert pool.calls[0] == keys[:3]  # the audit: one query for the local hits
+    new = SimpleNamespace(req_id="r", block_ids=([3, 4, 5, 6, 7],), num_computed_tokens=12)
+    meta = logic.build_connector_meta(_output([new], scheduled={"r": 6}))  # tokens 12..17
+    assert [(j.digests, j.block_ids) for j in meta.saves] == \
+        [([k.rsplit("/", 1)[1] for k in keys[1:4]], [4, 5, 6])]  # from the first lost chunk
+    assert logic.counters["pool_refill_chunks"] == 2
+    assert logic.counters["local_hit_chunks_not_saved"] == 1
+    pool.keys |= set(keys)  # the saves landed
+    calls = len(pool.calls)
+    logic.get_num_new_matched_tokens(_request("s", TOKENS), 12)
+    assert pool.calls[calls][:1] == keys[1:2]  # chunk 0 was found moments ago: not asked
+    calls = len(pool.calls)
+    logic.get_num_new_matched_tokens(_request("t", TOKENS), 12)
+    assert all(k not in call for call in pool.calls[calls:] for k in keys[:3])  # all fresh
+    clock.now += 60
+    logic.get_num_new_matched_tokens(_request("u", TOKENS), 12)
+    assert any(call[:3] == keys[:3] for call in pool.calls[calls:])  # stale again: checked
+    assert logic.counters["pool_audits"] == 3
+
+
+def test_a_consumer_never_audits_its_prefix_hits() -> None:
+    pool = FakePool()
+    logic = _logic(pool, save=False)
+    assert logic.get_num_new_matched_tokens(_request("r", TOKENS), 12) == (0, False)
+    assert all(call == chunk_keys(_ns(), TOKENS)[3:4] for call in pool.calls)

@@ -70,6 +70,8 @@ COUNTERS: Mapping[str, str] = {
     "claim_probes": "Partial claims made while declining, to measure the pool again.",
     "waits_for_shared_load": "Requests deferred while another request's load brought their "
                              "blocks (one load per block).",
+    "pool_refill_chunks": "Chunks vLLM served from its own prefix cache that the pool had lost "
+                          "(a master restart, a holder's segment dropped): saved again.",
 }
 #: the labelled counter of misses caused by an error (``{cause}``: store/misses.MISS_CAUSES);
 #: in the per-step deltas each cause is the counter ``miss_causes:<cause>``
@@ -220,7 +222,7 @@ class Meter:
 #: scheduler-side counters exported under their own names
 _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declined_slow_pool",
                       "claims_declined_never", "claims_declined_reach_probe", "claim_probes",
-                      "waits_for_shared_load")
+                      "waits_for_shared_load", "pool_refill_chunks")
 
 
 def scheduler_counters(scheduler: Any, client: Any = None) -> dict[str, int]:

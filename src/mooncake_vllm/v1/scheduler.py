@@ -20,6 +20,9 @@ query), so it is unit-testable without vLLM or Mooncake.
 * Saves: every prompt chunk completed by a step is handed to the workers after
   that step's forward; a request with saves in flight keeps its blocks after it
   finishes (``request_finished`` → True) until the workers report them written.
+* Refill (:mod:`~mooncake_vllm.v1.refill`): chunks vLLM serves from its own prefix
+  cache are not saved again, unless the pool lost them (checked at most once per
+  chunk per audit interval): then they are saved again from HBM.
 * Claims (:mod:`~mooncake_vllm.v1.claims`): a lookup's hit is claimed only as far
   as loading it is predicted to beat recomputing it (``load_policy``), from the
   step and load timings the workers report (``observe_perf``).
@@ -48,6 +51,7 @@ from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, request_extras
+from mooncake_vllm.v1.refill import PoolAudit
 
 __all__ = ["COUNTERS", "MAX_SHARED_WAIT", "RequestState", "SchedulerLogic", "step_work"]
 
@@ -62,7 +66,7 @@ COUNTERS = CounterNames(
     initial=("lookups", "hit_tokens", "load_jobs", "save_jobs", "local_hit_chunks_not_saved",
              "declined_tokens", "claims_declined_slow_pool", "claims_declined_never",
              "claims_declined_reach_probe",
-             "claim_probes", "waits_for_shared_load"),
+             "claim_probes", "waits_for_shared_load", "pool_audits", "pool_refill_chunks"),
     later=frozenset({"failed_loads_not_retried", "perf_reports"}), families=(r"handoff_[a-z_]+",))
 
 
@@ -84,6 +88,8 @@ class RequestState:
     #: recomputes them, and saving them again would only copy 2 GB for a 16k prompt
     #: beside the next load (measured on the H200: loads then took 2-3x as long)
     present_upto: int = 0
+    #: the first of vLLM's own prefix-cache hits the pool lacks (:mod:`.refill`): saved again
+    pool_gap: int | None = None
     has_saves: bool = False
     #: tokens computed once the planned load lands; cleared when vLLM schedules them
     promised: int = 0
@@ -119,6 +125,8 @@ class SchedulerLogic:
         #: the release answers ``None`` = ask again later (fact deferred_lookup)
         self.can_defer = can_defer
         self._clock = clock
+        self._pool_ready = pool_ready
+        self.audit = PoolAudit(clock=clock)
         self._inflight: dict[str, str] = {}  # chunk digest -> request whose load brings it
         self._inflight_tokens: dict[str, tuple[int, float]] = {}  # req -> (tokens, since)
         self._declines = FailureLog()
@@ -152,6 +160,7 @@ class SchedulerLogic:
         if st is None:
             return 0, False
         self._note_local_hits(st, num_computed_tokens)
+        self._audit_local_hits(st)
         if not self.can_load:
             return 0, False
         st.pending_load = None
@@ -178,7 +187,8 @@ class SchedulerLogic:
         self.handoffs.after_lookup(st.req_id, start + hits)
         if hits == 0:
             return 0, False
-        if not self.handoffs.asked(st.req_id):  # a hand-off's decode reads every chunk
+        if not self.handoffs.asked(st.req_id) and st.pool_gap is None:
+            # (a hand-off's decode reads every chunk; a gap before ``start``: saved again)
             st.present_upto = max(st.present_upto, start + hits)
         hits = self._claim(start, hits)
         if hits == 0:
@@ -252,6 +262,29 @@ class SchedulerLogic:
         keys are skipped by the put)."""
         if not self.handoffs.asked(st.req_id):
             st.local_upto = num_computed_tokens // self.block_size
+            if st.pool_gap is not None:
+                st.local_upto = min(st.local_upto, st.pool_gap)
+
+    def _audit_local_hits(self, st: RequestState) -> None:
+        """vLLM's own prefix-cache hits the pool has lost (a master restart, a holder's
+        segment dropped) are saved again from HBM: each chunk is checked at most once per
+        :data:`~.refill.AUDIT_INTERVAL`; from the first one missing, they are saved with
+        the request's other chunks (keys still there are skipped by the put)."""
+        local = st.local_upto
+        if not self.can_save or local == 0 or not self._pool_ready():
+            return
+        due = self.audit.due_from(st.digests[:local])
+        if due is None:
+            return
+        chunks = st.digests[due:local]
+        self.counters["pool_audits"] += 1
+        found = self.namespaces.prefix_hits(self.lookup(self.namespaces.keys_for(chunks)),
+                                            len(chunks))
+        self.audit.found(chunks[:found])
+        if found < len(chunks):
+            st.pool_gap = st.local_upto = due + found
+            st.present_upto = min(st.present_upto, st.pool_gap)
+            self.counters["pool_refill_chunks"] += len(chunks) - found
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Turn an accepted lookup into a load job for the blocks vLLM allocated."""
