@@ -1,5 +1,6 @@
 """Issue 24's figures from bench_gpu_interference.py JSON: hit TTFT per mode and length, and
-the degraded-pool timeline (TTFT per request, tokens from the pool, the faults marked).
+the degraded-pool timeline (TTFT per request, tokens from the pool, the faults marked), or
+without a degraded phase the mixed-serving throughput of every rep per mode.
 
     .venv/bin/python bench/plot_pool.py docs/gpu-results/interference-....json out.png
 """
@@ -53,6 +54,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax2.set_xlabel("seconds")
         ax2.set_ylabel("TTFT, ms")
         ax2.set_title(f"degraded pool, {reqs[0]['n']}-token hits one after another")
+        ax2.legend(fontsize=8)
+    else:  # no degraded phase: mixed serving per rep (reps interleaved across modes)
+        for mode in modes:
+            reps = (table[mode].get("mixed") or {}).get("throughput_per_rep") or []
+            ax2.plot(range(1, len(reps) + 1), reps, "o-", label=mode)
+        ax2.set_xlabel("mixed rep (modes interleaved ABC CBA ...)")
+        ax2.set_ylabel("output tok/s")
+        ax2.set_title("mixed serving, closed loop")
         ax2.legend(fontsize=8)
     fig.suptitle(f"{report.get('started', '')}: " + ", ".join(
         f"{m}" for m in modes), fontsize=9)
