@@ -33,3 +33,10 @@ def test_the_least_recently_found_are_forgotten_first() -> None:
     audit.found(["c"])
     assert audit.due_from(["a"]) is None and audit.due_from(["c"]) is None
     assert audit.due_from(["b"]) == 0
+
+
+def test_forget_makes_every_chunk_due() -> None:
+    audit = PoolAudit(interval=10.0, clock=Clock())
+    audit.found(["a", "b"])
+    audit.forget()
+    assert audit.due_from(["a", "b"]) == 0

@@ -399,3 +399,22 @@ def test_a_consumer_never_audits_its_prefix_hits() -> None:
     logic = _logic(pool, save=False)
     assert logic.get_num_new_matched_tokens(_request("r", TOKENS), 12) == (0, False)
     assert all(call == chunk_keys(_ns(), TOKENS)[3:4] for call in pool.calls)
+
+
+def test_after_the_pool_was_away_every_prefix_hit_is_checked_again() -> None:
+    """A master restart comes back empty: what the audit found before says nothing."""
+    keys = chunk_keys(_ns(), TOKENS)
+    pool = FakePool(set(keys))
+    ready = [True]
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           pool_ready=lambda: ready[0], clock=_Clock())
+    logic.get_num_new_matched_tokens(_request("r", TOKENS), 12)
+    assert logic.counters["pool_audits"] == 1
+    logic.get_num_new_matched_tokens(_request("s", TOKENS), 12)
+    assert logic.counters["pool_audits"] == 1  # found moments ago
+    ready[0] = False
+    logic.get_num_new_matched_tokens(_request("t", TOKENS), 12)
+    ready[0] = True
+    pool.keys.clear()  # the restarted master's pool is empty
+    logic.get_num_new_matched_tokens(_request("u", TOKENS), 12)
+    assert logic.counters["pool_audits"] == 2 and logic.requests["u"].pool_gap == 0

@@ -19,7 +19,11 @@ class Breaker:
     """Closed (``opened_at is None``) or open since ``opened_at`` (monotonic seconds)."""
 
     cooldown: float = 3.0
-    max_cooldown: float = 60.0
+    #: the longest wait between probes of a pool that stays away: a probe is one tiny call on
+    #: a background thread, and every second the breaker stays open after the pool is back
+    #: is seconds of misses (a restarted master: 60 s here held the fleet's hit rate down for
+    #: 30-37 s after the restart, issue 27)
+    max_cooldown: float = 10.0
     opened_at: float | None = None
     trips: int = 0  #: consecutive trips without a success (backs the cool-down off)
     reason: str = ""

@@ -43,6 +43,10 @@ class PoolAudit:
                 return i
         return None
 
+    def forget(self) -> None:
+        """Trust nothing seen so far (the pool was away: it may have come back empty)."""
+        self._seen.clear()
+
     def found(self, digests: Sequence[str]) -> None:
         """``digests`` are in the pool now."""
         now = self._clock()

@@ -271,7 +271,10 @@ class SchedulerLogic:
         :data:`~.refill.AUDIT_INTERVAL`; from the first one missing, they are saved with
         the request's other chunks (keys still there are skipped by the put)."""
         local = st.local_upto
-        if not self.can_save or local == 0 or not self._pool_ready():
+        if not self.can_save or local == 0:
+            return
+        if not self._pool_ready():  # away: a master restarted meanwhile keeps nothing we saw
+            self.audit.forget()
             return
         due = self.audit.due_from(st.digests[:local])
         if due is None:
