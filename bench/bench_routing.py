@@ -20,11 +20,13 @@ Writes ``<out>/bench_routing.json`` and ``.png``::
 
     flock /tmp/vllm-engine.lock .venv/bin/python bench/bench_routing.py [--smoke|--dev] [--repeats N]
 
-``--repeats N`` runs the configurations N times, interleaved (``round_robin, prefix, kv_aware,
-round_robin#2, ...``), each with fresh documents, so drift on a shared box (other jobs, caches
-filling) hits every configuration alike; the derived ratios use each configuration's median
-over its repeats. ``--dev``: the 2-core box's preset (3 instances, 12 x 4 turns over 4 1k-token
-documents, 4 clients, 2 repeats).
+kv_aware tokenizes in the proxy (``--tokenizer`` = the model's directory) unless
+``--remote-tokenize`` (an instance's ``/tokenize`` per request). ``--repeats N`` runs the
+configurations N times, interleaved (``round_robin, prefix, kv_aware, round_robin#2, ...``),
+each with fresh documents, so drift on a shared box (other jobs, caches filling) hits every
+configuration alike; the derived ratios use each configuration's median over its repeats.
+``--dev``: the 2-core box's preset (3 instances, 12 x 4 turns over 4 1k-token documents, 4
+clients, 2 repeats).
 """
 
 from __future__ import annotations
@@ -138,7 +140,10 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
     server = ProxyServer(ProxyConfig(model=model, decode=[str(f.address) for f in fleet], port=0, flow="kv_both",
                                      scheduling=policy, kv_events=endpoint, health_interval=2.0,
                                      kv_replay=[f"{f.address}={f.replay}" for f in fleet],
-                                     health_timeout=10.0))
+                                     health_timeout=10.0,
+                                     # kv_aware tokenizes here: no /tokenize round trip per request
+                                     tokenizer=model if policy == "kv_aware" and p.get("local_tokenizer")
+                                     else None))
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     before = [_scrape(str(f.url)) for f in fleet]
@@ -290,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-mib", type=int, help="each instance's KV cache, MiB (the preset's otherwise): below "
                     "the documents' total, round_robin cannot keep every document on every instance")
     ap.add_argument("--docs", type=int, help="shared documents (the preset's otherwise)")
+    ap.add_argument("--remote-tokenize", action="store_true",
+                    help="kv_aware asks an instance's /tokenize per request (default: --tokenizer, the model's)")
     ap.add_argument("--tag", default="", help="suffix of the output files' names")
     ap.add_argument("--out", type=Path, default=Path("docs/bench-results"))
     ap.add_argument("--configs", nargs="+", help="subset of the configurations")
@@ -297,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p = dict(SMOKE if args.smoke else DEV if args.dev else FULL)
     if args.configs:
         p["configs"] = args.configs
+    p["local_tokenizer"] = not args.remote_tokenize
     if args.repeats:
         p["repeats"] = args.repeats
     if args.kv_mib:

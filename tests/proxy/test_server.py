@@ -122,7 +122,7 @@ def test_upstream_dying_mid_stream_ends_with_an_sse_error_event() -> None:
 
 def test_no_healthy_decode_gives_503_with_reason() -> None:
     async def go() -> None:
-        async with stubs(1) as ps, stubs(1) as (d,), proxy(ps, [d]) as (s, url, c):
+        async with stubs(1) as ps, stubs(1) as (d,), proxy(ps, [d], unavailable_wait=0.3) as (s, url, c):
             d.unhealthy = True
             await wait_for(lambda: not s.pool.available("decode"))
             async with c.post(url + "/v1/completions", json={"prompt": "x"}) as r:
@@ -132,6 +132,29 @@ def test_no_healthy_decode_gives_503_with_reason() -> None:
             assert ps[0].received == []  # nothing was prefilled for nothing
             async with c.get(url + "/health") as r:
                 assert r.status == 503
+
+    run(go)
+
+
+def test_a_request_waits_for_an_instance_back_in_rotation() -> None:
+    """A live instance whose health checks were late leaves rotation for a moment: a request
+    arriving then waits for it (up to ``unavailable_wait``) instead of getting a 503."""
+    async def go() -> None:
+        async with stubs(1) as ps, stubs(1) as (d,), proxy(ps, [d], unavailable_wait=20.0) as (s, url, c):
+            d.unhealthy = True
+            await wait_for(lambda: not s.pool.available("decode"))
+
+            async def heal() -> None:
+                await asyncio.sleep(0.5)
+                d.unhealthy = False
+
+            task = asyncio.create_task(heal())
+            async with c.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 200, await r.text()
+            await task
+            assert len(d.received) == 1
+        with pytest.raises(ConfigError, match="--unavailable-wait"):
+            ProxyServer(ProxyConfig(model=MODEL, unavailable_wait=-1.0))
 
     run(go)
 
@@ -282,7 +305,7 @@ def test_unknown_flow_is_a_config_error() -> None:
 def test_p2p_prefill_without_registered_engine_stays_out_of_rotation() -> None:
     async def go() -> None:
         async with stubs(1, engine_id=None) as (p,), stubs(1) as (d,), \
-                proxy([f"{p.address}@{p.port}"], [d], flow="p2p") as (s, url, c):
+                proxy([f"{p.address}@{p.port}"], [d], flow="p2p", unavailable_wait=0.3) as (s, url, c):
             async with c.post(url + "/v1/completions", json={"prompt": "x"}) as r:
                 assert r.status == 503
                 assert "has no engine registered yet" in (await r.json())["error"]["message"]

@@ -53,6 +53,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                              "\"endpoint\": \"<this>\", \"topic\": \"<its host:port>\"}' and "
                              "--enable-prompt-tokens-details (for the hit counters)")
+    parser.add_argument("--unavailable-wait", type=float, default=5.0, metavar="SECONDS",
+                        help="a request that finds no healthy instance of a kind waits this long for one "
+                             "to come back before the 503 (default 5; 0: answer at once)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="kv_aware: the served model's directory (its tokenizer files); completion "
+                             "prompts are then tokenized here instead of by a round trip to an "
+                             "instance's /tokenize (chat requests still ask an instance)")
     parser.add_argument("--kv-replay", action="append", default=[], metavar="HOST:PORT=tcp://HOST:PORT",
                         help="kv_aware: an instance's replay socket (\"replay_endpoint\" in its "
                              "--kv-events-config, bound by vLLM); the proxy fetches from it what the live "
@@ -111,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             health_interval=args.health_interval, health_failures=args.health_failures,
             drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
             max_body_bytes=args.max_body_mb << 20, kv_events=args.kv_events,
-            kv_replay=args.kv_replay, engine_metrics_interval=args.engine_metrics_interval))
+            kv_replay=args.kv_replay, engine_metrics_interval=args.engine_metrics_interval,
+            tokenizer=args.tokenizer, unavailable_wait=args.unavailable_wait))
     except (ConfigError, UnsupportedVersionError) as exc:
         print(f"mooncake-vllm proxy: {exc}", file=sys.stderr)
         return 2

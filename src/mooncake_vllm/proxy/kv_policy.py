@@ -20,18 +20,14 @@ its index: a restarted vLLM starts empty, and its sequence numbers restart too.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shlex
 import threading
-import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
-
-import aiohttp
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.proxy.instances import Instance, parse_endpoint
@@ -50,15 +46,9 @@ class ProxyServer(Protocol):
     kv: Any
     policies: Any
 
-__all__ = ["KvRouter", "PromptKey", "attach", "parse_replay", "prompt_key", "start"]
+__all__ = ["KvRouter", "PromptKey", "attach", "parse_replay", "start"]
 
 log = logging.getLogger(__name__)
-
-#: request fields that change vLLM's block hashes (extra keys) or the tokens in ways we do not predict
-_UNPREDICTABLE = ("cache_salt", "multi_modal_data", "prompt_embeds", "mm_processor_kwargs")
-_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
-                "tools", "add_special_tokens")
-
 
 @dataclass(eq=False)
 class PromptKey:
@@ -434,79 +424,14 @@ _LABELS: dict[str, tuple[str, ...]] = {
 }
 
 
-async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, prefix: bytes) -> PromptKey:
-    """The request's routing key: its tokens from an instance's ``/tokenize`` (time-boxed)."""
-    router: KvRouter | None = getattr(server, "kv", None)
-    if router is not None and not router.hashers and not router.disabled:
-        await _resolve_version(server, router)
-    if router is None or router.disabled or any(body.get(f) is not None for f in _UNPREDICTABLE):
-        return PromptKey(prefix, None)
-    if router.block_size() is None:  # no instance published a block yet: nothing to compare, no /tokenize
-        return PromptKey(prefix, None)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return PromptKey(prefix, list(prompt))
-    if route.endswith("/chat/completions") and isinstance(body.get("messages"), list):
-        req = {"messages": body["messages"], **{f: body[f] for f in _CHAT_FIELDS if f in body}}
-    elif isinstance(prompt, str):
-        req = {"prompt": prompt, **({"add_special_tokens": body["add_special_tokens"]}
-                                    if "add_special_tokens" in body else {})}
-    else:
-        return PromptKey(prefix, None)
-    insts = server.pool.available("decode") or server.pool.available("prefill")
-    if not insts or server.session is None:
-        return PromptKey(prefix, None)
-    inst = min(insts, key=lambda i: (i.load, i.requests))  # its API server answers soonest
-    timeout = aiohttp.ClientTimeout(total=server.config.kv_tokenize_timeout)
-    t0 = time.perf_counter()
-    try:
-        async with server.session.post(inst.url + "/tokenize", data=json.dumps({"model": body.get("model"), **req}),
-                                       headers={"Content-Type": "application/json"}, timeout=timeout) as up:
-            if up.status != 200:
-                raise ValueError(f"HTTP {up.status}")
-            answer = json.loads(await up.content.read(server.config.max_upstream_bytes))
-        tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        if not isinstance(tokens, list):
-            raise ValueError("no tokens in the answer")
-        # what kv_aware adds to every request's time to first token
-        router.counters[("tokenize_microseconds",)] += int((time.perf_counter() - t0) * 1e6)
-        router.counters[("tokenizations",)] += 1
-        return PromptKey(prefix, tokens)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        router.counters[("fallbacks", "tokenize", type(exc).__name__)] += 1
-        router._log_once("tokenize", "kv_aware could not tokenize through %s (%s); such requests route like "
-                         "prefix", inst.key, type(exc).__name__)
-        return PromptKey(prefix, None)
-
-
-async def _resolve_version(server: ProxyServer, router: KvRouter) -> None:
-    """The instances' vLLM release: ``--target-vllm`` or an instance's ``GET /version`` (time-boxed)."""
-    version = server.config.target_vllm
-    insts = server.pool.available("decode") or server.pool.available("prefill")
-    if not version and insts and server.session is not None:
-        try:
-            timeout = aiohttp.ClientTimeout(total=server.config.kv_tokenize_timeout)
-            async with server.session.get(insts[0].url + "/version", timeout=timeout) as up:
-                doc = json.loads(await up.content.read(1 << 16)) if up.status == 200 else None
-            version = doc.get("version") if isinstance(doc, dict) else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            version = None
-    if version:
-        router.configure(str(version))
-        log.info("kv_aware: instances run vLLM %s; hashers %s%s", version,
-                 [h.algorithm for h in router.hashers], f" ({router.disabled})" if router.disabled else "")
-
-
 async def start(server: ProxyServer) -> None:
-    """Start the event subscriber, say where it listens (and the flags an instance needs),
-    and learn the instances' release (says at start when their hashes cannot be predicted)."""
+    """Start the event subscriber, say where it listens (and the flags an instance needs)."""
     assert server.kv is not None
     sub = server.kv.subscriber
     server.kv.start()
     if await asyncio.to_thread(sub.bound.wait, 5.0):
         log.info("kv_aware: KV events on %s; start each instance with %s", sub.bound_endpoint,
                  " ".join(shlex.quote(a) for a in vllm_args(str(sub.bound_endpoint), "<its host:port>")))
-    await _resolve_version(server, server.kv)
 
 
 _REPLAY_FIX = ("give each as HOST:PORT=tcp://HOST:PORT (the instance as the proxy names it = the "

@@ -30,7 +30,7 @@ from mooncake_vllm.httpsafe import (
     read_body,
     redact,
 )
-from mooncake_vllm.proxy import admin, engine_load, flows, kv_policy
+from mooncake_vllm.proxy import admin, engine_load, flows, kv_policy, kv_prompt
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.scheduling import make_policy
@@ -61,6 +61,7 @@ class ProxyConfig:
     health_interval: float = 5.0
     health_timeout: float = 2.0
     health_failures: int = 2  # consecutive failed checks before leaving rotation
+    unavailable_wait: float = 5.0  # a request finding no instance of a kind waits this long for one
     connect_timeout: float = 5.0
     request_timeout: float | None = None  # whole upstream request; None = no limit
     drain_timeout: float = 300.0
@@ -72,6 +73,7 @@ class ProxyConfig:
     max_connections: int = 4096  # open client connections (always kept below the descriptor limit)
     kv_events: str = "tcp://127.0.0.1:5557"  # kv_aware: the SUB socket the instances publish KV events to
     kv_tokenize_timeout: float = 2.0  # kv_aware: one instance /tokenize (and /version) call
+    tokenizer: str | None = None  # kv_aware: the served model's tokenizer dir (completions tokenized here)
     kv_replay: dict[str, str] | list[str] = field(default_factory=dict)  # kv_aware: host:port -> replay socket
     engine_metrics_interval: float = 1.0  # seconds between reads of each instance's /metrics; 0 = never
 
@@ -104,6 +106,17 @@ class ProxyServer:
         if config.kv_replay:
             self.config = config = replace(config, kv_replay=kv_policy.parse_replay(config.kv_replay))
         self.kv = kv_policy.attach(self)
+        if not config.unavailable_wait >= 0:
+            raise ConfigError("--unavailable-wait", [ConfigProblem(
+                "--unavailable-wait", f"must be 0 or more seconds, found {config.unavailable_wait!r}",
+                "give the seconds a request may wait for an instance (0: answer 503 at once)")])
+        self.tokenizer: kv_prompt.LocalTokenizer | None = None
+        if config.tokenizer:
+            if self.kv is None:
+                raise ConfigError("--tokenizer", [ConfigProblem(
+                    "--tokenizer", f"only --scheduling kv_aware uses it (this proxy: {config.scheduling})",
+                    "add --scheduling kv_aware, or leave --tokenizer out")])
+            self.tokenizer = kv_prompt.LocalTokenizer(config.tokenizer)
         if config.flow not in flows.FLOWS:
             raise ConfigError("--flow", [ConfigProblem("--flow", f"{config.flow!r} is not a flow",
                                                        f"use one of {', '.join(flows.FLOWS)}")])
@@ -154,6 +167,7 @@ class ProxyServer:
             self._load_task = asyncio.create_task(engine_load.poll_loop(self))
         if self.kv is not None:
             await kv_policy.start(self)
+            await kv_prompt.start(self)
 
     async def _on_cleanup(self, _app: web.Application) -> None:
         if self.kv is not None:
@@ -185,6 +199,15 @@ class ProxyServer:
             self._runner = None
 
     # ---- helpers ---------------------------------------------------------------
+
+    async def pick_waiting(self, kind: str, prefix: bytes) -> Instance:
+        """:meth:`pick`, after waiting up to ``unavailable_wait`` s for an instance of ``kind``
+        to come back into rotation: on a busy host a live instance's health check can be late
+        twice in a row (the soak's 1P1D decode: three requests answered 503 in 9 minutes)."""
+        deadline = time.monotonic() + self.config.unavailable_wait
+        while not self.pool.available(kind) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return self.pick(kind, prefix)
 
     def pick(self, kind: str, prefix: bytes) -> Instance:
         """An available instance of ``kind``; ProxyError 503 with the reason if none."""
@@ -292,7 +315,7 @@ class ProxyServer:
         data = json.dumps(flows.prefill_body(body, self.config.flow, mode, transfer_id)).encode()
         assert self.session is not None
         for attempt in (0, 1):
-            inst = self.pick("prefill", prefix)
+            inst = await self.pick_waiting("prefill", prefix)
             dp_rank = inst.next_dp_rank() if mode == "bootstrap" else None
             hdrs = headers if dp_rank is None else {**headers, "X-data-parallel-rank": str(dp_rank)}
             inst.acquire()
@@ -334,7 +357,7 @@ class ProxyServer:
         assert self.session is not None
         secrets = self.secrets(request)
         for attempt in (0, 1):
-            inst = self.pick("decode", prefix)
+            inst = await self.pick_waiting("decode", prefix)
             inst.acquire()
             try:
                 async with self.session.post(inst.url + route, data=data, headers=headers) as up:
@@ -423,14 +446,14 @@ class ProxyServer:
                 raise ProxyError(400, "request body must be a JSON object", "invalid_request_error",
                                  reason="bad_request")
             if not self.pool.available("decode"):
-                self.pick("decode", b"")  # raises the 503 with its reason
+                await self.pick_waiting("decode", b"")  # or the 503 with its reason
             if self.config.flow == "p2p" and self.p2p_mode is None:
                 raise ProxyError(503, "the upstream vLLM version is not known yet (no instance answered "
                                  "GET /version); pass --target-vllm X.Y.Z or wait for an instance",
                                  "service_unavailable", reason="version_unknown")
             prefix = _prefix_of(body) if self._use_prefix else b""
             if self.kv is not None:
-                prefix = await kv_policy.prompt_key(self, body, route, prefix)
+                prefix = await kv_prompt.prompt_key(self, body, route, prefix)
             request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
             headers = self._headers(request, request_id)
             data = raw if self.config.flow == "kv_both" else await self._prefill_step(
