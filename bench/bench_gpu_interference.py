@@ -48,7 +48,6 @@ import functools
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,6 +64,7 @@ from engine_steps import (
     interference,
     other_build_env,
     pct,
+    pyspy_record,
     serve,
 )
 from interference_table import derive
@@ -319,24 +319,6 @@ def _mode_config(mode: str, prev_site: str = "") -> tuple[dict[str, Any] | None,
     return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), env
 
 
-#: mixed reps profiled with ``--pyspy``: rep -> py-spy options (rep 1: whoever holds the GIL;
-#: rep 2: every thread on a CPU, native frames included (py-spy must pause the process for
-#: those, so fewer samples): a thread spinning in the driver)
-_PROFILES = {1: ["--gil", "--nonblocking", "-r", "200"], 2: ["--native", "-r", "50"]}
-
-
-def _profile(args: argparse.Namespace, mode: str, rep: int, pid: int) -> subprocess.Popen[bytes] | None:
-    """``--pyspy``: sample the reader (and its engine's processes) for ``--pyspy-seconds``
-    of mixed rep ``rep``, raw stacks per thread into ``<out dir>/pyspy-<mode>-mixed<rep>.txt``."""
-    if not args.pyspy or mode not in args.pyspy_modes or rep not in _PROFILES:
-        return None
-    out = Path(args.out).parent / f"pyspy-{mode}-mixed{rep}.txt"
-    return subprocess.Popen([args.pyspy, "record", "--pid", str(pid), "--subprocesses", "--threads",
-                             "-d", str(args.pyspy_seconds), "-f", "raw", "-o", str(out),
-                             *_PROFILES[rep]],
-                            stdout=subprocess.DEVNULL, stderr=open(f"{out}.log", "wb"))
-
-
 def _run(args: argparse.Namespace, work: Path) -> None:
     prompts = _prompts(args)
     engine = {"model": args.model, "dtype": args.dtype, "enforce_eager": True, "seed": 0,
@@ -432,7 +414,9 @@ def _run(args: argparse.Namespace, work: Path) -> None:
             for mode in (modes if rep % 2 == 0 else modes[::-1]):
                 if mode not in procs:
                     continue
-                spy = _profile(args, mode, rep, procs[mode].proc.pid)
+                spy = (pyspy_record(args.pyspy, procs[mode].proc.pid, rep, args.pyspy_seconds,
+                                    Path(args.out).parent / f"pyspy-{mode}-mixed{rep}.txt")
+                       if args.pyspy and mode in args.pyspy_modes else None)
                 try:
                     report["runs"][mode].setdefault("mixed_reps", []).append(
                         procs[mode].run(f"mixed{rep}", args.measure_timeout))

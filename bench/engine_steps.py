@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineProcess", "HookTimer", "Req", "closed_loop_stats", "interference", "itl_stats",
-           "other_build_env", "pct", "serve"]
+__all__ = ["EngineProcess", "HookTimer", "PYSPY_REPS", "Req", "closed_loop_stats", "interference",
+           "itl_stats", "other_build_env", "pct", "pyspy_record", "serve"]
 
 
 @dataclass
@@ -125,6 +125,23 @@ class HookTimer:
         with self._lock:
             out, self.totals = self.totals, {}
         return out
+
+
+#: mixed reps profiled by :func:`pyspy_record`: rep -> py-spy options (rep 1: whoever holds the
+#: GIL; rep 2: every thread on a CPU, native frames included (py-spy must pause the process for
+#: those, so fewer samples): a thread spinning in the driver)
+PYSPY_REPS = {1: ["--gil", "--nonblocking", "-r", "200"], 2: ["--native", "-r", "50"]}
+
+
+def pyspy_record(pyspy: str, pid: int, rep: int, seconds: int, out: Path) -> subprocess.Popen[bytes] | None:
+    """Sample process ``pid`` (and its children) for ``seconds`` with py-spy, raw stacks per
+    thread into ``out``, if ``rep`` is one of :data:`PYSPY_REPS`; the running py-spy."""
+    if rep not in PYSPY_REPS:
+        return None
+    with open(f"{out}.log", "wb") as log:
+        return subprocess.Popen([pyspy, "record", "--pid", str(pid), "--subprocesses", "--threads",
+                                 "-d", str(seconds), "-f", "raw", "-o", str(out), *PYSPY_REPS[rep]],
+                                stdout=subprocess.DEVNULL, stderr=log)
 
 
 def other_build_env(site: str) -> dict[str, str]:
