@@ -399,6 +399,7 @@ class SchedulerLogic:
         if end <= begin:
             return
         meta.saves.append(BlockJob(st.req_id, st.digests[begin:end], list(block_ids[begin:end])))
+        self.audit.found(st.digests[begin:end])  # our own fresh saves: no refill race with them
         st.saved_upto = end
         st.has_saves = True
         self.counters["save_jobs"] += 1
