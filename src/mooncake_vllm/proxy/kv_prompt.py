@@ -21,7 +21,7 @@ import aiohttp
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.proxy.kv_policy import KvRouter, PromptKey, ProxyServer
 
-__all__ = ["LocalTokenizer", "prompt_key", "resolve_version", "start"]
+__all__ = ["LocalTokenizer", "prompt_key", "resolve_version"]
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +48,10 @@ class LocalTokenizer:
             raise ConfigError("--tokenizer", [ConfigProblem(
                 "--tokenizer", f"{path!r}: no tokenizer loads from it ({type(exc).__name__}: {exc})",
                 fix)]) from exc
-        self.path = str(where)
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """The prompt's tokens as vLLM's completion endpoint makes them."""
         return list(self._tok(prompt, add_special_tokens=add_special_tokens)["input_ids"])
-
-
-async def start(server: ProxyServer) -> None:
-    """Learn the instances' release (says at start when their hashes cannot be predicted)."""
-    await resolve_version(server, server.kv)
 
 
 async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, prefix: bytes) -> PromptKey:

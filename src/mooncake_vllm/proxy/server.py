@@ -167,7 +167,7 @@ class ProxyServer:
             self._load_task = asyncio.create_task(engine_load.poll_loop(self))
         if self.kv is not None:
             await kv_policy.start(self)
-            await kv_prompt.start(self)
+            await kv_prompt.resolve_version(self, self.kv)  # says at start if hashes are unpredictable
 
     async def _on_cleanup(self, _app: web.Application) -> None:
         if self.kv is not None:
