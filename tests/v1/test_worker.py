@@ -535,3 +535,45 @@ def test_a_step_is_timed_from_binding_its_metadata_not_from_start_load_kv(worker
     assert perf is not None and len(perf["steps"]) == 1
     tokens, work, reach, seconds = perf["steps"][0]
     assert (tokens, work, reach) == (512.0, 131072.0, 512.0) and seconds >= 0.045
+
+
+def _probe_samples(w: WorkerLogic, timeout: float = 10.0) -> list[list[float]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        taken = w.timer.take()
+        if taken and taken["loads"]:
+            return taken["loads"]
+        time.sleep(0.05)
+    return []
+
+
+def test_a_host_kv_worker_never_probes_the_pool(pool: SharedClient, workers: Any) -> None:
+    w = WorkerLogic(_ns("probe-host"), EXPECTED, pool, can_load=True, can_save=False,
+                    load_probe=True)
+    workers(w)
+    w.register_kv_caches(_cache(3))
+    assert _probe_samples(w, timeout=1.0) == []  # its first real loads measure the pool
+
+
+@pytest.mark.gpu
+def test_a_cuda_kv_worker_seeds_the_load_model_with_a_probe(pool: SharedClient,
+                                                            workers: Any) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    caches = {name: torch.from_numpy(t).cuda() for name, t in _cache(4).items()}
+    before = {name: t.clone() for name, t in caches.items()}
+    for load_probe, tag in ((False, "probe-off"), (True, "probe-on")):
+        w = WorkerLogic(_ns(tag), EXPECTED, pool, can_load=True, can_save=False,
+                        load_probe=load_probe)
+        workers(w)
+        w.register_kv_caches(caches)
+        samples = _probe_samples(w, timeout=10.0 if load_probe else 1.0)
+        if not load_probe:
+            assert samples == []
+            continue
+        assert [int(t) for t, _ in samples] == [n * SHAPE[2] for n in (16, 32, 64)]
+        assert all(s > 0 for _, s in samples)
+    torch.cuda.synchronize()
+    for name, t in caches.items():  # the probe never wrote into the KV cache
+        assert torch.equal(t, before[name])

@@ -40,6 +40,7 @@ from mooncake_vllm.store.health import FailureLog, PoolHealth
 from mooncake_vllm.store.misses import missed
 from mooncake_vllm.store.mover import checksums_on_device
 from mooncake_vllm.store.paths import LayoutPaths, SaveTicket, StagingSizes, choose_gpu_path
+from mooncake_vllm.store.probe import probe_loads
 from mooncake_vllm.store.puts import put_ticket
 from mooncake_vllm.store.timebox import TimeBox
 from mooncake_vllm.store.transport import Transport
@@ -321,6 +322,11 @@ class StoreClient:
         self.stats.add("bytes_got", loaded * layout.block_nbytes)
         self.stats.add("load_failed", len(out) - loaded)
         return out
+
+    def probe_loads(self, layout: BlockLayout) -> list[tuple[int, float]]:
+        """Timed throw-away loads ``(blocks, seconds)`` through this layout's load slots,
+        over every lane (:mod:`~mooncake_vllm.store.probe`); never touches the KV cache."""
+        return probe_loads(self.transport, self._paths_for(layout))
 
     # ------------------------------------------------------------------ values
     def put_value(self, key: str, data: bytes | memoryview) -> bool:

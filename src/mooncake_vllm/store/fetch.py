@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from mooncake_vllm.store.transport import Lane, Transport
 
 __all__ = ["LOAD_PIECES", "MAX_BATCH", "MIN_FETCH", "Fetch", "count_failed_get", "get_staged",
-           "name_lost_segment"]
+           "get_verified", "name_lost_segment"]
 
 #: a load of one lane is cut into about this many fetches (two in flight)
 LOAD_PIECES = 4
@@ -120,7 +120,7 @@ def get_staged(transport: Transport, paths: LayoutPaths, keys: Sequence[str],
     return out
 
 
-def _get_verified(store: Any, paths: LayoutPaths, keys: list[str],
+def get_verified(store: Any, paths: LayoutPaths, keys: list[str],
                   slots: list[int]) -> tuple[list[Any], list[str | None]]:
     """On the lane's worker: get into ``slots``, then why each delivered value is bad."""
     size = paths.slot_nbytes
@@ -144,7 +144,7 @@ def _start(transport: Transport, lane: Lane, paths: LayoutPaths, pos: int,
     keys = keys[:len(slots)]
     late = LateRelease(lambda: pool.release(runs))
     try:
-        future = lane.transfers.submit(_get_verified, lane.store, paths, keys, slots,
+        future = lane.transfers.submit(get_verified, lane.store, paths, keys, slots,
                                        on_done=late.returned, wait=transport.lookup_timeout)
     except CallRejected as exc:
         pool.release(runs)

@@ -18,7 +18,8 @@ and a clock, so it is testable with a fake clock and made-up samples.
   most :data:`CANDIDATES`), claim the one that saves the most time, and only if
   its load costs at most ``(1 - margin)`` of what recomputing it would. Without
   enough samples of either kind the claim is made (the pool is assumed to pay
-  until measured). A prompt reaching further than any prefill step measured is
+  until measured; with CUDA KV a probe at start supplies the first load samples,
+  :mod:`~mooncake_vllm.store.probe`). A prompt reaching further than any prefill step measured is
   weighed against a *floor* of its recompute (attention makes recompute grow
   faster than linearly, so each token past the reach costs at least what the
   token at the reach did): a load that beats the floor is claimed; one that

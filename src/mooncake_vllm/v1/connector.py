@@ -194,7 +194,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                       queue_size=settings.save_queue_size,
                                       gpu_path=settings.gpu_path,
                                       store_clients=settings.clients_for_worker(),
-                                      marker_due=settings.marker_due())
+                                      marker_due=settings.marker_due(),
+                                      load_probe=settings.load_policy == "auto")
             self.telemetry.attach_worker(self.worker)
         self.shared.start()
         INSTANCES.add(self)

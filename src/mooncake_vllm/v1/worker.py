@@ -100,7 +100,8 @@ class WorkerLogic:
                  can_load: bool, can_save: bool, queue_size: int = 64,
                  save_deadline: float = 30.0, preempt_wait: float = 1.0,
                  clock: Any = time.monotonic, gpu_path: str = "auto",
-                 store_clients: int = 1, marker_due: float = 2.5) -> None:
+                 store_clients: int = 1, marker_due: float = 2.5,
+                 load_probe: bool = False) -> None:
         self.namespace = namespace
         self.prefix = namespace.prefix()
         self.expected = expected
@@ -109,6 +110,8 @@ class WorkerLogic:
         self.can_save = can_save and namespace.stores  # MLA: only TP rank 0 puts
         self.gpu_path = gpu_path
         self.store_clients = store_clients
+        #: time a few throw-away loads once connected (CUDA KV: :meth:`_probe_loads`)
+        self.load_probe = load_probe and can_load
         self.layout: BlockLayout | None = None
         #: times steps and loads for the scheduler's claim policy (set at registration)
         self.timer = StepTimer()
@@ -156,6 +159,8 @@ class WorkerLogic:
             self.timer = StepTimer(cuda_device=layout.device)
         self.source.on_connect(lambda client: client.register_layout(
             layout, self.gpu_path, clients=self.store_clients))
+        if self.load_probe and layout.on_cuda:
+            self.source.on_connect(self._probe_loads)
         if self.can_save and self._thread is None:
             self._thread = threading.Thread(target=self._save_loop, name="mcv-save", daemon=True)
             self._thread.start()
@@ -164,6 +169,20 @@ class WorkerLogic:
             self._due_thread = threading.Thread(target=self._due_loop, name="mcv-handoff-due",
                                                 daemon=True)
             self._due_thread.start()
+
+    def _probe_loads(self, client: Any) -> None:
+        """Seed the claim policy's load model before the first hit (off vLLM's thread).
+        Only for CUDA KV: on the host a load is a memory copy, measured by the first real ones."""
+        def run() -> None:
+            assert self.layout is not None
+            bs = self.namespace.block_size
+            samples = client.probe_loads(self.layout)
+            for blocks, seconds in samples:
+                self.timer.load_done(blocks * bs, seconds)
+            log.info("mooncake-vllm: load probe: %s", ", ".join(
+                f"{b * bs} tokens in {s * 1e3:.1f} ms" for b, s in samples) or "no answer")
+
+        threading.Thread(target=run, name="mcv-load-probe", daemon=True).start()
 
     def keys(self, digests: Iterable[str]) -> list[str]:
         return [f"{self.prefix}/{d}" for d in digests]
