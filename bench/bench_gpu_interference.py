@@ -295,7 +295,10 @@ def _prompts(args: argparse.Namespace) -> dict[str, Any]:
               "hits": {str(n): [toks(n) for _ in range(args.hit_reps)] for n in args.lengths},
               "docs": [toks(args.doc_len) for _ in range(args.docs)],
               "degraded_docs": [toks(args.degraded_len) for _ in range(args.degraded_docs)]}
-    per_mode = {m: {"warm": [toks(args.warm_len) for _ in range(args.warm_prompts)],
+    # lengths spread around --warm-len (x1/2, x1, x2, ...): an engine that served traffic has
+    # prefilled prompts of several lengths (one length alone tells its models little)
+    warm_lens = [int(args.warm_len * (0.5, 1.0, 2.0)[i % 3]) for i in range(args.warm_prompts)]
+    per_mode = {m: {"warm": [toks(n) for n in warm_lens],
                     "stream_alone": toks(64), "stream_loaded": toks(64),
                     "questions": [[toks(args.question_len) for _ in range(args.requests)]
                                   for _ in range(args.mixed_reps)],
@@ -454,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-len", type=int, default=8000)
     ap.add_argument("--warm-prompts", type=int, default=3,
                     help="unique prompts each reader serves first (misses: an engine that served "
-                         "traffic, whose claim policy has measured its prefills)")
+                         "traffic, whose claim policy has measured its prefills), of --warm-len "
+                         "x 1/2, 1, 2 in turn")
     ap.add_argument("--warm-len", type=int, default=2048)
     ap.add_argument("--lengths", default="2048,8000")
     ap.add_argument("--hit-reps", type=int, default=2)

@@ -216,3 +216,23 @@ def test_one_or_two_loads_decide_nothing_however_slow_the_first_was() -> None:
     assert (d.tokens, d.reason) == (15984, "unmeasured")
     a.observe(loads=[(15984.0, 0.30)])  # the third: a model now, and the outlier a third of it
     assert a.decide(0, 15984, BS).reason == "claimed"
+
+
+def test_warm_up_prompts_of_one_length_give_a_per_token_cost_not_a_degenerate_fit() -> None:
+    """The H200 reader served three 2k prompts first: both columns of such samples are
+    proportional, and the fit priced a 1k recompute at 0.3 ms (every hit declined), then, with
+    one 1k step beside them, a negative per-token cost (no model: every hit claimed blind)."""
+    clock = Clock()
+    pm = PrefillModel(60.0)
+    for _ in range(20):
+        pm.add(clock(), 1, 100, 0.0259)  # decodes: c0
+    for s in (0.0508, 0.0431, 0.0429):
+        pm.add(clock(), 2048, 2048 * 1024, s, 2048)
+    per_token = (0.0456 - 0.0259) / 2048
+    assert pm.recompute(clock(), 0, 1008) == pytest.approx(per_token * 1008, rel=0.1)
+    pm.add(clock(), 1024, 1024 * 512, 0.0298, 1024)  # strong curvature: c1 would be < 0
+    coef = pm.coefficients(clock())
+    assert coef is not None and coef[1] == 0.0 and coef[2] > 0
+    short, long = pm.recompute(clock(), 0, 1008), pm.recompute(clock(), 0, 2048)
+    assert short is not None and long is not None and 0 < short < long
+    assert long == pytest.approx(0.0197, rel=0.25)  # what the 2k steps took above c0

@@ -119,6 +119,29 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
+def _nonnegative_fit(rows: Sequence[tuple[float, Sequence[float], float]], now: float,
+                     half_life: float) -> list[float] | None:
+    """``[c1, c2] >= 0`` of ``y ~ c1·Σm + c2·Σm(p + m/2)``; ``None`` if nothing fits.
+
+    Both columns are fitted only where the samples tell them apart: their mean position
+    ``work / tokens`` must vary (prefills of one size from position 0 all lie on one line
+    through the origin, and a least-squares solution of such rows is any point of it: on
+    the H200 three 2k warm-up prompts gave a 1k recompute of 0.3 ms). Otherwise, or when one
+    coefficient comes out negative, the other column alone is fitted."""
+    spread = [x[1] / x[0] for _, x, _ in rows if x[0] > 0]
+    both = bool(spread) and max(spread) >= 1.5 * min(spread)
+    coef = _decayed_fit(rows, now, half_life) if both else None
+    if coef is not None and coef[0] >= 0 and coef[1] >= 0:
+        return coef
+    # no curvature in the data (or none measurable): linear in tokens; a negative per-token
+    # cost (strong curvature): all of it attention work
+    column = 1 if coef is not None and coef[0] < 0 else 0
+    one = _decayed_fit([(t, x[column:column + 1], y) for t, x, y in rows], now, half_life)
+    if one is None or one[0] < 0:
+        return None
+    return [0.0, one[0]] if column else [one[0], 0.0]
+
+
 class PrefillModel:
     """Seconds of a prefill step from its work (``Σm``, ``Σm·(p + m/2)``), fitted online.
 
@@ -170,11 +193,8 @@ class PrefillModel:
         if self._coef is None or now - self._fitted_at > self.half_life / 8:
             c0 = self.fixed()
             rows = [(t, x, max(0.0, y - c0)) for t, x, y in self.samples]
-            coef = _decayed_fit(rows, now, self.half_life)
-            if coef is None or coef[1] < 0:  # no curvature in the data: linear in tokens
-                lin = _decayed_fit([(t, x[:1], y) for t, x, y in rows], now, self.half_life)
-                coef = None if lin is None else [lin[0], 0.0]
-            if coef is None or coef[0] < 0:
+            coef = _nonnegative_fit(rows, now, self.half_life)
+            if coef is None:
                 return None
             self._coef, self._fitted_at = [c0, *coef], now
         c0, c1, c2 = self._coef
