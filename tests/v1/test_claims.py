@@ -236,3 +236,23 @@ def test_warm_up_prompts_of_one_length_give_a_per_token_cost_not_a_degenerate_fi
     short, long = pm.recompute(clock(), 0, 1008), pm.recompute(clock(), 0, 2048)
     assert short is not None and long is not None and 0 < short < long
     assert long == pytest.approx(0.0197, rel=0.25)  # what the 2k steps took above c0
+
+
+def test_a_first_time_shape_is_left_out_of_the_recompute_fit() -> None:
+    """The H200 reader's warm-up: 1k 32 ms, 2k 49 ms, 4k **382 ms** (its first 4k prefill),
+    1k 24 ms, beside 16 ms decodes; fitted as is, a 2k recompute cost 84 ms and every 2k hit
+    was claimed (100-111 ms against 54 ms recomputed)."""
+    clock = Clock()
+    a = advisor(clock)
+    a.observe(steps=[(1.0, 100.0, 100.0, 0.0165)] * 9,
+              loads=[(256.0, 0.0054), (512.0, 0.0116), (1008.0, 0.013)])  # the load probe
+    a.observe(steps=[(1024.0, 524288.0, 1024.0, 0.0323), (2048.0, 2097152.0, 2048.0, 0.0491),
+                     (4096.0, 8388608.0, 4096.0, 0.3825), (1024.0, 524288.0, 1024.0, 0.0244)])
+    assert a.prefill.outliers == 1
+    recompute = a.prefill.recompute(clock(), 0, 2032)
+    assert recompute is not None and recompute < 0.045
+    assert a.decide(0, 2032, BS).tokens == 0
+    # steps that stay that slow are the truth: at most two in a row are left out
+    for _ in range(3):
+        a.observe(steps=[(4096.0, 8388608.0, 4096.0, 0.3825)])
+    assert a.prefill.outliers <= 3 and len(a.prefill.samples) >= 4

@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CANDIDATES", "MIN_FIT", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
+__all__ = ["CANDIDATES", "MIN_FIT", "OUTLIER", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
 
 #: prefix lengths a decision weighs (chunk boundaries, evenly coarsened)
 CANDIDATES = 16
@@ -56,6 +56,10 @@ MIN_PREFILL = 64
 MIN_FIT = 512
 #: beyond this multiple of the furthest position measured, only a floor of recompute is trusted
 REACH_MARGIN = 1.25
+#: a prefill step this many times slower than the model predicts is left out of the fit
+OUTLIER = 4.0
+#: ... but no more than this many in a row
+MAX_OUTLIERS = 2
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,8 @@ class PrefillModel:
         self._reach: deque[float] = deque(maxlen=_WINDOW)
         self._coef: list[float] | None = None
         self._fitted_at = -math.inf
+        self.outliers = 0  #: prefill steps left out as outliers (:meth:`_outlier`)
+        self._in_a_row = 0
 
     @property
     def reach(self) -> float:
@@ -173,9 +179,29 @@ class PrefillModel:
         if tokens < MIN_PREFILL:
             self._small.append(float(seconds))
         elif tokens >= MIN_FIT:
+            if self._outlier(now, tokens, work, seconds):
+                return
             self.samples.append((now, (float(tokens), float(work)), float(seconds)))
             self._reach.append(float(reach or tokens))
         self._coef = None
+
+    def _outlier(self, now: float, tokens: float, work: float, seconds: float) -> bool:
+        """A step over :data:`OUTLIER` times what the model predicts for it: a first-time
+        shape (allocations, kernel selection), not the cost of its tokens — on the H200 a
+        fresh engine's first 4k prefill took 382 ms against ~90 ms, and a fit over it priced
+        every 2k hit above its load. Left out, at most :data:`MAX_OUTLIERS` in a row (then
+        the model is what is wrong), and counted."""
+        coef = self.coefficients(now)
+        if coef is None:
+            return False
+        c0, c1, c2 = coef
+        expected = c1 * tokens + c2 * work
+        if expected > 0 and seconds - c0 > OUTLIER * expected and self._in_a_row < MAX_OUTLIERS:
+            self._in_a_row += 1
+            self.outliers += 1
+            return True
+        self._in_a_row = 0
+        return False
 
     def reaches_past(self, end: int) -> bool:
         """Whether position ``end`` lies past :data:`REACH_MARGIN` times the reach."""
@@ -317,6 +343,7 @@ class ClaimAdvisor:
         """The models' state and the recent decisions, as plain data."""
         now = self.clock()
         return {"coefficients": self.prefill.coefficients(now), "reach": self.prefill.reach,
+                "prefill_outliers": self.prefill.outliers,
                 "prefill_samples": [[t, *x, y] for t, x, y in self.prefill.samples],
                 "load_samples": [list(x) for x in self.loads.samples], "counts": dict(self.counts),
                 "decisions": [[at, start, hit, d.tokens, d.reason, d.predicted_load,
