@@ -88,3 +88,18 @@ def test_vllm_p2p_proxy_prefill_form_is_accepted() -> None:
     items = ["http://10.0.0.2:8100", "9000", "http://10.0.0.3:8100", "none", "[::1]:8100", "h:1@5", "7"]
     assert join_bootstrap_ports(items) == ["http://10.0.0.2:8100@9000", "http://10.0.0.3:8100", "[::1]:8100",
                                            "h:1@5", "7"]
+
+
+def test_kv_aware_asked_for_without_its_packages_is_refused_naming_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mooncake_vllm.errors import ConfigError
+    from mooncake_vllm.proxy import server
+
+    monkeypatch.setattr(server, "missing_modules", lambda: ["msgspec"])
+    with pytest.raises(ConfigError) as err:
+        server.ProxyServer(server.ProxyConfig(model=MODEL, decode=["127.0.0.1:8200"],
+                                              scheduling="kv_aware"))
+    assert "--scheduling" in str(err.value) and "pip install msgspec" in str(err.value)
+    monkeypatch.setattr(server, "missing_modules", lambda: [])
+    server.ProxyServer(server.ProxyConfig(model=MODEL, decode=["127.0.0.1:8200"],
+                                          scheduling="round_robin"))  # other policies need neither

@@ -34,7 +34,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["AUTO", "END_SEQ", "EventSubscriber", "ReplayClient", "decode_batch", "vllm_args"]
+__all__ = ["AUTO", "END_SEQ", "EventSubscriber", "ReplayClient", "decode_batch", "missing_modules",
+           "vllm_args"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,17 @@ AUTO = "tcp://127.0.0.1:*"
 
 #: the sequence number of vLLM's end-of-replay marker (-1 as a signed 8-byte big-endian)
 END_SEQ = (1 << 64) - 1
+
+
+#: what reading vLLM's KV events takes (both come with vLLM; a proxy-only host may lack them)
+NEEDS = {"zmq": "pyzmq", "msgspec": "msgspec"}
+
+
+def missing_modules() -> list[str]:
+    """The packages (pip names) ``kv_aware`` needs that this Python cannot import."""
+    import importlib.util
+
+    return [pip for mod, pip in NEEDS.items() if importlib.util.find_spec(mod) is None]
 
 
 def vllm_args(endpoint: str, instance: str, replay: str | None = None) -> tuple[str, ...]:

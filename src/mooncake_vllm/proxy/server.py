@@ -32,6 +32,7 @@ from mooncake_vllm.httpsafe import (
 )
 from mooncake_vllm.proxy import admin, engine_load, flows, kv_policy, kv_prompt
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
+from mooncake_vllm.proxy.kv_events import missing_modules
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.scheduling import make_policy
 
@@ -101,6 +102,10 @@ class ProxyServer:
         self.config = config
         self.pool = InstancePool()
         self.metrics = ProxyMetrics()
+        if config.scheduling == "kv_aware" and (missing := missing_modules()):
+            raise ConfigError("--scheduling", [ConfigProblem(
+                "--scheduling", f"kv_aware reads vLLM's KV events, which needs {' and '.join(missing)}",
+                f"pip install {' '.join(missing)}, or choose --scheduling prefix")])
         self.policies = {k: make_policy(config.scheduling) for k in ("prefill", "decode")}
         self._use_prefix = config.scheduling in ("prefix", "kv_aware")
         if config.kv_replay:
