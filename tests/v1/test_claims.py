@@ -256,3 +256,18 @@ def test_a_first_time_shape_is_left_out_of_the_recompute_fit() -> None:
     for _ in range(3):
         a.observe(steps=[(4096.0, 8388608.0, 4096.0, 0.3825)])
     assert a.prefill.outliers <= 3 and len(a.prefill.samples) >= 4
+
+
+def test_short_hits_are_not_explored_long_ones_are() -> None:
+    """H200, run R of 2026-12-04: the second 2k hit (49 ms to recompute, 2.4 engine steps of
+    21 ms) was spent on an exploring quarter-hit load, 102 ms."""
+    clock = Clock()
+    a = advisor(clock, explore_every=5.0)
+    a.observe(steps=[(1.0, 100.0, 100.0, 0.0207)] * 9 + prefill_steps(c0=0.0207, c1=1.7e-5),
+              loads=[(256.0, 0.0054), (512.0, 0.0116), (1008.0, 0.013)])
+    a.observe(loads=[(2032.0, 0.3)] * 3)  # a slow pool: nothing pays
+    clock.now += 10
+    short = a.decide(0, 2032, BS)
+    assert short.reason == "slow_pool" and short.predicted_recompute < 4 * 0.0207
+    probe = a.decide(0, 16000, BS)
+    assert probe.reason == "explore" and probe.tokens == 4000
