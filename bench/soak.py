@@ -29,11 +29,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from soak_faults import KINDS, FaultRunner, schedule  # noqa: E402
+from soak_faults import KINDS, SETTLE, FaultRunner, schedule  # noqa: E402
 from soak_fleet import Fleet  # noqa: E402
 from soak_load import HttpLoad, Sampler, StoreLoad  # noqa: E402
 from soak_net import Net, namespaces_available  # noqa: E402
-from soak_report import hit_series, metrics_hit_series, report, table, write  # noqa: E402
+from soak_report import DEADLINE, hit_series, metrics_hit_series, report, table, write  # noqa: E402
 
 __all__ = ["STORE_FAULTS", "VLLM_BASELINE", "main", "rebuild", "run"]
 
@@ -140,7 +140,12 @@ def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat
                           fleet.usage)
         t0 = time.monotonic()
         sampler.start(t0)
-        runner = FaultRunner(fleet, faults).start(t0)
+        # a fault that overran pushes the next one back: the schedule's spacing (at most 60 s:
+        # 30 s of recovery after one, 30 s of level before the next) from its end; none begins
+        # in the schedule's last SETTLE s
+        gap = faults[1].at - faults[0].at if len(faults) > 1 else 0.0
+        runner = FaultRunner(fleet, faults, min_gap=min(2 * DEADLINE, gap),
+                             deadline=seconds - SETTLE).start(t0)
         samples = [s.row() for s in load.run_load(t0)]
         runner.stop.set()
         runner.join(60)

@@ -14,7 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "Fault", "FaultRunner", "schedule"]
+__all__ = ["KINDS", "SETTLE", "Fault", "FaultRunner", "schedule"]
+
+#: the last fault is scheduled to end this long before the load stops (its recovery is measured)
+SETTLE = 20.0
 
 log = logging.getLogger("soak.faults")
 
@@ -74,7 +77,7 @@ class Fault:
 
 
 def schedule(kinds: list[str], seconds: float, warmup: float, repeat: int = 1,
-             settle: float = 20.0) -> list[Fault]:
+             settle: float = SETTLE) -> list[Fault]:
     """Every kind ``repeat`` times, evenly spread after ``warmup``, the last ending
     ``settle`` s before the end (recovery must be measurable)."""
     unknown = sorted(set(kinds) - set(KINDS))
@@ -96,6 +99,13 @@ class FaultRunner:
     faults: list[Fault]
     clock: Callable[[], float] = time.monotonic
     stop: threading.Event = field(default_factory=threading.Event)
+    #: a fault begins at least this long after the previous one ended (its recovery is
+    #: measured over the 30 s after it, the next one's level over the 30 s before): a fault
+    #: that overran (a rolling restart on a loaded box) pushes the rest back instead of
+    #: bunching them
+    min_gap: float = 0.0
+    #: seconds after the start by which a fault must begin, else it is skipped (recorded)
+    deadline: float | None = None
     _thread: threading.Thread | None = None
 
     def start(self, t0: float) -> FaultRunner:
@@ -104,8 +114,14 @@ class FaultRunner:
         return self
 
     def _run(self, t0: float) -> None:
+        last_end: float | None = None
         for fault in self.faults:
-            if self.stop.wait(max(0.0, t0 + fault.at - self.clock())):
+            due = fault.at if last_end is None else max(fault.at, last_end + self.min_gap)
+            if self.deadline is not None and due > self.deadline:
+                fault.error = f"skipped: due at {due:.0f} s, after the last start at {self.deadline:.0f} s"
+                log.warning("fault %s %s", fault.kind, fault.error)
+                continue
+            if self.stop.wait(max(0.0, t0 + due - self.clock())):
                 return
             kind = KINDS[fault.kind]
             fault.began = self.clock() - t0
@@ -117,7 +133,7 @@ class FaultRunner:
             except Exception as exc:  # noqa: BLE001 - recorded; the soak goes on
                 fault.error = f"{type(exc).__name__}: {exc}"
                 log.error("fault %s failed: %s", fault.kind, fault.error)
-            fault.ended = self.clock() - t0
+            fault.ended = last_end = self.clock() - t0
             log.warning("fault %s ended after %.1f s", fault.kind, fault.ended - fault.began)
 
     def join(self, timeout: float | None = None) -> None:

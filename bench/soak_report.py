@@ -190,6 +190,8 @@ def report(samples: list[dict[str, Any]], faults: list[dict[str, Any]],
         "ttft_p50": ttfts[len(ttfts) // 2] if ttfts else None,
         "ttft_p99": ttfts[int(len(ttfts) * 0.99)] if ttfts else None,
         "faults": per_fault,
+        #: faults the schedule ran out of time for (one that overran pushed them back)
+        "skipped": [f"{f['kind']} (due {f['at']} s)" for f in faults if f["began"] is None],
         "resources": resources(usage_rows, warmup, allow=allow, baseline=baseline, baselined=baselined),
     }
 

@@ -38,6 +38,29 @@ def test_schedule_spreads_every_fault_after_warmup_and_leaves_time_to_recover() 
         schedule(["meteor"], 60, 10)
 
 
+def test_a_fault_that_overran_pushes_the_rest_back_instead_of_bunching_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run G's first rolling restart took 432 s and the next four faults began within 17 s
+    of each other (their recovery windows overlapped)."""
+    import time
+
+    import soak_faults
+    from soak_faults import Fault, FaultRunner, Kind
+
+    monkeypatch.setitem(soak_faults.KINDS, "slow", Kind("slow", "overruns", 0.0,
+                                                        lambda f: time.sleep(0.3), lambda f: None))
+    monkeypatch.setitem(soak_faults.KINDS, "quick", Kind("quick", "short", 0.0,
+                                                         lambda f: None, lambda f: None))
+    faults = [Fault("slow", 0.0), Fault("quick", 0.05), Fault("quick", 0.1), Fault("quick", 0.15)]
+    runner = FaultRunner(None, faults, min_gap=0.1, deadline=0.55).start(time.monotonic())
+    runner.join(5)
+    slow, first, second, third = faults
+    assert slow.ended is not None and slow.ended >= 0.3
+    assert first.began is not None and first.began >= slow.ended + 0.1
+    assert second.began is not None and first.ended is not None and second.began >= first.ended + 0.1
+    assert third.began is None and third.error.startswith("skipped")  # past the last start
+
+
 def test_recovery_is_the_time_back_to_80_percent_of_the_pre_fault_rate() -> None:
     from soak_report import recovery
 
