@@ -12,6 +12,7 @@
 ``transport``      the store handles ("lanes"), their time boxes, health and stats
 ``fetch``          staged loads: pipelined gets into slots, host verification
 ``direct``         GPU zero-copy loads straight into the KV blocks
+``probe``          timed throw-away loads at start: the claim policy's first samples
 ``puts``           puts of a captured save, striped over the lanes
 ``client``         :class:`StoreClient`, the one client both engines use
 ``bridge``         redis:// metadata for wheels without redis
