@@ -289,12 +289,7 @@ class StoreClient:
         """Remove every key matching the regular expression ``pattern`` (leases ignored:
         a reader of a removed value fails its checksum and recomputes); the count removed,
         or ``None`` when the pool is away or has no ``remove_by_regex`` (Mooncake < 0.3.6)."""
-        t = self.transport
-        remove = getattr(t.store, "remove_by_regex", None)
-        if remove is None or not t.admits():
-            return None
-        rc = t.run(t.control, t.op_timeout, remove, pattern, True)
-        return rc if isinstance(rc, int) and not isinstance(rc, bool) and rc >= 0 else None
+        return self.transport.remove_matching(pattern)
 
     def stream_position(self, layout: BlockLayout) -> Any:
         """For a background load: an event on vLLM's stream, taken on vLLM's thread."""

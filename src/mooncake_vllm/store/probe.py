@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -73,9 +74,10 @@ def probe_loads(transport: Transport, paths: LayoutPaths,
             out.append((n, seconds))
         return out
     finally:
-        for key in keys:
-            transport.run(transport.control, transport.op_timeout, transport.remove, key,
-                          breaker=False)
+        if transport.remove_matching(f"^{re.escape(tag)}/") is None:  # one call where it can
+            for key in keys:
+                transport.run(transport.control, transport.op_timeout, transport.remove, key,
+                              breaker=False)
         _release_after(calls, lambda: pool.release(runs))
 
 

@@ -200,6 +200,16 @@ class Transport:
         except TypeError:  # releases before remove(force)
             return self.store.remove(key)
 
+    def remove_matching(self, pattern: str) -> int | None:
+        """Remove every key matching the regular expression ``pattern`` in one time-boxed
+        call, leases ignored; the count removed, or ``None`` when the pool is away or has no
+        ``remove_by_regex`` (Mooncake < 0.3.6)."""
+        remove = getattr(self.store, "remove_by_regex", None)
+        if remove is None or not self.admits():
+            return None
+        rc = self.run(self.control, self.op_timeout, remove, pattern, True)
+        return rc if isinstance(rc, int) and not isinstance(rc, bool) and rc >= 0 else None
+
     def note_failures(self, op: str, codes: Sequence[Any]) -> list[int]:
         """Count, log (rate-limited, by cause) and react to failed codes of one batch."""
         failed = [c for c in codes if isinstance(c, int) and c < 0
