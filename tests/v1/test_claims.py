@@ -271,3 +271,30 @@ def test_short_hits_are_not_explored_long_ones_are() -> None:
     assert short.reason == "slow_pool" and short.predicted_recompute < 4 * 0.0207
     probe = a.decide(0, 16000, BS)
     assert probe.reason == "explore" and probe.tokens == 4000
+
+
+def test_declines_any_hit_answers_without_deciding() -> None:
+    """Where even the whole hit is declined no part of it pays (the load/recompute ratio
+    falls with length), so the scheduler may skip the lookup; nothing is recorded."""
+    clock = Clock()
+    fresh = advisor(clock, explore_every=5.0)
+    assert not fresh.declines_any_hit(0, 512, BS)  # unmeasured: a hit is claimed
+    a = advisor(clock, explore_every=5.0)
+    a.observe(steps=[(1.0, 100.0, 100.0, 0.0207)] * 9 + prefill_steps(c0=0.0207, c1=1.7e-5),
+              loads=[(256.0, 0.0054), (512.0, 0.0116), (1008.0, 0.013)])
+    assert not a.declines_any_hit(0, 16000, BS)  # the probe says the pool pays
+    a.observe(loads=[(2032.0, 0.3)] * 3)  # then a slow pool
+    clock.now += 10
+    for tokens in (64, 512, 2032):
+        assert a.declines_any_hit(0, tokens, BS)
+        assert all(a.decide(0, n, BS).tokens == 0 for n in range(BS, tokens + 1, BS))
+    assert not a.declines_any_hit(0, 16000, BS)  # an explore is due on a long hit
+    assert a.declines_any_hit(0, 2032, BS)
+    assert a.counts == {"slow_pool": 2032 // BS + 512 // BS + 64 // BS}  # decide() only
+    assert a.decide(0, 16000, BS).reason == "explore"
+    assert a.declines_any_hit(0, 16000, BS)  # explored: declined until the next is due
+    assert not a.declines_any_hit(0, 50000, BS)  # beyond the reach: recomputed once to learn
+    for policy in ("always", "never"):
+        other = advisor(clock, policy=policy)
+        other.observe(steps=prefill_steps(), loads=[(2032.0, 0.3)] * 3)
+        assert not other.declines_any_hit(0, 512, BS)

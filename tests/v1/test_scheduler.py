@@ -287,7 +287,7 @@ def test_a_slow_pool_is_not_claimed_and_the_decline_is_counted() -> None:
     clock = _Clock()
     pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
     slow = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
-                          claims=_measured("auto", 5.0, clock), clock=clock)
+                          claims=_measured("auto", 5.0, clock), clock=clock, skip_lookup_upto=0)
     assert slow.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (0, False)
     assert slow.counters["claims_declined_slow_pool"] == 1 and slow.counters["declined_tokens"] == 16
     fast = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
@@ -298,6 +298,35 @@ def test_a_slow_pool_is_not_claimed_and_the_decline_is_counted() -> None:
                            claims=_measured("never", 0.1, clock), clock=clock)
     assert never.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (0, False)
     assert never.counters["claims_declined_never"] == 1
+
+
+def test_a_short_span_no_hit_of_which_would_pay_is_not_looked_up() -> None:
+    """H200 mixed serving: 56 of 64 lookups per rep were the ~6 question chunks after a
+    prefix-cache hit, ~0.9 ms each on vLLM's thread, for hits the policy declines anyway."""
+    clock = _Clock()
+    keys = chunk_keys(_ns(), TOKENS)
+    pool = FakePool(set(keys))
+    slow = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                          claims=_measured("auto", 5.0, clock), clock=clock)
+    assert slow.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (0, False)
+    assert pool.calls == [] and slow.counters["lookups_skipped_slow_pool"] == 1
+    assert slow.counters["lookups"] == 0
+    new = SimpleNamespace(req_id="r", num_computed_tokens=0, block_ids=([0, 1, 2, 3, 4],))
+    meta = slow.build_connector_meta(_output(new=[new], scheduled={"r": 18}))
+    # not asked, so every chunk is captured: the put skips what the pool holds
+    assert [j.block_ids for j in meta.saves] == [[0, 1, 2, 3]]
+    # a span longer than the bound is asked (its answer spares the saves)
+    long = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                          claims=_measured("auto", 5.0, clock), clock=clock, skip_lookup_upto=8)
+    assert long.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (0, False)
+    assert len(pool.calls) == 1 and long.counters["claims_declined_slow_pool"] == 1
+    # a pool that pays, or one not measured yet, is asked
+    for claims in (_measured("auto", 0.1, clock), ClaimAdvisor(ClaimRules("auto"), clock=clock)):
+        asked = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                               claims=claims, clock=clock)
+        assert asked.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (16, False)
+        assert asked.counters["lookups_skipped_slow_pool"] == 0
+    assert len(pool.calls) == 3
 
 
 def test_a_second_request_waits_for_the_first_ones_load_of_the_same_blocks() -> None:
@@ -353,7 +382,7 @@ def test_a_declined_claim_does_not_save_again_what_the_pool_has() -> None:
     keys = chunk_keys(_ns(), TOKENS)
     pool = FakePool(set(keys[:3]))  # 3 of the 4 full chunks are in the pool
     logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
-                           claims=_measured("auto", 5.0, clock), clock=clock)
+                           claims=_measured("auto", 5.0, clock), clock=clock, skip_lookup_upto=0)
     req = _request("r", TOKENS)
     assert logic.get_num_new_matched_tokens(req, 0) == (0, False)  # slow pool: recompute
     new = SimpleNamespace(req_id="r", num_computed_tokens=0, block_ids=([0, 1, 2, 3, 4],))

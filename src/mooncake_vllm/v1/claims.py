@@ -370,14 +370,35 @@ class ClaimAdvisor:
             return Decision(0, "reach_probe", load, recompute)
         if self._declining_since is None:
             self._declining_since = now
-        explore_due = (now - max(self._last_explore, self.loads.last_sample)
-                       >= self.rules.explore_every
-                       and self._worth_exploring(now, start, hit))
-        if explore_due:  # a quarter of the hit measures the pool at a quarter of the risk
+        if self._explore_due(now, start, hit):  # a quarter of the hit measures the pool at a quarter of the risk
             self._last_explore = now
             probe = min(hit, max(chunk, (hit // 4) // max(1, chunk) * chunk))
             return Decision(probe, "explore", load, recompute)
         return Decision(0, "slow_pool", load, recompute)
+
+    def declines_any_hit(self, start: int, hit: int, chunk: int, backlog: int = 0) -> bool:
+        """Whether no hit of up to ``hit`` tokens from ``start`` would be claimed now, so the
+        pool need not be asked (nothing is recorded). Loads cost ``l0 + t/rate`` (both
+        non-negative) and recomputing ``t`` tokens grows at least linearly, so the
+        load-to-recompute ratio falls with ``t``: if the whole hit does not pay, no part
+        does. ``False`` whenever a decision could claim: unmeasured, beyond the measured
+        reach, an explore due, a policy other than ``auto``."""
+        if self.rules.policy != "auto" or hit <= 0:
+            return False
+        now = self.clock()
+        if self.prefill.reaches_past(start + hit):
+            return False
+        best = self._best(now, start, hit, chunk, backlog)
+        if best is None:
+            return False
+        tokens, load, recompute = best
+        if tokens > 0 and load <= (1.0 - self.rules.margin) * recompute:
+            return False
+        return not self._explore_due(now, start, hit)
+
+    def _explore_due(self, now: float, start: int, hit: int) -> bool:
+        return (now - max(self._last_explore, self.loads.last_sample) >= self.rules.explore_every
+                and self._worth_exploring(now, start, hit))
 
     def _worth_exploring(self, now: float, start: int, hit: int) -> bool:
         """A hit whose whole recompute costs at least :data:`EXPLORE_STEPS` engine steps:

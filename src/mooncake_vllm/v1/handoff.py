@@ -255,6 +255,11 @@ class Handoffs:
         """Whether this prefill request asked for a hand-off (its chunks must reach the pool)."""
         return req_id in self._ids
 
+    def involves(self, req_id: str) -> bool:
+        """Whether the request is a hand-off's prefill (it asked) or its decode (an offer)."""
+        st = self._decode.get(req_id)
+        return self.asked(req_id) or (st is not None and st.offer is not None)
+
     def declare(self, req_id: str, covered: int, digests: Sequence[str]) -> tuple[str, list[str]] | None:
         """``(id, digests)`` once chunks ``[0, covered)`` cover every full chunk of an asked
         request (its saves are all with the workers): the workers publish the marker."""

@@ -67,6 +67,9 @@ COUNTERS: Mapping[str, str] = {
                                    "further than any prefill measured and its load did not beat "
                                    "a floor of its recompute: vLLM recomputed it once, to measure "
                                    "that far (load_policy auto).",
+    "lookups_skipped_slow_pool": "Pool lookups not made: even a hit of every wanted token would "
+                                 "load slower than recomputing it (load_policy auto); the saves "
+                                 "skip what the pool holds.",
     "claim_probes": "Partial claims made while declining, to measure the pool again.",
     "waits_for_shared_load": "Requests deferred while another request's load brought their "
                              "blocks (one load per block).",
@@ -221,7 +224,8 @@ class Meter:
 
 #: scheduler-side counters exported under their own names
 _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declined_slow_pool",
-                      "claims_declined_never", "claims_declined_reach_probe", "claim_probes",
+                      "claims_declined_never", "claims_declined_reach_probe", "lookups_skipped_slow_pool",
+                      "claim_probes",
                       "waits_for_shared_load", "pool_refill_chunks")
 
 

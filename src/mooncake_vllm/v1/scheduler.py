@@ -53,7 +53,7 @@ from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, request_extras
 from mooncake_vllm.v1.refill import PoolAudit
 
-__all__ = ["COUNTERS", "MAX_SHARED_WAIT", "RequestState", "SchedulerLogic", "step_work"]
+__all__ = ["COUNTERS", "MAX_SHARED_WAIT", "SKIP_LOOKUP_TOKENS", "RequestState", "SchedulerLogic", "step_work"]
 
 Lookup = Callable[[Sequence[str]], Sequence[bool]]
 
@@ -61,11 +61,16 @@ log = logging.getLogger(__name__)
 
 #: longest a request waits for another request's load of its chunks (then it looks up)
 MAX_SHARED_WAIT = 30.0
+#: a lookup of at most this many tokens is not made when even all of them would be declined:
+#: the saves capture them again instead (<= 64 MiB of an 8B model's KV; the put skips what
+#: the pool holds), which costs vLLM's thread less than a round trip to the master. Longer
+#: spans are looked up: their lookup keeps the saves from capturing what the pool holds
+SKIP_LOOKUP_TOKENS = 512
 #: :attr:`SchedulerLogic.counters` (``handoff_*``: counted by :mod:`~mooncake_vllm.v1.handoff`)
 COUNTERS = CounterNames(
     initial=("lookups", "hit_tokens", "load_jobs", "save_jobs", "local_hit_chunks_not_saved",
              "declined_tokens", "claims_declined_slow_pool", "claims_declined_never",
-             "claims_declined_reach_probe",
+             "claims_declined_reach_probe", "lookups_skipped_slow_pool",
              "claim_probes", "waits_for_shared_load", "pool_audits", "pool_refill_chunks"),
     later=frozenset({"failed_loads_not_retried", "perf_reports"}), families=(r"handoff_[a-z_]+",))
 
@@ -110,6 +115,7 @@ class SchedulerLogic:
                  waiter: MarkerWaiter | None = None, handoff_timeout: float = 5.0,
                  pool_ready: Callable[[], bool] = lambda: True,
                  claims: ClaimAdvisor | None = None, can_defer: bool = False,
+                 skip_lookup_upto: int = SKIP_LOOKUP_TOKENS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.namespaces = namespaces
         self.block_size = block_size
@@ -124,6 +130,7 @@ class SchedulerLogic:
         self.claims = claims or ClaimAdvisor(ClaimRules("always"))
         #: the release answers ``None`` = ask again later (fact deferred_lookup)
         self.can_defer = can_defer
+        self.skip_lookup_upto = skip_lookup_upto
         self._clock = clock
         self._pool_ready = pool_ready
         self.audit = PoolAudit(clock=clock)
@@ -181,6 +188,8 @@ class SchedulerLogic:
         wanted = st.digests[start:claimable]
         if self._waits_for_shared_load(st, wanted):
             return None, False
+        if self._unprofitable(st, start, len(wanted)):
+            return 0, False
         self.counters["lookups"] += 1
         present = self.lookup(self.namespaces.keys_for(wanted))
         hits = self.namespaces.prefix_hits(present, len(wanted))
@@ -209,6 +218,25 @@ class SchedulerLogic:
             st.shared_wait_since = now
             self.counters["waits_for_shared_load"] += 1
         return now - st.shared_wait_since < MAX_SHARED_WAIT
+
+    def _unprofitable(self, st: RequestState, start: int, chunks: int) -> bool:
+        """A short span (:data:`SKIP_LOOKUP_TOKENS`) not even a hit of every chunk of which
+        would be claimed: the pool is not asked (a round trip to the master on vLLM's
+        thread, ~1 ms on an H200's loopback; most lookups of a serving engine are the few
+        chunks after a prefix-cache hit). The saves capture those chunks too."""
+        bs = self.block_size
+        if chunks * bs > self.skip_lookup_upto or self.handoffs.involves(st.req_id):
+            return False  # a hand-off's decode reads what its prefill saved, and counts it
+        if not self.claims.declines_any_hit(start * bs, chunks * bs, bs, self.loading_tokens()):
+            return False
+        self.counters["lookups_skipped_slow_pool"] += 1
+        self._declines.warn("slow_pool", (
+            f"mooncake-vllm: pool claims declined (load_policy auto): even a hit of all "
+            f"{chunks * bs} tokens would load slower than vLLM recomputes them, so the pool is "
+            "not asked and vLLM recomputes; the pool is measured again every "
+            f"{self.claims.rules.explore_every:.0f} s on hits long enough to pay (more holders "
+            "and store_clients make it faster; load_policy always claims regardless)"))
+        return True
 
     def _claim(self, start: int, hits: int) -> int:
         """How many of ``hits`` chunks from chunk ``start`` to claim (:mod:`.claims`)."""
