@@ -154,9 +154,11 @@ class BlockMover:
                 for layer, view in enumerate(self._host_views):
                     out[pos:pos + k, layer] = view[:, first:first + k].transpose(1, 0, 2)
             return
-        idx = self._index(block_ids)
+        idx, index_select = self._index(block_ids), self._torch.index_select
         for layer, view in enumerate(self.views):
-            dst[:, layer].copy_(view.index_select(1, idx).transpose(0, 1))
+            # one kernel per layer, straight into the slots' strided view (no temporary):
+            # a save's capture is launch-bound on vLLM's thread (~1.3 ms for 32 layers)
+            index_select(view, 1, idx, out=dst[:, layer].transpose(0, 1))
 
     def _scatter_from(self, rows: Any, positions: Sequence[int], block_ids: Sequence[int]) -> None:
         if self._host_views is not None:
