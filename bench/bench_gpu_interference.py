@@ -23,6 +23,8 @@ one fresh vLLM process each (the reader)::
     ours-1c    ours with one store client claiming every hit (the transfers before issue 24)
     ours-never ours claiming nothing (``load_policy`` never): lookups and saves only
     ours-load  ours as ``kv_consumer``: lookups and loads, no saves
+    noop       a connector whose every hook returns at once (bench/noop_connector.py): what
+               vLLM's connector plumbing alone costs, the floor of every connector
 
 ``--degraded-modes``: after its phases, such a reader serves pool hits back to back
 while every holder but one is SIGSTOPped mid-run (bench/degraded.py): TTFT per
@@ -73,7 +75,7 @@ __all__ = ["main"]
 
 #: measured in this order
 MODES = ("ours", "ours-always", "ours-1c", "ours-prev", "ours-sync", "ours-never", "ours-load", "none",
-         "ours-zc", "intree")
+         "noop", "ours-zc", "intree")
 INJECT_AFTER = 32  #: stream tokens before the 8k request arrives
 _EXTRA = {"ours": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
           "ours-never": {"load_policy": "never"},
@@ -82,7 +84,7 @@ _EXTRA = {"ours": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
 
 
 def _writer_of(mode: str) -> str | None:
-    return None if mode == "none" else ("intree" if mode == "intree" else "ours")
+    return None if mode in ("none", "noop") else ("intree" if mode == "intree" else "ours")
 
 
 # --------------------------------------------------------------------- inside one vLLM process
@@ -313,6 +315,9 @@ def _mode_config(mode: str, prev_site: str = "") -> tuple[dict[str, Any] | None,
 
     if mode == "none":
         return None, {}
+    if mode == "noop":
+        return {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector",
+                "kv_role": "kv_both"}, {}
     if mode == "intree":
         return (kv_transfer_config("kv_both", connector="in-tree"),
                 {"MOONCAKE_VLLM_DISABLE": "1", "PYTHONHASHSEED": "0"})
