@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Build this project's wheel (pure Python) from the current working tree into .carry/b1/ and
-# .carry/proj/ (the same file), replacing any older one. Run here, just before the GPU calls: the code
-# changes between calls. b1 takes it along on the first call; after that, carry .carry/proj (0.2 MiB)
-# to bring a newer wheel without b1's 47 MiB: install.sh prefers .carry/proj and reinstalls on change.
+# Build this project's wheel (pure Python) from the current working tree into .carry/proj/, replacing
+# any older one. Run here, just before the GPU calls: the code changes between calls. Carry
+# .carry/proj (0.4 MiB) with any bundle: install.sh installs it and reinstalls it when it changed.
 #   bash scripts/gpu/build_project_wheel.sh
 set -euo pipefail
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
-out=$root/.carry/b1
+out=$root/.carry/proj
 mkdir -p "$out"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -21,7 +20,4 @@ if ! "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$out" "$tmp" 2>"$t
   "$py" -m pip wheel -q --no-deps -w "$out" "$tmp"
 fi
 rm -f "$tmp.err"
-mkdir -p "$root/.carry/proj"
-rm -f "$root/.carry/proj"/mooncake_vllm-*.whl
-cp -p "$out"/mooncake_vllm-*.whl "$root/.carry/proj/"
-ls -l "$out"/mooncake_vllm-*.whl "$root/.carry/proj"/mooncake_vllm-*.whl
+ls -l "$out"/mooncake_vllm-*.whl

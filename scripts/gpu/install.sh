@@ -3,8 +3,8 @@
 # Installs every bundle .carry/bN that this call carried (or an earlier call left there) and that is
 # not installed yet, then this project's wheel if it changed. Idempotent: /tmp/site/.bN-done records
 # what each installed bundle held, so a second call skips it. One line per step, with seconds.
-#   b1: Mooncake + Python deps + system libraries + project wheel (enough for component tests)
-#   b2: vLLM 0.24.0 (trimmed; _C_stable_libtorch pruned to sm_90)      b3: optional, see README
+#   b1: Mooncake + system libraries   b4: Python deps + vLLM 0.24.0's Python and FA3 (b1 + b4 + proj:
+#   enough for component tests)   b2: vLLM's _C_stable_libtorch, pruned to sm_90   b3: optional, README
 # GPU_PREFIX (default /tmp) relocates site/, debroot/, xlib/ (used to test this script elsewhere);
 # GPU_PYTHON (default python3) is the interpreter; GPU_COMPILE=0 skips precompiling .pyc files;
 # GPU_CHECK=0 skips the driver check of the pruned _C_stable_libtorch (fatbin-check).
@@ -122,7 +122,7 @@ if [ -x "$MCBIN/mooncake_master" ]; then
   elif [ "$miss" = " libcuda.so.1 => not found " ]; then echo "[install] mooncake: libcuda.so.1 not found (no GPU driver here?)"
   else echo "[install] mooncake: MISSING $miss"; fail=1; fi
 fi
-for n in 1 2; do
+for n in 1 4 2; do
   [ -f "$SITE/.b$n-done" ] || echo "[install] NOTE: b$n is not installed on this machine (a fresh one, or b$n never carried): carry .carry/b$n"
 done
 us=$(( ${EPOCHREALTIME/./} - T_ALL ))
