@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from mooncake_vllm.v1.refill import HbmRefill, PoolAudit, cached_block
 
 
@@ -118,3 +120,16 @@ def test_cached_block_reads_vllms_block_pool() -> None:
 
     resolve = cached_block(BlockPool())
     assert resolve("h") == 7 and resolve("null") is None and resolve("gone") is None
+
+
+def test_the_connector_binds_vllms_cache_only_where_a_block_hash_is_one_chunk() -> None:
+    """vLLM hashing blocks of another size than our chunks would pair chunk i with another
+    block's hash: the refill would read the wrong block, so it is not bound at all."""
+    from mooncake_vllm.v1.connector import MooncakeStoreConnector
+
+    for hash_block_size, bound in ((16, True), (8, False)):
+        refill = HbmRefill()
+        side = SimpleNamespace(scheduler=SimpleNamespace(block_size=16, refill=refill), can_save=True)
+        MooncakeStoreConnector.bind_gpu_block_pool(side, SimpleNamespace(  # type: ignore[arg-type]
+            hash_block_size=hash_block_size, get_cached_block=lambda h, g: None))
+        assert (refill.resolve is not None) == bound

@@ -299,9 +299,12 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         """vLLM's prefix cache (vLLM >= 0.32): once the pool is back after an outage, what it
-        still holds is re-saved without waiting for requests (:class:`~.refill.HbmRefill`)."""
-        if self.scheduler is not None and self.can_save:
-            self.scheduler.refill.resolve = cached_block(gpu_block_pool)
+        still holds is re-saved without waiting for requests (:class:`~.refill.HbmRefill`).
+        Only where vLLM hashes blocks of our chunk size: its i-th block hash is our i-th chunk."""
+        sched = self.scheduler
+        if sched is not None and self.can_save and \
+                getattr(gpu_block_pool, "hash_block_size", sched.block_size) == sched.block_size:
+            sched.refill.resolve = cached_block(gpu_block_pool)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
