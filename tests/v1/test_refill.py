@@ -1,4 +1,5 @@
-"""PoolAudit (v1/refill.py): which local-hit chunks are due for a check of the pool."""
+"""PoolAudit and HbmRefill (v1/refill.py): which chunks are due for a check of the pool, and
+what vLLM's prefix cache still holds once the pool is back after an outage."""
 
 from __future__ import annotations
 
