@@ -110,7 +110,7 @@ def _refill_lines(workdir: Path) -> dict[str, list[str]]:
     """Each vLLM log's timelines of pool outages (``v1/refill.HbmRefill``: lost at, back at,
     re-save started, chunks re-saved, done); the work directory is removed after the run."""
     out: dict[str, list[str]] = {}
-    for path in sorted(workdir.glob("*.log")):
+    for path in sorted(workdir.rglob("*.log")):  # a vLLM server logs in its own directory
         lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines()
                  if "pool refill from HBM" in ln]
         if lines:
