@@ -132,6 +132,9 @@ class SchedulerLogic:
         self._pool_ready = pool_ready
         self.audit = PoolAudit(clock=clock)
         self.refill = HbmRefill(clock=clock)
+        #: each worker's pool state (``pool_up`` of its stats: 0 while its breaker is open); the
+        #: workers may run in their own processes, with their own clients and breakers
+        self.workers_up: dict[str, int] = {}
         #: blocks of the last steps' loads: a failed synchronous load leaves vLLM's block
         #: cached under its hash until vLLM hears of it, so the refill never reads them
         self._recent_loads: deque[set[int]] = deque(maxlen=4)
@@ -378,7 +381,9 @@ class SchedulerLogic:
         vLLM's prefix cache holds and save those the pool lacks from their blocks, with
         this step's saves (:class:`~.refill.HbmRefill`)."""
         self._recent_loads.append({b for job in meta.loads for b in job.block_ids})
-        if self.refill.observe(self._pool_ready()):
+        # the workers put the refill's saves: it starts once they reach the pool too (run H: their
+        # breakers closed up to 22 s after the scheduler's, and saves meanwhile were dropped)
+        if self.refill.observe(self._pool_ready() and all(self.workers_up.values())):
             self.audit.forget()  # a restarted master kept nothing the audit found
         if not self.refill.sweeping:
             return
