@@ -106,6 +106,18 @@ def _kv_idle(metrics: dict[str, str], wait: float = 30.0) -> dict[str, float | N
         time.sleep(1.0)
 
 
+def _refill_lines(workdir: Path) -> dict[str, list[str]]:
+    """Each vLLM log's timelines of pool outages (``v1/refill.HbmRefill``: lost at, back at,
+    re-save started, chunks re-saved, done); the work directory is removed after the run."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(workdir.rglob("*.log")):  # a vLLM server logs in its own directory
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines()
+                 if "pool refill from HBM" in ln]
+        if lines:
+            out[path.stem] = lines
+    return out
+
+
 def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat: int = 1,
         store_only: bool = True, loopback: bool = False, warmup: float = 20.0,
         model: Path | None = None, holders: int = 2, segment_size: int = 32 << 20,
@@ -157,7 +169,7 @@ def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat
                         **({} if store_only else VLLM_BASELINE))
         result.update(kv_idle=kv_idle, hosts="namespaces" if net else f"loopback ({why})", seconds=seconds,
                       clients=clients, store_only=store_only, sampler=sampler.rows,
-                      samples=samples, series=series)
+                      samples=samples, series=series, refill_lines=_refill_lines(workdir))
         return result
     finally:
         fleet.stop()
@@ -211,6 +223,8 @@ def _finish(result: dict[str, Any], out: Path) -> int:
     print(table(result))
     print(json.dumps({k: result.get(k) for k in ("hosts", "requests", "wrong", "failed", "killed_in_flight",
                                                  "ttft_p50", "ttft_p99", "kv_idle")}))
+    for name, lines in result.get("refill_lines", {}).items():
+        print("\n".join(f"  {name}: {line}" for line in lines))
     for name, r in result["resources"].items():
         base = f", within vLLM's own growth: {r['within_baseline']}" if "within_baseline" in r else ""
         print(f"  {name}: rss {r['rss_mb']} MB (peak {r['peak'][0]}, {100 * r['rss_growth']:+.1f} %), "

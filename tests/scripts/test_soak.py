@@ -127,3 +127,13 @@ def test_short_soak_in_namespaces(tmp_path: Path) -> None:
         assert result["hosts"] == "namespaces"
         left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert "mvsoak-" not in left  # cleaned up
+
+
+def test_the_report_keeps_each_vllm_logs_refill_timelines(tmp_path: Path) -> None:
+    """The work directory goes away after the run; the outage timelines must not."""
+    line = ("(EngineCore pid=7) WARNING mooncake_vllm.v1.refill: mooncake-vllm: pool refill from "
+            "HBM: pool lost at 21:13:26, back at +5.0 s, re-save started +5.1 s, 40 of 60 ...")
+    (tmp_path / "v1-4242").mkdir()  # each vLLM server logs in a directory of its own
+    (tmp_path / "v1-4242" / "v1.log").write_text(f"INFO start\n{line}\nINFO more\n{line}\n")
+    (tmp_path / "master.log").write_text("nothing of ours\n")
+    assert soak._refill_lines(tmp_path) == {"v1": [line, line]}

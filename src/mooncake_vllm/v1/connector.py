@@ -49,6 +49,7 @@ from mooncake_vllm.v1.metrics import PoolStats, build_prom_metrics
 from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
 from mooncake_vllm.v1.nesting import adopt_failure_policy, check_stats_name, parent_config, required_layout
 from mooncake_vllm.v1.placement import thread_nice
+from mooncake_vllm.v1.refill import cached_block
 from mooncake_vllm.v1.scheduler import SchedulerLogic
 from mooncake_vllm.v1.telemetry import Telemetry
 from mooncake_vllm.v1.worker import WorkerLogic
@@ -295,6 +296,15 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         meta = self.scheduler.build_connector_meta(scheduler_output)
         self.telemetry.planned(meta)
         return meta
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's prefix cache (vLLM >= 0.32): once the pool is back after an outage, what it
+        still holds is re-saved without waiting for requests (:class:`~.refill.HbmRefill`).
+        Only where vLLM hashes blocks of our chunk size: its i-th block hash is our i-th chunk."""
+        sched = self.scheduler
+        if sched is not None and self.can_save and \
+                getattr(gpu_block_pool, "hash_block_size", sched.block_size) == sched.block_size:
+            sched.refill.resolve = cached_block(gpu_block_pool)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None

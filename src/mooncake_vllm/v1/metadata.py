@@ -26,6 +26,9 @@ class BlockJob:
     block_ids: list[int]
     #: load in the background; reported through ``get_finished``'s finished-receiving set
     background: bool = False
+    #: a save from blocks no request holds (vLLM's prefix cache, :mod:`.refill`): captured
+    #: in this step, never tracked for a delayed free; vLLM may reuse them after it
+    unheld: bool = False
 
     def __post_init__(self) -> None:
         if len(self.digests) != len(self.block_ids):

@@ -75,6 +75,9 @@ COUNTERS: Mapping[str, str] = {
                              "blocks (one load per block).",
     "pool_refill_chunks": "Chunks vLLM served from its own prefix cache that the pool had lost "
                           "(a master restart, a holder's segment dropped): saved again.",
+    "pool_refill_hbm_chunks": "Chunks of vLLM's prefix cache saved again once the pool was back "
+                              "after an outage (a restarted master comes back empty), without "
+                              "waiting for a request to touch them.",
 }
 #: the labelled counter of misses caused by an error (``{cause}``: store/misses.MISS_CAUSES);
 #: in the per-step deltas each cause is the counter ``miss_causes:<cause>``
@@ -225,8 +228,8 @@ class Meter:
 #: scheduler-side counters exported under their own names
 _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declined_slow_pool",
                       "claims_declined_never", "claims_declined_reach_probe", "lookups_skipped_slow_pool",
-                      "claim_probes",
-                      "waits_for_shared_load", "pool_refill_chunks")
+                      "claim_probes", "waits_for_shared_load", "pool_refill_chunks",
+                      "pool_refill_hbm_chunks")
 
 
 def scheduler_counters(scheduler: Any, client: Any = None) -> dict[str, int]:

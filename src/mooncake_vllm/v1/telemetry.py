@@ -111,6 +111,7 @@ class Telemetry:
             over |= set(getattr(connector_output, "finished_sending", None) or ())
             if over:
                 self.scheduler.loads_over(over)
+            self.scheduler.workers_up.update(own.get("pool_up") or {})  # sent when it changes
         records = own.pop("events", None)  # consumed here: the front end does not need them
         dropped = own.pop("events_dropped", 0)
         if self.scheduler_events is not None:

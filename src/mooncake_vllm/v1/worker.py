@@ -293,14 +293,15 @@ class WorkerLogic:
     def _queue_saves(self, saves: list[BlockJob], client: Any, *, defer_fences: bool) -> None:
         for job in saves:
             with self._cond:
-                self._tracked.add(job.req_id)
+                if not job.unheld:  # a refill from vLLM's prefix cache: no request to free
+                    self._tracked.add(job.req_id)
                 self._cancelled.discard(job.req_id)
             if client is None:
                 self._count("dropped_blocks", len(job.block_ids))
                 continue
             try:
                 ticket = client.prepare_save(self.keys(job.digests), self.layout, job.block_ids,
-                                             defer_fence=defer_fences)
+                                             defer_fence=defer_fences and not job.unheld)
             except Exception as exc:  # noqa: BLE001 - a failed capture is a future miss
                 log.warning("mooncake-vllm: capturing %d blocks for saving failed: %s",
                             len(job.block_ids), exc)
