@@ -16,7 +16,8 @@ from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.metadata import BlockJob
 from mooncake_vllm.v1.metrics import PoolStats
 from mooncake_vllm.v1.namespace import RankNamespaces
-from mooncake_vllm.v1.scheduler import MAX_SHARED_WAIT, SchedulerLogic, step_work
+from mooncake_vllm.v1.perf import step_work
+from mooncake_vllm.v1.scheduler import MAX_SHARED_WAIT, SchedulerLogic
 from mooncake_vllm.v1.telemetry import Telemetry
 
 BS = 4

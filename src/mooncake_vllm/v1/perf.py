@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MAX_PENDING", "SLOW_FAILURE", "StepTimer"]
+__all__ = ["MAX_PENDING", "SLOW_FAILURE", "StepTimer", "step_work"]
 
 #: samples kept between two reports (a stalled front end never grows us unbounded)
 MAX_PENDING = 256
@@ -91,3 +91,20 @@ class StepTimer:
                     self._steps.append([*work, seconds])
             steps, loads, self._steps, self._loads = self._steps, self._loads, [], []
         return {"steps": steps, "loads": loads} if steps or loads else None
+
+
+def step_work(scheduler_output: Any) -> tuple[float, float, float]:
+    """``(Σm, Σm·(p + m/2), reach)`` over the step's requests (``m`` tokens scheduled from
+    ``p``); ``reach``: the furthest position a prefill (``m > 1``) of the step computes."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    cached = scheduler_output.scheduled_cached_reqs
+    pairs = [(new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs]
+    pairs += list(zip(cached.req_ids, cached.num_computed_tokens))
+    tokens = work = reach = 0.0
+    for req_id, computed in pairs:
+        m = scheduled.get(req_id, 0)
+        tokens += m
+        work += m * (computed + m / 2)
+        if m > 1:
+            reach = max(reach, float(computed + m))
+    return tokens, work, reach

@@ -54,9 +54,10 @@ from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, request_extras
+from mooncake_vllm.v1.perf import step_work
 from mooncake_vllm.v1.refill import HbmRefill, PoolAudit
 
-__all__ = ["COUNTERS", "MAX_SHARED_WAIT", "SKIP_LOOKUP_TOKENS", "RequestState", "SchedulerLogic", "step_work"]
+__all__ = ["COUNTERS", "MAX_SHARED_WAIT", "SKIP_LOOKUP_TOKENS", "RequestState", "SchedulerLogic"]
 
 Lookup = Callable[[Sequence[str]], Sequence[bool]]
 
@@ -498,23 +499,6 @@ class SchedulerLogic:
         """Stop the hand-off waiter's thread."""
         if self.handoffs.waiter is not None:
             self.handoffs.waiter.close()
-
-
-def step_work(scheduler_output: Any) -> tuple[float, float, float]:
-    """``(Σm, Σm·(p + m/2), reach)`` over the step's requests (``m`` tokens scheduled from
-    ``p``); ``reach``: the furthest position a prefill (``m > 1``) of the step computes."""
-    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-    cached = scheduler_output.scheduled_cached_reqs
-    pairs = [(new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs]
-    pairs += list(zip(cached.req_ids, cached.num_computed_tokens))
-    tokens = work = reach = 0.0
-    for req_id, computed in pairs:
-        m = scheduled.get(req_id, 0)
-        tokens += m
-        work += m * (computed + m / 2)
-        if m > 1:
-            reach = max(reach, float(computed + m))
-    return tokens, work, reach
 
 
 def _waiting_for_remote_kvs(request: Any) -> bool:
