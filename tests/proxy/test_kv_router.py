@@ -114,3 +114,30 @@ def test_the_pool_costs_what_the_instances_really_load() -> None:
         router.calibrate([a, b])
     assert router.pool_realized > 0.95
     assert abs(router.effective_weights().pool - router.weights.pool) < 0.05
+
+
+def test_the_holder_of_a_document_takes_no_more_than_its_share_of_requests() -> None:
+    router, policy = _router()
+    a, b, c = _fleet(3)
+    router.on_batch(a.key, 0, [_stored(DOC)])
+    for inst, n in zip((a, b, c), (4, 2, 1)):
+        inst.in_flight = n
+    # a holds the document: 4 tokens of work there against 44 recomputed, whatever a's 4 requests
+    # in flight weigh; but 4 of 8 is 1.5x the mean, so the next turn moves to the least costly other
+    assert policy.select([a, b, c], _key(DOC + [1, 2, 3, 4])) is c
+    assert router.counters[("bounded", "decode")] == 1
+    a.in_flight = 3  # within its share again: the holder
+    assert policy.select([a, b, c], _key(DOC + [5, 6, 7, 8])) is a
+    assert router.counters[("bounded", "decode")] == 1
+
+
+def test_the_fallback_keeps_the_bound_too() -> None:
+    router, policy = _router()  # no events yet: routes like prefix
+    fleet = _fleet(3)
+    key = PromptKey(b"the same document", None)
+    owner = policy.select(fleet, key)
+    others = [i for i in fleet if i is not owner]
+    others[0].in_flight, others[1].in_flight = 1, 2
+    owner.in_flight = 4  # prefix's slack (4 over the least loaded) would keep it; 4 of 8 is 1.5x the mean
+    assert policy.select(fleet, key) in others
+    assert router.counters[("fallbacks", "decode", "no_events")] == 2
