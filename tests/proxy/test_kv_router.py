@@ -126,8 +126,8 @@ def test_the_holder_of_a_document_takes_no_more_than_its_share_of_requests() -> 
     # in flight weigh; but 4 of 8 is 1.5x the mean, so the next turn moves to the least costly other
     assert policy.select([a, b, c], _key(DOC + [1, 2, 3, 4])) is c
     assert router.counters[("bounded", "decode")] == 1
-    a.in_flight = 3  # within its share again: the holder, whatever its engine reported a moment ago
-    a.engine = EngineLoad(at=1e18, max_age=1e18, running=4)
+    a.in_flight = 3  # within its share again: the holder; its engine's 4 came while 4 of ours ran there
+    a.engine = EngineLoad(at=1e18, max_age=1e18, running=4, ours=4)
     assert policy.select([a, b, c], _key(DOC + [5, 6, 7, 8])) is a
     assert router.counters[("bounded", "decode")] == 1
 

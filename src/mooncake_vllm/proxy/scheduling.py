@@ -119,11 +119,9 @@ class Router(Protocol):
 
 def under_bound(candidates: Sequence[Instance], balance: float) -> list[Instance]:
     """The candidates that can take one more request and stay within ``balance`` x the mean
-    of the requests in flight through this proxy (the new one counted): at most
-    ``ceil(balance * (total + 1) / n)`` each ("consistent hashing with bounded loads"); all of
-    them if none can. Not ``Instance.load``: the engine's own count lags by up to its scrape
-    interval, and in a closed loop the turn that just ended is still in it when the next comes."""
-    loads = [c.in_flight for c in candidates]
+    load (``Instance.load``, the new request counted): at most ``ceil(balance * (total + 1) / n)``
+    each ("consistent hashing with bounded loads"); all of them if none can."""
+    loads = [c.load for c in candidates]
     cap = math.ceil(balance * (sum(loads) + 1) / len(candidates))
     return [c for c, n in zip(candidates, loads) if n + 1 <= cap] or list(candidates)
 
