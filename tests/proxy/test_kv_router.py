@@ -142,3 +142,18 @@ def test_the_fallback_keeps_the_bound_too() -> None:
     owner.in_flight = 4  # prefix's slack (4 over the least loaded) would keep it; 4 of 8 is 1.5x the mean
     assert policy.select(fleet, key) in others
     assert router.counters[("fallbacks", "decode", "no_events")] == 2
+
+
+def test_before_any_block_is_published_first_turns_spread_by_load() -> None:
+    from mooncake_vllm.proxy.scheduling import PrefixAwarePolicy
+
+    router, policy = _router()  # a fresh proxy: no instance published anything yet
+    fleet = _fleet(3)
+    # six documents that prefix's hash would all give the same instance
+    owner = fleet[0]
+    docs = [p for p in (f"document {k}".encode() for k in range(200))
+            if PrefixAwarePolicy().select(fleet, p) is owner][:6]
+    for doc in docs:
+        policy.select(fleet, PromptKey(doc, None)).acquire()  # all in flight at once, as 8 clients start
+    assert [i.in_flight for i in fleet] == [2, 2, 2]
+    assert router.counters[("fallbacks", "decode", "no_events")] == 6

@@ -109,6 +109,8 @@ class Router(Protocol):
 
     def sync(self, kind: str, instances: Sequence[Instance]) -> None: ...
 
+    def block_size(self) -> int | None: ...
+
     def fallback_reason(self, key: RoutingKey) -> str: ...
 
     def decide(self, kind: str, candidates: Sequence[Instance], key: Any,
@@ -137,6 +139,11 @@ class KvAwarePolicy(SchedulingPolicy):
     on the instance that held it however many there were (issue 29's full bench: 1 / 14 / 9
     conversations on three instances, 1.75x the mean load). One turn recomputed elsewhere
     moves the conversation: its next turns hit there.
+
+    Before any instance published a block (a fresh proxy; ``no_events``) none is known to
+    hold anything, so none is cheaper: it spreads by load (``least_loaded``) instead of
+    hashing documents onto a few instances whose first turns then pin every later
+    conversation of those documents (bench_routing 2026-12-05: 3 / 4 / 1 of the first 8).
     """
 
     name = "kv_aware"
@@ -146,6 +153,7 @@ class KvAwarePolicy(SchedulingPolicy):
         self.kind = kind
         self.balance = balance
         self._fallback = PrefixAwarePolicy()
+        self._spread = LeastLoadedPolicy()
         self._n = 0
 
     def select(self, candidates: Sequence[Instance], prefix: RoutingKey) -> Instance:
@@ -168,7 +176,8 @@ class KvAwarePolicy(SchedulingPolicy):
                 return pick
             reason = "no_events"
         router.counters[("fallbacks", self.kind, reason)] += 1
-        pick = self._fallback.select(candidates, raw)
+        nothing_known = reason == "no_events" and router.block_size() is None
+        pick = (self._spread if nothing_known else self._fallback).select(candidates, raw)
         router.routed(pick, prefix)
         return pick
 
