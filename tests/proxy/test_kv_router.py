@@ -120,28 +120,28 @@ def test_the_holder_of_a_document_takes_no_more_than_its_share_of_requests() -> 
     router, policy = _router()
     a, b, c = _fleet(3)
     router.on_batch(a.key, 0, [_stored(DOC)])
-    for inst, n in zip((a, b, c), (4, 2, 1)):
+    for inst, n in zip((a, b, c), (6, 1, 0)):
         inst.in_flight = n
-    # a holds the document: 4 tokens of work there against 44 recomputed, whatever a's 4 requests
-    # in flight weigh; but 4 of 8 is 1.5x the mean, so the next turn moves to the least costly other
-    assert policy.select([a, b, c], _key(DOC + [1, 2, 3, 4])) is c
+    # a holds the document: 4 tokens of work there against 44 recomputed, whatever a's 6 requests
+    # in flight weigh; but 7 of 8 would be over 2x the mean, so the next turn goes to the least costly other
+    policy.select([a, b, c], _key(DOC + [1, 2, 3, 4])).acquire()
+    assert c.in_flight == 1
     assert router.counters[("bounded", "decode")] == 1
-    a.in_flight = 3  # within its share again: the holder; its engine's 4 came while 4 of ours ran there
-    a.engine = EngineLoad(at=1e18, max_age=1e18, running=4, ours=4)
+    a.in_flight = 5  # within the bound again: the holder; its engine's 6 came while 6 of ours ran there
+    a.engine = EngineLoad(at=1e18, max_age=1e18, running=6, ours=6)
     assert policy.select([a, b, c], _key(DOC + [5, 6, 7, 8])) is a
     assert router.counters[("bounded", "decode")] == 1
 
 
 def test_the_fallback_keeps_the_bound_too() -> None:
-    router, policy = _router()  # no events yet: routes like prefix
+    router, policy = _router()
     fleet = _fleet(3)
-    key = PromptKey(b"the same document", None)
+    router.on_batch(fleet[0].key, 0, [_stored(DOC)])
+    key = PromptKey(b"the same document", None)  # not tokenized: routes like prefix
     owner = policy.select(fleet, key)
-    others = [i for i in fleet if i is not owner]
-    others[0].in_flight, others[1].in_flight = 1, 2
-    owner.in_flight = 4  # prefix's slack (4 over the least loaded) would keep it; 4 of 8 is 1.5x the mean
-    assert policy.select(fleet, key) in others
-    assert router.counters[("fallbacks", "decode", "no_events")] == 2
+    owner.in_flight = 4  # prefix's slack (4 over the least loaded) would keep it; 5 of 5 is over 2x the mean
+    assert policy.select(fleet, key) is not owner
+    assert router.counters[("fallbacks", "decode", "no_tokens")] == 2
 
 
 def test_before_any_block_is_published_first_turns_spread_by_load() -> None:

@@ -138,7 +138,12 @@ class KvAwarePolicy(SchedulingPolicy):
     term stays below one document's recompute, so it kept every conversation of a document
     on the instance that held it however many there were (issue 29's full bench: 1 / 14 / 9
     conversations on three instances, 1.75x the mean load). One turn recomputed elsewhere
-    moves the conversation: its next turns hit there.
+    moves the conversation: its next turns hit there. 2x, not the 1.5x the issue asks of
+    the requests over a run: a bound that tight forced documents to be recomputed beside
+    their holder at 4 of 8 requests in flight, and on the CPU bench one such recompute took
+    21 s and stalled the hits queued behind it 13 s (kv_aware's first turns: TTFT p50
+    2.4-3.9 s against prefix's 0.9), while requests per instance still followed where the
+    documents were (1.35-1.38x the mean).
 
     Before any instance published a block (a fresh proxy; ``no_events``) none is known to
     hold anything, so none is cheaper: it spreads by load (``least_loaded``) instead of
@@ -148,7 +153,7 @@ class KvAwarePolicy(SchedulingPolicy):
 
     name = "kv_aware"
 
-    def __init__(self, router: Router | None = None, kind: str = "decode", balance: float = 1.5) -> None:
+    def __init__(self, router: Router | None = None, kind: str = "decode", balance: float = 2.0) -> None:
         self.router = router
         self.kind = kind
         self.balance = balance
