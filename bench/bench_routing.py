@@ -110,7 +110,7 @@ def _workload(p: dict[str, Any], seed: int, tpw: float) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     vocab = f"s{seed}x"
     docs = [_words(rng, int(p["doc_tokens"] / tpw), vocab) for _ in range(p["docs"])]
-    return [{"doc": docs[c % p["docs"]],
+    return [{"doc": docs[c % p["docs"]], "doc_id": c % p["docs"], "id": c,
              "questions": [_words(rng, int(p["question_tokens"] / tpw), vocab) for _ in range(p["turns"])]}
             for c in range(p["conversations"])]
 
@@ -144,6 +144,7 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
                                      # kv_aware tokenizes here: no /tokenize round trip per request
                                      tokenizer=model if policy == "kv_aware" and p.get("local_tokenizer")
                                      else None))
+    picks = _record_picks(server)
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     before = [_scrape(str(f.url)) for f in fleet]
@@ -160,8 +161,9 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
                 history = conv["doc"]
                 for t, q in enumerate(conv["questions"]):
                     prompt = f"{history}\nQ: {q}\nA:"
+                    sent = time.perf_counter()
                     res = await _turn(session, base, model, prompt, p["out_tokens"])
-                    res["turn"] = t
+                    res.update(turn=t, conv=conv["id"], doc=conv["doc_id"], sent=sent)
                     results.append(res)
                     history = prompt + res["text"]
 
@@ -193,7 +195,57 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
         "max_over_mean_load": max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) else None,
         "proxy_kv_aware_counters": [ln for ln in metrics if ln.startswith("mooncake_proxy_kv_aware_")
                                     and ("_total" in ln or "pool_realized" in ln)],
+        **_placement(results, picks, [str(f.address) for f in fleet], convs),
     }
+
+
+def _record_picks(server: ProxyServer) -> list[dict[str, Any]]:
+    """Wrap the proxy's decode policy (the bench runs it in-process) to record each pick: when,
+    the prompt's first bytes (its document), the instance, and every candidate's load then."""
+    picks: list[dict[str, Any]] = []
+    policy = server.policies["decode"]
+    inner = policy.select
+
+    def select(candidates: Any, key: Any) -> Any:
+        loads = {c.key: c.load for c in candidates}
+        inst = inner(candidates, key)
+        picks.append({"t": time.perf_counter(), "prefix": bytes(getattr(key, "prefix", key)), "instance": inst.key,
+                      "loads": loads})
+        return inst
+
+    policy.select = select  # type: ignore[method-assign]
+    return picks
+
+
+def _placement(results: list[dict[str, Any]], picks: list[dict[str, Any]], order: list[str],
+               convs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per request: conversation, turn, TTFT, the instance (index into the fleet) and the loads
+    when it was picked; each result takes the first pick of its document after it was sent.
+    Also the later turns' TTFT p50 per instance and how many turns changed instance."""
+    docs = {c["doc"].encode(): c["doc_id"] for c in convs}
+    left = sorted(picks, key=lambda k: k["t"])
+    for k in left:  # round_robin routes by nothing: its picks match any document
+        k["doc"] = next((d for b, d in docs.items() if b.startswith(k["prefix"])), None) if k["prefix"] else None
+    log = []
+    for r in sorted(results, key=lambda r: r["sent"]):
+        pick = next((k for k in left if k["t"] >= r["sent"] and k["doc"] in (None, r["doc"])), None)
+        if pick is not None:
+            left.remove(pick)
+        log.append({"conv": r["conv"], "turn": r["turn"], "ttft_s": r["ttft"], "sent_s": r["sent"],
+                    "instance": order.index(pick["instance"]) if pick else None,
+                    "loads": [pick["loads"].get(k) for k in order] if pick else None})
+    prev: dict[int, int | None] = {}
+    moved = 0
+    for e in sorted(log, key=lambda e: (e["conv"], e["turn"])):
+        moved += e["turn"] > 0 and e["instance"] != prev.get(e["conv"])
+        prev[e["conv"]] = e["instance"]
+    t0 = min((e["sent_s"] for e in log), default=0.0)
+    for e in log:
+        e["sent_s"] = round(e["sent_s"] - t0, 3)
+    return {"turns_moved": moved,
+            "ttft_p50_later_turns_by_instance": [_median([e["ttft_s"] for e in log if e["instance"] == i
+                                                          and e["turn"] > 0]) for i in range(len(order))],
+            "request_log": log}
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -260,7 +312,8 @@ async def _main(p: dict[str, Any], out: Path, smoke: bool, log: Callable[[str], 
                     policy = name.split("#")[0].removesuffix("-nopool")
                     log(f"{name}: {p['conversations']} conversations x {p['turns']} turns")
                     runs[name] = await _run_policy(policy, fleet, endpoint, model, _workload(p, seed, tpw), p)
-                    log(json.dumps({k: v for k, v in runs[name].items() if k != "proxy_kv_aware_counters"}))
+                    log(json.dumps({k: v for k, v in runs[name].items()
+                                    if k not in ("proxy_kv_aware_counters", "request_log")}))
             finally:
                 for f in fleet:
                     f.stop()

@@ -28,14 +28,18 @@ def test_parse_sums_label_sets_and_ignores_the_rest() -> None:
     assert parse("# nothing\nother_metric 1\n") == {}
 
 
-def test_instance_load_is_the_engine_count_while_fresh() -> None:
+def test_instance_load_is_ours_now_plus_the_engines_others_while_fresh() -> None:
     inst = Instance("decode", parse_endpoint("127.0.0.1:1"))
     inst.in_flight = 2
     assert inst.load == 2
-    inst.engine = EngineLoad.from_metrics(parse(VLLM_TEXT), max_age=3.0)
+    inst.engine = EngineLoad.from_metrics(parse(VLLM_TEXT), max_age=3.0, ours=2)  # 7 running or waiting
     assert inst.load == 7  # other clients' requests count too
+    inst.in_flight = 1  # one of ours ended since that answer: it no longer counts
+    assert inst.load == 6
+    inst.engine = EngineLoad.from_metrics({"running": 3}, max_age=3.0, ours=3)
+    assert inst.load == 1  # all the engine had were ours
     inst.engine = EngineLoad.from_metrics(parse(VLLM_TEXT), max_age=3.0, at=time.monotonic() - 10)
-    assert inst.load == 2  # stale: only what the proxy knows
+    assert inst.load == 1  # stale: only what the proxy knows
 
 
 def test_proxy_metrics_repeat_each_instances_counters() -> None:

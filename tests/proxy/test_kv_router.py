@@ -114,3 +114,46 @@ def test_the_pool_costs_what_the_instances_really_load() -> None:
         router.calibrate([a, b])
     assert router.pool_realized > 0.95
     assert abs(router.effective_weights().pool - router.weights.pool) < 0.05
+
+
+def test_the_holder_of_a_document_takes_no_more_than_its_share_of_requests() -> None:
+    router, policy = _router()
+    a, b, c = _fleet(3)
+    router.on_batch(a.key, 0, [_stored(DOC)])
+    for inst, n in zip((a, b, c), (6, 1, 0)):
+        inst.in_flight = n
+    # a holds the document: 4 tokens of work there against 44 recomputed, whatever a's 6 requests
+    # in flight weigh; but 7 of 8 would be over 2x the mean, so the next turn goes to the least costly other
+    policy.select([a, b, c], _key(DOC + [1, 2, 3, 4])).acquire()
+    assert c.in_flight == 1
+    assert router.counters[("bounded", "decode")] == 1
+    a.in_flight = 5  # within the bound again: the holder; its engine's 6 came while 6 of ours ran there
+    a.engine = EngineLoad(at=1e18, max_age=1e18, running=6, ours=6)
+    assert policy.select([a, b, c], _key(DOC + [5, 6, 7, 8])) is a
+    assert router.counters[("bounded", "decode")] == 1
+
+
+def test_the_fallback_keeps_the_bound_too() -> None:
+    router, policy = _router()
+    fleet = _fleet(3)
+    router.on_batch(fleet[0].key, 0, [_stored(DOC)])
+    key = PromptKey(b"the same document", None)  # not tokenized: routes like prefix
+    owner = policy.select(fleet, key)
+    owner.in_flight = 4  # prefix's slack (4 over the least loaded) would keep it; 5 of 5 is over 2x the mean
+    assert policy.select(fleet, key) is not owner
+    assert router.counters[("fallbacks", "decode", "no_tokens")] == 2
+
+
+def test_before_any_block_is_published_first_turns_spread_by_load() -> None:
+    from mooncake_vllm.proxy.scheduling import PrefixAwarePolicy
+
+    router, policy = _router()  # a fresh proxy: no instance published anything yet
+    fleet = _fleet(3)
+    # six documents that prefix's hash would all give the same instance
+    owner = fleet[0]
+    docs = [p for p in (f"document {k}".encode() for k in range(200))
+            if PrefixAwarePolicy().select(fleet, p) is owner][:6]
+    for doc in docs:
+        policy.select(fleet, PromptKey(doc, None)).acquire()  # all in flight at once, as 8 clients start
+    assert [i.in_flight for i in fleet] == [2, 2, 2]
+    assert router.counters[("fallbacks", "decode", "no_events")] == 6

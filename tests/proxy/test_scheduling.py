@@ -13,6 +13,7 @@ from mooncake_vllm.proxy.scheduling import (
     PrefixAwarePolicy,
     RoundRobinPolicy,
     make_policy,
+    under_bound,
 )
 
 
@@ -54,3 +55,17 @@ def test_make_policy_names_the_choices() -> None:
     assert isinstance(make_policy("prefix"), PrefixAwarePolicy)
     with pytest.raises(ConfigError, match="use one of round_robin, least_loaded, prefix"):
         make_policy("random")
+
+
+def test_under_bound_keeps_each_instance_within_the_factor_of_the_mean() -> None:
+    insts = _insts(3)
+    for i, n in zip(insts, (4, 2, 1)):
+        i.in_flight = n
+    # 7 in flight + this one over 3 instances, x1.5: at most 4 each, so the one at 4 is out
+    assert under_bound(insts, 1.5) == insts[1:]
+    assert under_bound(insts, 2.0) == insts  # at most 6 each
+    for i in insts:
+        i.in_flight = 0
+    assert under_bound(insts, 1.5) == insts  # an idle fleet: anyone
+    insts[0].in_flight = 9
+    assert under_bound(insts[:1], 1.5) == insts[:1]  # the only one takes it, however loaded

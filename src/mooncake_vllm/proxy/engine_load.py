@@ -3,8 +3,8 @@
 The proxy polls every instance in rotation every ``engine_metrics_interval`` seconds
 (time-boxed like a health check; a failure is counted, never fatal) and keeps the last
 answer on the instance (``Instance.engine``). ``kv_aware`` weighs requests the engine
-reports running or waiting, other clients' too, where they are more than the proxy's own
-in flight; the proxy's ``/metrics`` repeats each instance's counters as
+reports running or waiting beyond the proxy's own in flight at that answer (other clients');
+the proxy's ``/metrics`` repeats each instance's counters as
 ``mooncake_proxy_instance_*`` so one scrape shows the fleet: prompt tokens, tokens served
 from its own prefix cache (``source="hbm"``) and through the connector (``source="pool"``).
 """
@@ -67,25 +67,34 @@ class EngineLoad:
     prompt_tokens: float = 0.0
     hbm_hit_tokens: float = 0.0
     pool_hit_tokens: float = 0.0
+    #: this proxy's requests in flight on the instance when the answer came
+    ours: int = 0
 
     @property
     def requests(self) -> int:
         """Requests the engine holds, running or waiting."""
         return int(self.running + self.waiting)
 
+    @property
+    def others(self) -> int:
+        """Requests the engine held beyond this proxy's own in flight then (other clients')."""
+        return max(0, self.requests - self.ours)
+
     def fresh(self, now: float | None = None) -> bool:
         """Younger than ``max_age`` (an old answer says nothing about the load now)."""
         return (time.monotonic() if now is None else now) - self.at <= self.max_age
 
     @classmethod
-    def from_metrics(cls, values: Mapping[str, float], max_age: float, at: float | None = None) -> EngineLoad:
-        return cls(at=time.monotonic() if at is None else at, max_age=max_age,
+    def from_metrics(cls, values: Mapping[str, float], max_age: float, at: float | None = None,
+                     ours: int = 0) -> EngineLoad:
+        return cls(at=time.monotonic() if at is None else at, max_age=max_age, ours=ours,
                    **{k: float(v) for k, v in values.items() if k in VLLM_METRICS})
 
 
 class _Target(Protocol):
     url: str
     key: str
+    in_flight: int
     engine: EngineLoad | None
     engine_failures: int
 
@@ -112,7 +121,7 @@ async def scrape(session: aiohttp.ClientSession, inst: _Target, timeout: float, 
         return False
     values = parse(text)
     if values:
-        inst.engine = EngineLoad.from_metrics(values, max_age)
+        inst.engine = EngineLoad.from_metrics(values, max_age, ours=inst.in_flight)
     return bool(values)
 
 

@@ -111,10 +111,12 @@ class Instance:
 
     @property
     def load(self) -> int:
-        """Requests on the instance: those in flight through this proxy, or those its engine last
-        reported running or waiting (other clients' too) where that is more and still fresh."""
+        """Requests on the instance: those in flight through this proxy now, plus those its engine
+        last reported (still fresh) beyond ours in flight then: other clients'. Not the larger of
+        the two: the engine's count lags up to a scrape interval, and a request of ours that ended
+        since (in a closed loop the turn before the one being routed) would still count."""
         e = self.engine
-        return max(self.in_flight, e.requests if e is not None and e.fresh() else 0)
+        return self.in_flight + (e.others if e is not None and e.fresh() else 0)
 
     def acquire(self) -> None:
         self.in_flight += 1

@@ -420,7 +420,7 @@ _LABELS: dict[str, tuple[str, ...]] = {
     "index_drops": ("reason",), "fallbacks": ("kind", "reason"), "decisions": ("kind", "outcome"),
     "predicted_local_tokens": ("kind",), "predicted_pool_tokens": ("kind",), "prompt_tokens": ("kind",),
     "got_cached_tokens": ("kind",), "observed_predicted_tokens": ("kind",), "observed": ("kind",),
-    "replays": ("outcome",),
+    "replays": ("outcome",), "bounded": ("kind",),
 }
 
 
