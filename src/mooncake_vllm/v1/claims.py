@@ -315,7 +315,6 @@ class ClaimAdvisor:
         self.background = background
         self.prefill = PrefillModel(rules.half_life)
         self.loads = LoadModel(rules.half_life)
-        self._declining_since: float | None = None
         self._last_explore = -math.inf
         self.counts: dict[str, int] = {}
         #: the last decisions: ``(clock, start, hit, decision)`` (what an operator or a bench
@@ -358,20 +357,23 @@ class ClaimAdvisor:
         if policy == "always":
             return Decision(hit, "always")
         now = self.clock()
+        d = self._verdict(now, start, hit, chunk, backlog)
+        if d.reason == "explore":
+            self._last_explore = now
+        return d
+
+    def _verdict(self, now: float, start: int, hit: int, chunk: int, backlog: int) -> Decision:
+        """``auto``'s decision, nothing recorded."""
         best = self._best(now, start, hit, chunk, backlog)
         if best is None:
             return Decision(hit, "unmeasured")
         tokens, load, recompute = best
         if tokens > 0 and load <= (1.0 - self.rules.margin) * recompute:
-            self._declining_since = None
             return Decision(tokens, "claimed", load, recompute)
         if self.prefill.reaches_past(start + hit):
             # only a floor of the recompute was known: recompute once, to measure that far
             return Decision(0, "reach_probe", load, recompute)
-        if self._declining_since is None:
-            self._declining_since = now
         if self._explore_due(now, start, hit):  # a quarter of the hit measures the pool at a quarter of the risk
-            self._last_explore = now
             probe = min(hit, max(chunk, (hit // 4) // max(1, chunk) * chunk))
             return Decision(probe, "explore", load, recompute)
         return Decision(0, "slow_pool", load, recompute)
@@ -382,19 +384,10 @@ class ClaimAdvisor:
         non-negative) and recomputing ``t`` tokens grows at least linearly, so the
         load-to-recompute ratio falls with ``t``: if the whole hit does not pay, no part
         does. ``False`` whenever a decision could claim: unmeasured, beyond the measured
-        reach, an explore due, a policy other than ``auto``."""
-        if self.rules.policy != "auto" or hit <= 0:
+        reach (a shorter hit may lie within it), an explore due, a policy other than ``auto``."""
+        if self.rules.policy != "auto" or hit <= 0 or self.prefill.reaches_past(start + hit):
             return False
-        now = self.clock()
-        if self.prefill.reaches_past(start + hit):
-            return False
-        best = self._best(now, start, hit, chunk, backlog)
-        if best is None:
-            return False
-        tokens, load, recompute = best
-        if tokens > 0 and load <= (1.0 - self.rules.margin) * recompute:
-            return False
-        return not self._explore_due(now, start, hit)
+        return self._verdict(self.clock(), start, hit, chunk, backlog).tokens == 0
 
     def _explore_due(self, now: float, start: int, hit: int) -> bool:
         return (now - max(self._last_explore, self.loads.last_sample) >= self.rules.explore_every
