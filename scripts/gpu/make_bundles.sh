@@ -114,11 +114,12 @@ done
 rm -f "$carry"/b1/mooncake_vllm-*.whl  # the project travels as .carry/proj
 
 # ---- sizes: each bundle must leave room for the repo's tracked tree under the 64 MiB a call carries
-tree=$(git -C "$root" ls-files -z | (cd "$root" && xargs -0 du -cb 2>/dev/null) | tail -1 | cut -f1)
+# disk usage (whole 4 KiB blocks), as a call's carry is counted, not apparent sizes
+tree=$(( $(git -C "$root" ls-files -z | (cd "$root" && xargs -0 du -ck 2>/dev/null) | tail -1 | cut -f1) * 1024 ))
 limit=$((64 * 1048576 - tree - 1048576))
 ok=1
 for b in "$carry"/b[0-9]*; do
-  s=$(du -sb "$b" | cut -f1)
+  s=$(( $(du -sk "$b" | cut -f1) * 1024 ))
   printf '%s: %6.1f MiB  %s\n' "${b#$root/}" "$(echo "$s" | awk '{print $1/1048576}')" "$(cd "$b" && ls | tr '\n' ' ')"
   [ "$s" -le "$limit" ] || { echo "  ${b#$root/} does not fit beside the tree ($((tree / 1048576)) MiB)"; ok=0; }
 done
