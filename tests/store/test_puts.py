@@ -4,6 +4,10 @@ over lanes, exact counters, nothing sent while the pool is away."""
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -94,6 +98,38 @@ def test_nothing_is_put_while_the_breaker_is_open(client: Any) -> None:
         assert stats["saves_skipped"] == 4 and stats["blocks_put"] == 0
     finally:
         client.discard(ticket)
+
+
+def test_a_hung_put_is_logged_while_it_runs_and_again_when_abandoned(
+        local_stack: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Every holder SIGSTOPped, the master answering: the put hangs. After SLOW_PUT a line names
+    its store client and size (counter puts_slow) while it still runs; at its deadline a second
+    line says it was abandoned and saves are held back (before: both silent, only counters)."""
+    caplog.set_level(logging.WARNING, logger="mooncake_vllm.store.transport")
+    c = StoreClient.connect(load_store_config(local_stack.config_path))
+    try:
+        _, layout, keys = _kv(SHAPES["snapshot"])
+        c.register_layout(layout)
+        c.transport.op_timeout = 2.5
+        for holder in local_stack.holders:
+            os.kill(holder.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            assert c.put_blocks(keys[:4], layout, [0, 1, 2, 3]) == 0
+            took = time.monotonic() - start
+        finally:
+            for holder in local_stack.holders:
+                os.kill(holder.pid, signal.SIGCONT)
+        stats = c.stats.snapshot()
+        assert stats["puts_slow"] == 1 and stats["saves_abandoned"] == 4, stats
+        assert stats["saves_held_back"] == 1 and c.healthy
+        said = [r.getMessage() for r in caplog.records]
+        assert any("a put of 4 blocks" in m and "store client 0 has not returned" in m for m in said), said
+        assert any("gave no answer within" in m and "saves held back" in m for m in said), said
+        assert 2.5 <= took < 5.0, took
+    finally:
+        time.sleep(1.0)  # the abandoned put returns once the holders run again
+        c.close()
 
 
 class _FullPool:

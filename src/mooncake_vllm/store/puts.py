@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,13 +31,18 @@ if TYPE_CHECKING:
     from mooncake_vllm.store.paths import LayoutPaths, SaveTicket
     from mooncake_vllm.store.transport import Lane, Transport
 
-__all__ = ["LANE_BATCH_BYTES", "put_ticket"]
+__all__ = ["LANE_BATCH_BYTES", "SLOW_PUT", "put_ticket"]
 
 #: the least one lane's batch carries: a save smaller than this goes to one lane in one call.
 #: A request's few new blocks fanned over every lane cost vLLM's process a thread hand-off
 #: (a GIL switch beside its forward pass) per lane for bandwidth it does not need; a large
 #: save still stripes over all of them
 LANE_BATCH_BYTES = 16 << 20
+
+#: a put still unanswered this many seconds into its round is logged while it runs (its
+#: store client, its size): the line that tells a hung holder or connection from a slow
+#: engine before the deadline abandons it
+SLOW_PUT = 1.0
 
 
 @dataclass
@@ -88,12 +94,23 @@ def _put_round(transport: Transport, paths: LayoutPaths, ticket: SaveTicket,
     stored = 0
     for i, put in enumerate(puts):
         nbytes = len(put.keep) * paths.slot_nbytes
+        _note_if_slow(transport, put, nbytes, start)
         try:
             codes = put.lane.saves.result(put.future, transport.transfer_timeout(nbytes))
         except CallTimedOut as exc:
             ticket.abandoned = True
-            transport.stats.add("saves_abandoned", sum(len(p.keep) for p in puts[i:]))
-            transport.timed_out(exc, late, breaker=_pool_away(transport))
+            abandoned = sum(len(p.keep) for p in puts[i:])
+            transport.stats.add("saves_abandoned", abandoned)
+            away = _pool_away(transport)
+            transport.failures.warn("put_timeout", (
+                f"mooncake-vllm: a put of {len(put.keep)} blocks ({nbytes / 1e6:.1f} MB) on store "
+                f"client {put.lane.index} gave no answer within "
+                f"{time.perf_counter() - start:.1f} s; {abandoned} block save(s) abandoned, "
+                + ("the master does not answer either: the pool is treated as away"
+                   if away else f"saves held back {transport.holders.cooldown:.0f} s (one "
+                   "holder or connection hangs, the master answers)")
+                + " (counted in dropped_blocks)"), abandoned)
+            transport.timed_out(exc, late, breaker=away)
             for rest in puts[i:]:
                 if rest.late is not None:
                     rest.late.timed_out()
@@ -112,6 +129,24 @@ def _put_round(transport: Transport, paths: LayoutPaths, ticket: SaveTicket,
         transport.stats.add("bytes_put", len(good) * paths.layout.block_nbytes)
         stored += len(good)
     return stored
+
+
+def _note_if_slow(transport: Transport, put: _Put, nbytes: int, start: float) -> None:
+    """Wait until :data:`SLOW_PUT` into the round; a put still running then is counted
+    (``puts_slow``) and logged, rate-limited, while it runs."""
+    left = SLOW_PUT - (time.perf_counter() - start)
+    if put.future.done() or transport.transfer_timeout(nbytes) <= SLOW_PUT:
+        return
+    if left > 0:
+        wait_for([put.future], timeout=left)
+    if put.future.done():
+        return
+    transport.stats.add("puts_slow")
+    transport.failures.warn("slow_put", (
+        f"mooncake-vllm: a put of {len(put.keep)} blocks ({nbytes / 1e6:.1f} MB) on store client "
+        f"{put.lane.index} has not returned after {time.perf_counter() - start:.1f} s (its "
+        f"deadline: {transport.transfer_timeout(nbytes):.1f} s); a holder or the connection to "
+        "it is slow or hung (store counter puts_slow)"))
 
 
 def _pool_away(transport: Transport) -> bool:
