@@ -63,6 +63,8 @@ class Fleet:
     #: each vLLM instance's KV cache: smaller than the documents, or its own prefix cache
     #: answers every repeat and the pool is never asked
     kv_cache_bytes: int = 8 << 20
+    #: our connector's ``load_policy`` (``kv_connector_extra_config``)
+    load_policy: str = "auto"
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
     places: dict[str, Placement] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
@@ -124,7 +126,8 @@ class Fleet:
         env = {"MOONCAKE_CONFIG_PATH": str(self.config_path)} if role is not None else {}
         env.update(cpu_binding(list(self.models).index(name)))  # first-start order: kept across restarts
         port = self.ports.setdefault(name, free_port())
-        return start_vllm_server(model, port, self.workdir, kv_transfer_config(role) if role else None,
+        config = kv_transfer_config(role, extra={"load_policy": self.load_policy}) if role else None
+        return start_vllm_server(model, port, self.workdir, config,
                                  env, name=name, timeout=1800, placement=where,
                                  kv_cache_bytes=self.kv_cache_bytes)
 
