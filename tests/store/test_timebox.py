@@ -121,3 +121,26 @@ def test_spare_workers_take_over_from_abandoned_calls_and_stay_bounded() -> None
     finally:
         release.set()
         box.close()
+
+
+@pytest.mark.parametrize("grace", [0.0, 0.5])
+def test_a_box_with_a_grace_looks_once_more_before_abandoning_a_call(grace: float) -> None:
+    """The waiter woke past the deadline (a stalled process or machine) while the call needed
+    a moment more: with a grace it gets that moment; without, it is abandoned at once."""
+    b = TimeBox("t", 1, grace=grace)
+    try:
+        fut = b.submit(time.sleep, 0.2)
+        start = time.monotonic()
+        if grace:
+            assert b.result(fut, 0.05) is None and b.answered_in_grace == 1
+        else:
+            with pytest.raises(CallTimedOut):
+                b.result(fut, 0.05)
+            assert time.monotonic() - start < 0.15
+        hung = b.submit(time.sleep, 2.0, wait=3.0)
+        start = time.monotonic()
+        with pytest.raises(CallTimedOut):  # a call that stays hung is abandoned after the grace
+            b.result(hung, 0.05)
+        assert time.monotonic() - start < 0.05 + grace + 0.1
+    finally:
+        b.close()

@@ -19,7 +19,7 @@ import pytest
 
 from mooncake_vllm.handoff_protocol import HANDOFF_PARAM, Offer, ask_params, handoff_key, marker_value
 from mooncake_vllm.keys import KeyNamespace, chunk_keys
-from mooncake_vllm.v1.handoff import MarkerWaiter, store_probe
+from mooncake_vllm.v1.handoff import STALL_BOUND, MarkerWaiter, WaitResult, store_probe
 from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces
 from mooncake_vllm.v1.scheduler import SchedulerLogic
@@ -207,14 +207,26 @@ def test_decode_gives_up_at_the_bound_with_one_log_line(caplog: pytest.LogCaptur
         pool, clock, params, dec, waiter, req = _waiting(timeout=2.0)
         pool.keys.update(chunk_keys(NS, TOKENS)[:2])  # what a dead prefill got out
         clock.now += 1.99
+        waiter.poll_once()  # the poller looked just before the bound: no marker
         assert dec.get_num_new_matched_tokens(req, 0) == (None, False)
-        clock.now += 0.02  # past the bound: even without a poll, the wait is over
+        clock.now += 0.02  # past the bound, looked recently: the wait is over
         assert dec.get_num_new_matched_tokens(req, 0) == (8, True)
         assert dec.get_num_new_matched_tokens(req, 8) == (0, False)  # asked again: no new wait
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "did not arrive within handoff_timeout" in lines[0]
     assert dec.counters["handoff_fallback_timeout"] == 1
     assert dec.request_finished(req)[1][HANDOFF_PARAM]["outcome"] == "timeout"
+
+
+def test_without_a_look_near_the_bound_the_wait_ends_stall_bound_past_it() -> None:
+    """No poll since long before the bound (a hung probe, a stalled poller): the scheduler
+    still ends the wait, STALL_BOUND after it first found the bound passed."""
+    pool, clock, params, dec, waiter, req = _waiting(timeout=2.0)
+    clock.now += 2.01
+    assert dec.get_num_new_matched_tokens(req, 0) == (None, False)
+    clock.now += STALL_BOUND
+    assert dec.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert dec.counters["handoff_fallback_timeout"] == 1
 
 
 def test_a_failed_prefill_ends_the_wait_at_once_and_is_counted() -> None:
@@ -389,7 +401,28 @@ def test_a_worker_without_pool_fails_its_marker_and_the_wait_stays_bounded(worke
         waiter.watch("d", ["k"], 0.2)
         while (res := waiter.result("d")) is None:
             time.sleep(0.01)
-        assert res.outcome == "timeout" and time.monotonic() - start < 1.0  # probe still hung
+        # bounded although the probe is still hung: no look since the deadline, so at most
+        # STALL_BOUND past it
+        assert res.outcome == "timeout" and time.monotonic() - start < 0.2 + STALL_BOUND + 0.5
     finally:
         hung.set()
         waiter.close()
+
+
+def test_a_wait_whose_deadline_passed_during_a_stall_looks_once_more() -> None:
+    """The decode's poller last looked well before the deadline, then this process (or the
+    machine) stood still past it; meanwhile the prefill's marker came. Before, the first
+    settle after the stall timed the wait out unlooked (CI: 5.003 s, the marker published
+    the same moment); now one more look finds it. Without a marker it times out then."""
+    clock, markers = Clock(), {}
+    w = MarkerWaiter(lambda keys: [markers.get(k) for k in keys], clock=clock, background=False)
+    w.watch("d", ["k"], 2.0)
+    w.watch("e", ["j"], 2.0)
+    clock.now += 0.5
+    w.poll_once()
+    clock.now += 4.5  # resumed after the stall: both deadlines passed, nothing looked since
+    assert w.result("d") is None and w.result("e") is None
+    markers["k"] = marker_value(3, 3)
+    w.poll_once()
+    assert w.result("d") == WaitResult("ready", 5.0, 3)
+    assert w.result("e").outcome == "timeout"

@@ -8,6 +8,12 @@ waits for one within its own deadline (calls of other threads that are merely
 in flight are no sign of trouble); when none frees up in that time — every
 worker held by a call at least that long — it is refused (:class:`CallRejected`)
 instead of queueing without bound.
+
+A deadline is judged by a waiter that ran: a box with a ``grace`` looks once more, that
+long, before abandoning a call, because the waiter may wake past the deadline after the
+whole process or machine stood still (a paused VM, an overloaded box) while the call
+itself needed only a moment more. Boxes off vLLM's critical path (saves, loads on the
+loader's thread, markers published) have one; the scheduler's lookups do not.
 """
 
 from __future__ import annotations
@@ -22,7 +28,11 @@ from typing import Any
 from mooncake_vllm.errors import CallRejected, CallTimedOut
 from mooncake_vllm.store.codes import call
 
-__all__ = ["LateRelease", "TimeBox"]
+__all__ = ["STALL_GRACE", "LateRelease", "TimeBox"]
+
+#: how long a waiter that found its deadline passed looks once more (seconds): a call that
+#: answers within it was held up by a stall of its waiter's process or machine, not hung
+STALL_GRACE = 0.25
 
 
 class TimeBox:
@@ -32,8 +42,12 @@ class TimeBox:
     still serves calls to the others."""
 
     def __init__(self, name: str, workers: int = 1,
-                 initializer: Callable[[], None] | None = None, spare: int = 0) -> None:
+                 initializer: Callable[[], None] | None = None, spare: int = 0,
+                 grace: float = 0.0) -> None:
         self.name = name
+        self.grace = grace
+        #: calls that answered within the grace after their deadline
+        self.answered_in_grace = 0
         self._slots = threading.Semaphore(workers)
         self._pool = ThreadPoolExecutor(max_workers=workers + spare, thread_name_prefix=f"mcv-{name}",
                                         initializer=initializer)
@@ -88,8 +102,17 @@ class TimeBox:
         try:
             return fut.result(timeout=timeout)
         except FutureTimeout:
-            self.abandon(fut)
-            raise CallTimedOut(f"{self.name}: no answer within {timeout:.1f} s") from None
+            pass
+        if self.grace > 0:
+            try:
+                value = fut.result(timeout=self.grace)
+            except FutureTimeout:
+                pass
+            else:
+                self.answered_in_grace += 1
+                return value
+        self.abandon(fut)
+        raise CallTimedOut(f"{self.name}: no answer within {timeout + self.grace:.1f} s") from None
 
     def abandon(self, fut: Future[Any]) -> None:
         """The caller gives up on ``fut``: while spares last, its slot is handed on at once

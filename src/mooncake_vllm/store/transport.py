@@ -33,7 +33,7 @@ from mooncake_vllm.stats import StoreStats
 from mooncake_vllm.store.codes import Code, call, describe, is_fatal
 from mooncake_vllm.store.health import FailureLog, PoolHealth
 from mooncake_vllm.store.holders import HolderGuard
-from mooncake_vllm.store.timebox import LateRelease, TimeBox
+from mooncake_vllm.store.timebox import STALL_GRACE, LateRelease, TimeBox
 
 __all__ = ["FULL_WAITS", "MIN_RATE", "Lane", "Transport"]
 
@@ -61,9 +61,9 @@ class Lane:
         #: loads: two fetches in flight per lane (verifying one overlaps the next); two spare
         #: workers take over from fetches abandoned on a hung holder (HolderGuard), so the
         #: other holders' loads are not refused while it hangs
-        self.transfers = TimeBox(f"transfer{index}", 2, spare=2)
+        self.transfers = TimeBox(f"transfer{index}", 2, spare=2, grace=STALL_GRACE)
         #: puts of the save thread, never competing with loads
-        self.saves = TimeBox(f"save{index}", 1)
+        self.saves = TimeBox(f"save{index}", 1, grace=STALL_GRACE)
 
     def close(self) -> None:
         self.transfers.close()
@@ -85,11 +85,11 @@ class Transport:
         # separate boxes: a save (on the save thread) never holds the worker a scheduler
         # lookup or a load needs, so neither waits behind it (nor is refused for it)
         self.lookups = TimeBox("lookup", 1)
-        self.save_lookups = TimeBox("save-lookup", 1)
+        self.save_lookups = TimeBox("save-lookup", 1, grace=STALL_GRACE)
         self.control = TimeBox("control", 1)
         #: hand-off markers, each box with one caller thread (a worker's save thread
         #: publishes, the scheduler's waiter reads), never competing with lookups
-        self.publish = TimeBox("publish", 1)
+        self.publish = TimeBox("publish", 1, grace=STALL_GRACE)
         self.markers = TimeBox("markers", 1)
         self.health = PoolHealth(config.master_server_address, self.probe, self.stats,
                                  cooldown=cooldown)

@@ -47,9 +47,11 @@ from mooncake_vllm.handoff_protocol import (
     parse_marker,
     report_params,
 )
+from mooncake_vllm.store.timebox import STALL_GRACE
 
 __all__ = [
     "IDLE_WAIT",
+    "STALL_BOUND",
     "Handoffs",
     "MarkerWaiter",
     "WaitResult",
@@ -67,6 +69,8 @@ _POLL_SECONDS = 0.005
 #: markers: spinning through empty steps took ~1.5 of a 2-core box's cores and starved the
 #: prefill's save thread (its few-ms saves took seconds: the hand-offs of issue 27 timed out)
 IDLE_WAIT = 0.02
+#: the furthest past its deadline a wait for markers goes (after a stall, see MarkerWaiter)
+STALL_BOUND = 4 * STALL_GRACE
 
 
 @dataclass(frozen=True)
@@ -106,14 +110,18 @@ class _Watch:
     deadline: float
     started: float
     found: dict[str, int]
+    overdue_since: float | None = None  #: when the deadline was first found passed
 
 
 class MarkerWaiter:
     """Polls the pool for hand-off markers on one thread; never blocks the caller.
 
     ``probe(keys)`` returns each marker's payload or ``None`` (one batched
-    existence query, then a read of those present). The deadline is enforced by
-    :meth:`result` too, so a hung pool never stretches a wait past its bound.
+    existence query, then a read of those present). A wait times out only on a look
+    taken at most :data:`~mooncake_vllm.store.timebox.STALL_GRACE` before its deadline, or
+    later: after a stall of this process or the machine the first poll would otherwise find
+    every deadline passed before looking again. :meth:`result` enforces the deadline too
+    (at most :data:`STALL_BOUND` after finding it passed), so a hung pool never stretches a wait further.
     """
 
     def __init__(self, probe: Probe, *, poll_seconds: float = _POLL_SECONDS,
@@ -127,6 +135,16 @@ class MarkerWaiter:
         self._results: dict[str, WaitResult] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._looked = float("-inf")  #: when the last poll's look began
+
+    def _over(self, w: _Watch, now: float) -> bool:
+        """The wait is over without its markers: past the deadline and looked near it or
+        since, or STALL_BOUND after the deadline was first found passed without a look."""
+        if now < w.deadline:
+            return False
+        if w.overdue_since is None:
+            w.overdue_since = now
+        return self._looked >= w.deadline - STALL_GRACE or now >= w.overdue_since + STALL_BOUND
 
     def watch(self, req_id: str, keys: Sequence[str], timeout: float) -> None:
         now = self._clock()
@@ -149,7 +167,7 @@ class MarkerWaiter:
             w = self._watches.get(req_id)
             if w is None:
                 return WaitResult("timeout", 0.0)
-            if now < w.deadline:
+            if not self._over(w, now):
                 return None
             del self._watches[req_id]
             return WaitResult("timeout", now - w.started)
@@ -171,6 +189,7 @@ class MarkerWaiter:
         with self._cond:
             pending = {k for w in self._watches.values() for k in w.keys if k not in w.found}
         keys = sorted(pending)
+        looked = self._clock()
         try:
             values = list(self._probe(keys)) if keys else []
         except Exception as exc:  # noqa: BLE001 - a failed poll is a marker not seen yet
@@ -179,12 +198,13 @@ class MarkerWaiter:
         seen = {k: p for k, v in zip(keys, values) if (p := parse_marker(v)) is not None}
         now = self._clock()
         with self._cond:
+            self._looked = max(self._looked, looked)
             for req_id, w in list(self._watches.items()):
                 w.found.update({k: seen[k] for k in w.keys if k in seen})
                 if len(w.found) == len(w.keys):
                     self._results[req_id] = WaitResult("ready", now - w.started,
                                                        min(w.found.values()))
-                elif now >= w.deadline:
+                elif self._over(w, now):
                     self._results[req_id] = WaitResult("timeout", now - w.started)
                 else:
                     continue

@@ -43,7 +43,6 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.handoff_protocol import handoff_key, marker_value
@@ -52,6 +51,7 @@ from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.stats import CounterNames, Counters
 from mooncake_vllm.store.health import FailureLog
 from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
+from mooncake_vllm.v1.markers import DueMarkers, Marker
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
 from mooncake_vllm.v1.perf import StepTimer
@@ -78,18 +78,6 @@ COUNTERS = CounterNames(initial=(
     "dropped_blocks",  # planned saves that never reached the pool
     "holds_expired", "handoff_markers", "handoff_markers_failed",
     "handoff_markers_due"))  # published at their due time, before the saves ahead finished
-
-
-@dataclass
-class _Marker:
-    """Publish hand-off ``handoff_id``'s marker (queued behind the request's saves), at
-    the latest at ``due`` (monotonic seconds); ``taken``: someone publishes it (once)."""
-
-    req_id: str
-    handoff_id: str
-    digests: list[str]
-    due: float = float("inf")
-    taken: bool = False
 
 
 class WorkerLogic:
@@ -136,11 +124,8 @@ class WorkerLogic:
         #: read freely; counted only through :meth:`_count` (engine and save threads)
         self.counters = Counters(COUNTERS)
         self._thread: threading.Thread | None = None
-        #: a hand-off marker is published at the latest this long after its declaration
-        self._marker_due = marker_due
-        self._markers: list[_Marker] = []  # queued, not yet taken, in due order
-        self._due_thread: threading.Thread | None = None
-        self._stopping = False
+        #: a hand-off marker is published at the latest ``marker_due`` s after its declaration
+        self._markers = DueMarkers(self._publish_due, due_after=marker_due, clock=clock)
         self._due_log = FailureLog()
 
     def _count(self, name: str, amount: int = 1) -> None:
@@ -164,11 +149,7 @@ class WorkerLogic:
         if self.can_save and self._thread is None:
             self._thread = threading.Thread(target=self._save_loop, name="mcv-save", daemon=True)
             self._thread.start()
-            # not moved off the compute cores nor reniced: it must run when the save thread,
-            # starved or stuck in a put, cannot
-            self._due_thread = threading.Thread(target=self._due_loop, name="mcv-handoff-due",
-                                                daemon=True)
-            self._due_thread.start()
+            self._markers.start()
 
     def _probe_loads(self, client: Any) -> None:
         """Seed the claim policy's load model before the first hit (off vLLM's thread).
@@ -282,13 +263,8 @@ class WorkerLogic:
         # vLLM tells the workers of preemptions: a CUDA copy's fence may wait until the free
         self._queue_saves(meta.saves, client, defer_fences=meta.preemptions_reported)
         if self.can_save and self._thread is not None:
-            due = self._clock() + self._marker_due
             for req_id, (handoff_id, digests) in meta.handoffs.items():
-                marker = _Marker(req_id, handoff_id, digests, due)
-                with self._cond:
-                    self._markers.append(marker)
-                    self._cond.notify_all()
-                self._queue.put_nowait(marker)
+                self._queue.put_nowait(self._markers.declare(req_id, handoff_id, digests))
 
     def _queue_saves(self, saves: list[BlockJob], client: Any, *, defer_fences: bool) -> None:
         for job in saves:
@@ -336,9 +312,9 @@ class WorkerLogic:
             if item is _STOP:
                 self._queue.task_done()
                 return
-            if isinstance(item, _Marker):
+            if isinstance(item, Marker):
                 try:
-                    if self._take(item):
+                    if self._markers.take(item):
                         self._publish(item)
                 finally:
                     self._queue.task_done()
@@ -360,42 +336,19 @@ class WorkerLogic:
                     self._job_done(job.req_id)
                 self._queue.task_done()
 
-    def _take(self, marker: _Marker) -> bool:
-        """Claim ``marker`` for publishing: ``False`` when it was published already."""
-        with self._cond:
-            if marker.taken:
-                return False
-            marker.taken = True
-            if marker in self._markers:
-                self._markers.remove(marker)
-            return True
+    def _publish_due(self, marker: Marker) -> None:
+        """Its due time passed before the save thread reached it: publish what is present."""
+        late = self._clock() - marker.declared
+        self._publish(marker)
+        self._count("handoff_markers_due")
+        self._due_log.warn("due", (
+            f"mooncake-vllm: hand-off marker of request {marker.req_id} published "
+            f"{late:.1f} s after its declaration, before its saves finished (the pool "
+            "puts were slower than half of handoff_timeout): the decode instance "
+            "loads what is present and recomputes the rest (counter "
+            "worker_handoff_markers_due)"))
 
-    def _due_loop(self) -> None:
-        """Publish every marker whose due time passed before the save thread reached it."""
-        while True:
-            with self._cond:
-                while not self._stopping:
-                    now = self._clock()
-                    due = [m for m in self._markers if m.due <= now]
-                    if due:
-                        break
-                    wait = min((m.due for m in self._markers), default=now + 1.0) - now
-                    self._cond.wait(max(0.001, min(wait, 1.0)))
-                if self._stopping:
-                    return
-            for marker in due:
-                if self._take(marker):
-                    late = self._clock() - (marker.due - self._marker_due)
-                    self._publish(marker)
-                    self._count("handoff_markers_due")
-                    self._due_log.warn("due", (
-                        f"mooncake-vllm: hand-off marker of request {marker.req_id} published "
-                        f"{late:.1f} s after its declaration, before its saves finished (the pool "
-                        "puts were slower than half of handoff_timeout): the decode instance "
-                        "loads what is present and recomputes the rest (counter "
-                        "worker_handoff_markers_due)"))
-
-    def _publish(self, marker: _Marker) -> None:
+    def _publish(self, marker: Marker) -> None:
         """The request's saves are committed (or its marker is due): say how many leading
         chunks are present."""
         client = self.source.get()
@@ -492,9 +445,7 @@ class WorkerLogic:
         loads, self._loads = self._loads, None
         if loads is not None:
             loads.shutdown(timeout)
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self._markers.stop()
         thread, self._thread = self._thread, None
         if thread is None:
             return
