@@ -192,6 +192,26 @@ def test_connection_refused_retries_on_another_instance() -> None:
     run(go)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_connection_dropped_before_any_answer_retries_on_another_instance(stream: bool) -> None:
+    """An instance killed while the proxy sends on a kept-alive connection: the request dies
+    before any answer (soak run I: one 502 sent 0.12 s after v1's SIGKILL, before the health
+    check saw it down). Nothing reached the client yet, so it goes to another instance."""
+    async def go() -> None:
+        async with stubs(2) as (d1, d2), proxy([], [d1, d2], flow="kv_both", health_interval=60) as (s, url, c):
+            d1.drop_requests = True
+            for _ in range(2):
+                async with c.post(url + "/v1/completions", json={"prompt": "x", "stream": stream}) as r:
+                    assert r.status == 200, await r.text()
+                    if stream:
+                        assert sse_events(await r.read())[-1] == "[DONE]"
+            assert len(d1.received) == 1 and len(d2.received) == 2
+            assert [i.key for i in s.pool.available("decode")] == [d2.address]
+            assert "disconnect" in s.pool.get("decode", d1.address).last_error
+
+    run(go)
+
+
 def test_ipv6_literal_and_dns_name_upstreams() -> None:
     try:
         socket.socket(socket.AF_INET6).bind(("::1", 0))

@@ -255,9 +255,11 @@ class ProxyServer:
 
     def _upstream_failure(self, inst: Instance, exc: BaseException, *, last: bool,
                           secrets: tuple[str | None, ...] = ()) -> ProxyError | None:
-        """The client's error for a failed upstream call, or None to retry elsewhere
-        (only a refused connection is retried: the request never reached the instance).
-        Error texts are ``describe_exc``: never ``repr``, whose aiohttp form holds the request headers."""
+        """The client's error for a failed upstream call, or None to retry elsewhere: a refused
+        connection (the request never reached the instance) or one that closed before any of
+        the answer came (a killed instance's kept-alive connection: nothing reached the client,
+        and a completion has no effect to repeat). Error texts are ``describe_exc``: never
+        ``repr``, whose aiohttp form holds the request headers."""
         if isinstance(exc, ProxyError):
             return exc
         secrets = (*secrets, *self.secrets())
@@ -266,6 +268,13 @@ class ProxyServer:
             if last or not self.pool.available(inst.kind):
                 return ProxyError(502, f"{inst.kind} instance {inst.key} is unreachable: {describe_exc(exc, secrets)}",
                                   reason="connect")
+            return None
+        if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
+            detail = describe_exc(exc, secrets)
+            self._fail(inst, "disconnect", f"{inst.kind} disconnect before answering: {detail}")
+            if last or not self.pool.available(inst.kind):
+                return ProxyError(502, f"{inst.kind} instance {inst.key} failed before answering: {detail}",
+                                  reason="disconnect")
             return None
         if isinstance(exc, asyncio.TimeoutError):
             self._fail(inst, "timeout", f"{inst.kind} timed out")

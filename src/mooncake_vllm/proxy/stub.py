@@ -32,6 +32,7 @@ class StubUpstream:
     fail_status: int | None = None  # answer completions with this status
     unhealthy: bool = False  # /health answers 503
     die_after: int | None = None  # cut the stream after this many chunks
+    drop_requests: bool = False  # close the connection unanswered (a killed instance's keep-alive)
     engine_id: str | None = "engine-0"  # None: the bootstrap /query has no engine yet
     kv_params_out: dict[str, Any] | None = None  # returned in a non-stream answer
     host: str = "127.0.0.1"
@@ -110,6 +111,9 @@ class StubUpstream:
         body = await request.json()
         self.received.append(body)
         self.headers.append(request.headers.copy())  # case-insensitive
+        if self.drop_requests and request.transport is not None:
+            request.transport.abort()
+            return web.Response()  # never sent: the connection is gone
         if self.fail_status is not None:
             return web.json_response({"error": {"message": "stub failure", "code": self.fail_status}},
                                      status=self.fail_status)
