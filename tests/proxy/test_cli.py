@@ -103,20 +103,3 @@ def test_kv_aware_asked_for_without_its_packages_is_refused_naming_them(
     monkeypatch.setattr(server, "missing_modules", lambda: [])
     server.ProxyServer(server.ProxyConfig(model=MODEL, decode=["127.0.0.1:8200"],
                                           scheduling="round_robin"))  # other policies need neither
-
-
-def test_the_default_policy_is_kv_aware_or_prefix_without_its_packages(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    import argparse
-
-    from mooncake_vllm.cli.proxy import configure, default_scheduling
-    from mooncake_vllm.proxy import kv_events
-
-    parser = argparse.ArgumentParser()
-    configure(parser)
-    assert parser.parse_args(["-m", MODEL, "-d", "127.0.0.1:8200"]).scheduling is None  # resolved by default_scheduling
-    monkeypatch.setattr(kv_events, "missing_modules", lambda: [])
-    assert default_scheduling() == "kv_aware"
-    monkeypatch.setattr(kv_events, "missing_modules", lambda: ["pyzmq"])
-    assert default_scheduling() == "prefix"
-    assert "pip install pyzmq" in caplog.text

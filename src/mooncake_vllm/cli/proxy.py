@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import logging
 
-__all__ = ["configure", "default_scheduling", "join_bootstrap_ports", "run"]
+__all__ = ["configure", "join_bootstrap_ports", "run"]
 
 
 def join_bootstrap_ports(items: list[str]) -> list[str]:
@@ -38,9 +38,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="decode instances")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    parser.add_argument("--scheduling", choices=sorted(POLICIES), default=None,
-                        help="instance selection policy (default kv_aware; prefix where pyzmq or msgspec "
-                             "is missing)")
+    parser.add_argument("--scheduling", choices=sorted(POLICIES), default="round_robin",
+                        help="instance selection policy (default round_robin)")
     parser.add_argument("--flow", choices=("store", "p2p", "kv_both"), default="store",
                         help="store: KV through the Mooncake pool (MooncakeStoreConnector; the "
                              "decode waits for the blocks the prefill names, bounded by the "
@@ -103,18 +102,6 @@ async def _serve(server) -> None:  # noqa: ANN001 - ProxyServer, imported lazily
     await server.stop()
 
 
-def default_scheduling() -> str:
-    """``kv_aware`` (issue 29's bench: better than ``prefix`` on TTFT p50 and throughput), or
-    ``prefix`` where this Python cannot read vLLM's KV events (said once)."""
-    from mooncake_vllm.proxy.kv_events import missing_modules
-
-    if missing := missing_modules():
-        logging.getLogger(__name__).warning("--scheduling prefix, not the default kv_aware: it needs %s "
-                                            "(pip install %s)", " and ".join(missing), " ".join(missing))
-        return "prefix"
-    return "kv_aware"
-
-
 def run(args: argparse.Namespace) -> int:
     """Build the proxy from the flags and serve until interrupted."""
     import sys
@@ -127,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         server = ProxyServer(config_from_env(
             model=args.model, prefill=join_bootstrap_ports(args.prefill), decode=args.decode,
             host=args.host, port=args.port,
-            scheduling=args.scheduling or default_scheduling(), flow=args.flow, target_vllm=args.target_vllm,
+            scheduling=args.scheduling, flow=args.flow, target_vllm=args.target_vllm,
             health_interval=args.health_interval, health_failures=args.health_failures,
             drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
             max_body_bytes=args.max_body_mb << 20, kv_events=args.kv_events,

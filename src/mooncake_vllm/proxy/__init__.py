@@ -4,8 +4,7 @@ Seed-compatible command line::
 
     ADMIN_API_KEY=... mooncake-vllm proxy --model Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4 \\
         --prefill localhost:8100 localhost:8101 --decode localhost:8200 [::1]:8201 \\
-        --port 8000 --scheduling kv_aware|prefix|least_loaded|round_robin [--flow store|p2p|kv_both] \\
-        [--target-vllm 0.16.0]
+        --port 8000 --scheduling round_robin|least_loaded|prefix [--flow store|p2p] [--target-vllm 0.16.0]
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /status``,
