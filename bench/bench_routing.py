@@ -194,7 +194,7 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
         "requests_per_instance": per_inst,
         "max_over_mean_load": max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) else None,
         "proxy_kv_aware_counters": [ln for ln in metrics if ln.startswith("mooncake_proxy_kv_aware_")
-                                    and ("_total" in ln or "pool_realized" in ln)],
+                                    and ("_total" in ln or "pool_realized" in ln or "prefill_rate" in ln)],
         **_placement(results, picks, [str(f.address) for f in fleet], convs),
     }
 

@@ -19,12 +19,16 @@ vllm:prompt_tokens_total{engine="0",model_name="m"} 1000.0
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 600.0
 vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
 vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 300.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="m"} 400.0
+vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="m"} 2.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.5
 """
 
 
 def test_parse_sums_label_sets_and_ignores_the_rest() -> None:
     assert parse(VLLM_TEXT) == {"running": 3.0, "waiting": 4.0, "kv_usage": 0.25, "prompt_tokens": 1000.0,
-                                "hbm_hit_tokens": 600.0, "pool_hit_tokens": 300.0}
+                                "hbm_hit_tokens": 600.0, "pool_hit_tokens": 300.0,
+                                "prefill_tokens": 400.0, "prefill_seconds": 0.5}
     assert parse("# nothing\nother_metric 1\n") == {}
 
 

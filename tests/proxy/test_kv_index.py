@@ -87,4 +87,13 @@ def test_load_is_queued_work_so_one_hot_document_spreads() -> None:
 
 def test_ties_rotate_from_start() -> None:
     assert choose(100, [0, 0, 0], 0, [0, 0, 0], start=2).index == 2
+
+
+def test_cost_is_over_each_candidates_measured_speed() -> None:
+    # the same cold prompt: the twice-as-fast one wins until its queue is worth the difference
+    assert choose(1000, [0, 0], 0, [0, 0], speeds=[1.0, 2.0]).index == 1
+    assert choose(1000, [0, 0], 0, [0, 1800], speeds=[1.0, 2.0]).index == 1  # (1000 + 900) / 2 < 1000
+    assert choose(1000, [0, 0], 0, [0, 2200], speeds=[1.0, 2.0]).index == 0  # (1000 + 1100) / 2 > 1000
+    # a hit on the slow one still beats a recompute on the fast one
+    assert choose(1000, [900, 0], 0, [0, 0], speeds=[0.5, 2.0]).index == 0
     assert choose(100, [0, 0, 0], 0, [0, 0, 0], start=1).index == 1

@@ -144,7 +144,7 @@ def test_the_fallback_keeps_the_bound_too() -> None:
     assert router.counters[("fallbacks", "decode", "no_tokens")] == 2
 
 
-def test_before_any_block_is_published_first_turns_spread_by_load() -> None:
+def test_before_any_block_is_published_untokenized_first_turns_spread_by_load() -> None:
     from mooncake_vllm.proxy.scheduling import PrefixAwarePolicy
 
     router, policy = _router()  # a fresh proxy: no instance published anything yet
@@ -156,4 +156,36 @@ def test_before_any_block_is_published_first_turns_spread_by_load() -> None:
     for doc in docs:
         policy.select(fleet, PromptKey(doc, None)).acquire()  # all in flight at once, as 8 clients start
     assert [i.in_flight for i in fleet] == [2, 2, 2]
-    assert router.counters[("fallbacks", "decode", "no_events")] == 6
+    assert router.counters[("fallbacks", "decode", "no_tokens")] == 6
+
+
+def _measured(router: KvRouter, fleet: list[Instance], rates: list[float]) -> None:
+    """The engines report ``rates`` (prefill tokens/s) since they started."""
+    for inst, rate in zip(fleet, rates):
+        inst.engine = EngineLoad(at=1e18, max_age=1e18, prefill_tokens=rate * 100, prefill_seconds=100.0)
+    router.calibrate(fleet)
+
+
+def test_before_any_block_is_published_first_turns_spread_by_measured_speed() -> None:
+    """Three instances, one twice as fast as the others (the CPU bench: two share a core):
+    8 cold documents at once go 4 / 2 / 2, not 3 / 3 / 2 by count."""
+    router, policy = _router()
+    fleet = _fleet(3)
+    _measured(router, fleet, [500.0, 1000.0, 500.0])
+    assert router.speeds.relative([i.key for i in fleet]) == pytest.approx([0.794, 1.587, 0.794], abs=1e-3)
+    for d in range(8):
+        policy.select(fleet, _key(list(range(1000 * d, 1000 * d + 2000)))).acquire()
+    assert [i.in_flight for i in fleet] == [2, 4, 2]
+    assert router.counters[("decisions", "decode", "cold")] == 8
+    assert f'mooncake_proxy_kv_aware_prefill_rate{{instance="{fleet[1].key}"}} 1000.0' in router.render()
+
+
+def test_a_slow_holder_keeps_its_hits_but_not_a_queue_worth_a_recompute_elsewhere() -> None:
+    router, policy = _router()
+    a, b = _fleet(2)
+    _measured(router, [a, b], [250.0, 1000.0])  # a: 4x slower than b
+    router.on_batch(a.key, 0, [_stored(DOC)])
+    router.on_batch(b.key, 0, [])
+    assert policy.select([a, b], _key(DOC + [1, 2, 3, 4])) is a  # 4 tokens there against 44 recomputed
+    router.pending[a.key] += 100  # 100 tokens queued on a: at a quarter of b's speed, b recomputes sooner
+    assert policy.select([a, b], _key(DOC + [5, 6, 7, 8])) is b

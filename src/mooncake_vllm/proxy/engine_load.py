@@ -33,6 +33,9 @@ VLLM_METRICS: dict[str, str] = {
     "prompt_tokens": "vllm:prompt_tokens",
     "hbm_hit_tokens": "vllm:prefix_cache_hits",
     "pool_hit_tokens": "vllm:external_prefix_cache_hits",
+    # histogram sums: kv_aware's measured prefill rate (proxy.kv_speed)
+    "prefill_tokens": "vllm:request_prefill_kv_computed_tokens_sum",
+    "prefill_seconds": "vllm:request_prefill_time_seconds_sum",
 }
 _ANSWER_LIMIT = 4 << 20
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)", re.M)
@@ -67,6 +70,8 @@ class EngineLoad:
     prompt_tokens: float = 0.0
     hbm_hit_tokens: float = 0.0
     pool_hit_tokens: float = 0.0
+    prefill_tokens: float = 0.0  # computed (not cached) prompt tokens, summed over requests
+    prefill_seconds: float = 0.0  # seconds requests spent in prefill, summed
     #: this proxy's requests in flight on the instance when the answer came
     ours: int = 0
 

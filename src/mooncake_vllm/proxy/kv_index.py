@@ -172,13 +172,15 @@ class Choice:
 
 
 def choose(prompt_tokens: int, local_hits: Sequence[int], pool_hit: int, loads: Sequence[float],
-           weights: CostWeights = CostWeights(), start: int = 0) -> Choice:
-    """The candidate of least expected cost (its prefill work plus the work queued before it);
-    ties go to the first from ``start`` on.
+           weights: CostWeights = CostWeights(), start: int = 0, speeds: Sequence[float] | None = None) -> Choice:
+    """The candidate of least expected cost (its prefill work plus the work queued before it,
+    over its relative speed: an instance twice as fast does both in half the time); ties go to
+    the first from ``start`` on.
 
     ``local_hits[i]``: prompt tokens in candidate i's own cache; ``pool_hit``: prompt
     tokens in the pool (the same for every candidate); ``loads[i]``: candidate i's queued
-    work in recomputed-token units (:meth:`CostWeights.load` weighs it).
+    work in recomputed-token units (:meth:`CostWeights.load` weighs it); ``speeds[i]``: candidate
+    i's measured speed relative to the others (:mod:`.kv_speed`; all 1.0 if None).
     """
     n = len(local_hits)
     best: Choice | None = None
@@ -188,7 +190,7 @@ def choose(prompt_tokens: int, local_hits: Sequence[int], pool_hit: int, loads: 
         pooled = max(0, min(pool_hit, prompt_tokens) - local)
         computed = prompt_tokens - local - pooled
         work = computed + weights.pool * pooled + weights.local * local
-        cost = work + weights.load * loads[i]
+        cost = (work + weights.load * loads[i]) / (speeds[i] if speeds else 1.0)
         if best is None or cost < best.cost:
             best = Choice(i, local, pooled, cost, work)
     assert best is not None, "choose() needs at least one candidate"

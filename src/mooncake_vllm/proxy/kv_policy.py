@@ -9,9 +9,11 @@ cache; the pool's (medium ``MOONCAKE``) counts the same for all, at the cost the
 instances' own counters show it has (:meth:`KvRouter.calibrate`: a declined load is
 a recompute). The least prefill work plus the work queued before it wins
 (:meth:`KvRouter.queued`: work routed there and not yet at its first token, decode
-shares, requests its engine reports beyond ours via :mod:`.engine_load`). Without a
-usable prediction (no events yet, an instance that publishes none, unpredictable
-hashes, tokenize failed, the stream lost) it routes like ``prefix`` and counts why.
+shares, requests its engine reports beyond ours via :mod:`.engine_load`), each over the
+instance's measured prefill speed (:mod:`.kv_speed`). Before any instance published a
+block nothing is cached anywhere as far as the proxy knows: the same cost with no hits.
+Without a usable prediction (an instance that publishes nothing, unpredictable hashes,
+tokenize failed, the stream lost) it routes like ``prefix`` and counts why.
 
 An instance that leaves rotation (unhealthy, removed through the admin API) loses
 its index: a restarted vLLM starts empty, and its sequence numbers restart too.
@@ -30,10 +32,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.proxy import engine_load
 from mooncake_vllm.proxy.instances import Instance, parse_endpoint
 from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient, vllm_args
 from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
 from mooncake_vllm.proxy.kv_index import LOCAL, POOL, BlockIndex, CostWeights, choose
+from mooncake_vllm.proxy.kv_speed import SpeedTracker
 from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey
 
 
@@ -85,6 +89,7 @@ class KvRouter:
         #: recompute what their load policy declines, so a pool token costs this much of ``weights.pool``
         #: and the rest of a recompute
         self.pool_realized = 1.0
+        self.speeds = SpeedTracker()  # each instance's measured prefill rate (its engine's counters)
         self._pool_predicted = 0  # pool tokens predicted for routed requests, ever
         self._pool_base: tuple[int, float] | None = None  # (predicted, the engines' pool hits) last time
         self._in_rotation: dict[str, set[str]] = {}
@@ -270,6 +275,7 @@ class KvRouter:
                         self._live_last.pop(key, None)
                     self.heard.discard(key)
                     self.unheard_requests.pop(key, None)
+                    self.speeds.forget(key)
 
     def fallback_reason(self, key: RoutingKey) -> str:
         """Why ``key`` cannot be routed by prediction ("" if it can)."""
@@ -279,8 +285,6 @@ class KvRouter:
             return "version_unknown"
         if self.lost:
             return "stream_lost"
-        if self.block_size() is None:
-            return "no_events"
         if not isinstance(key, PromptKey) or key.tokens is None:
             return "no_tokens"
         return ""
@@ -291,12 +295,10 @@ class KvRouter:
             return next((i.block_size for i in self.indexes.values() if i.block_size), None)
 
     def decide(self, kind: str, candidates: Sequence[Instance], key: PromptKey, start: int) -> Instance | None:
-        """The cheapest candidate; None when no index has a block size yet, or a candidate
-        publishes no events (``no_events``: its empty index would read as "holds nothing")."""
+        """The cheapest candidate (no hits anywhere before any block is published); None when a
+        candidate publishes no events (``no_events``: its empty index would read as "holds nothing")."""
         assert key.tokens is not None
         size = self.block_size()
-        if size is None:
-            return None
         with self._lock:
             silent = [c.key for c in candidates
                       if c.key not in self.heard and self.unheard_requests.get(c.key, 0) >= self.silent_after]
@@ -305,17 +307,20 @@ class KvRouter:
                            "events after %d requests of full blocks; start it with --kv-events-config (see "
                            "--kv-events) or remove it", silent[0], self.unheard_requests.get(silent[0], 0))
             return None
+        local, pool = [0] * len(candidates), 0
         with self._lock:
-            hashes = key.hashes.get(size)
-            if hashes is None:
-                hashes = key.hashes[size] = (self.hasher or self.hashers[0]).block_hashes(key.tokens, size)
-            empty = BlockIndex(0)
-            local = [(self.indexes.get(c.key) or empty).prefix_blocks(hashes, LOCAL) * size for c in candidates]
-            pool = max((i.prefix_blocks(hashes, POOL) for i in self.indexes.values()), default=0) * size
+            if size is not None:
+                hashes = key.hashes.get(size)
+                if hashes is None:
+                    hashes = key.hashes[size] = (self.hasher or self.hashers[0]).block_hashes(key.tokens, size)
+                empty = BlockIndex(0)
+                local = [(self.indexes.get(c.key) or empty).prefix_blocks(hashes, LOCAL) * size for c in candidates]
+                pool = max((i.prefix_blocks(hashes, POOL) for i in self.indexes.values()), default=0) * size
+            speeds = self.speeds.relative([c.key for c in candidates])
         n = len(key.tokens)
         self.mean_prompt = n if not self.mean_prompt else 0.9 * self.mean_prompt + 0.1 * n
         self.settle(kind, key)  # a retry: the first pick's work is not queued there any more
-        pick = choose(n, local, pool, [self.queued(c) for c in candidates], self.effective_weights(), start)
+        pick = choose(n, local, pool, [self.queued(c) for c in candidates], self.effective_weights(), start, speeds)
         chosen = candidates[pick.index]
         self.mean_work = pick.work if not self.mean_work else 0.9 * self.mean_work + 0.1 * pick.work
         self.pending[chosen.key] += pick.work
@@ -335,10 +340,14 @@ class KvRouter:
         return replace(self.weights, pool=r * self.weights.pool + (1.0 - r))
 
     def calibrate(self, instances: Sequence[Instance], min_tokens: int = 256) -> None:
-        """Compare the pool tokens the instances report loaded (``engine_load``) with those
-        predicted since the last time, once ``min_tokens`` were predicted; a restarted
-        engine (its counter went back) starts the comparison again."""
+        """Feed each instance's prefill counters to ``speeds``; compare the pool tokens the
+        instances report loaded (``engine_load``) with those predicted since the last time, once
+        ``min_tokens`` were predicted; a restarted engine (its counter went back) starts again."""
         engines = [i.engine for i in instances if i.engine is not None]
+        with self._lock:
+            for i in instances:
+                if i.engine is not None:
+                    self.speeds.update(i.key, i.engine.prefill_tokens, i.engine.prefill_seconds)
         if not engines:
             return
         got = sum(e.pool_hit_tokens for e in engines)
@@ -400,6 +409,7 @@ class KvRouter:
         with self._lock:
             items = sorted(self.counters.items())
             blocks = {k: len(i) for k, i in self.indexes.items()}
+            out += self.speeds.render()
         seen: set[str] = set()
         for (name, *labels), n in items:
             metric = f"mooncake_proxy_kv_aware_{name}_total"
@@ -429,6 +439,11 @@ async def start(server: ProxyServer) -> None:
     assert server.kv is not None
     sub = server.kv.subscriber
     server.kv.start()
+    insts = [i for k in ("prefill", "decode") for i in server.pool.available(k)]
+    if server.session is not None and server.config.engine_metrics_interval > 0:  # speeds before the first request
+        await asyncio.gather(*(engine_load.scrape(server.session, i, server.config.health_timeout,
+                                                  3 * server.config.engine_metrics_interval) for i in insts))
+        server.kv.calibrate(insts)
     if await asyncio.to_thread(sub.bound.wait, 5.0):
         log.info("kv_aware: KV events on %s; start each instance with %s", sub.bound_endpoint,
                  " ".join(shlex.quote(a) for a in vllm_args(str(sub.bound_endpoint), "<its host:port>")))

@@ -145,10 +145,11 @@ class KvAwarePolicy(SchedulingPolicy):
     2.4-3.9 s against prefix's 0.9), while requests per instance still followed where the
     documents were (1.35-1.38x the mean).
 
-    Before any instance published a block (a fresh proxy; ``no_events``) none is known to
-    hold anything, so none is cheaper: it spreads by load (``least_loaded``) instead of
-    hashing documents onto a few instances whose first turns then pin every later
-    conversation of those documents (bench_routing 2026-12-05: 3 / 4 / 1 of the first 8).
+    Before any instance published a block (a fresh proxy) none is known to hold anything:
+    the cost is each instance's queued work and the prompt's, over its measured speed, so the
+    first turns spread by speed instead of hashing documents onto a few instances whose first
+    turns then pin every later conversation of those documents (bench_routing 2026-12-05:
+    3 / 4 / 1 of the first 8). A prompt that falls back then (not tokenized) spreads by load.
     """
 
     name = "kv_aware"
@@ -181,7 +182,7 @@ class KvAwarePolicy(SchedulingPolicy):
                 return pick
             reason = "no_events"
         router.counters[("fallbacks", self.kind, reason)] += 1
-        nothing_known = reason == "no_events" and router.block_size() is None
+        nothing_known = reason in ("no_events", "no_tokens") and router.block_size() is None
         pick = (self._spread if nothing_known else self._fallback).select(candidates, raw)
         router.routed(pick, prefix)
         return pick
