@@ -3,8 +3,10 @@
 Per request: pick a decode-capable pool first (503 with a reason if none is
 healthy), run the prefill step (``max_tokens=1``, see ``flows``), then relay the
 decode answer byte for byte. Upstream failures become proper HTTP errors:
-4xx pass through, 5xx and connection failures are 502 before the first byte,
-and a stream that breaks after its first byte ends with an SSE error event.
+4xx pass through, 5xx and connection failures are 502 before the first byte (a
+connection refused, or closed before any of the answer came, is first tried once on
+another instance), and a stream that breaks after its first byte ends with an SSE
+error event.
 """
 
 from __future__ import annotations
