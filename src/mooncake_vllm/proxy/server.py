@@ -14,10 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -33,6 +32,7 @@ from mooncake_vllm.httpsafe import (
     redact,
 )
 from mooncake_vllm.proxy import admin, engine_load, flows, kv_policy, kv_prompt
+from mooncake_vllm.proxy.config import ProxyConfig, config_from_env
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.kv_events import missing_modules
 from mooncake_vllm.proxy.metrics import ProxyMetrics
@@ -45,40 +45,6 @@ log = logging.getLogger(__name__)
 #: bytes of the prompt's beginning the prefix-aware policy hashes
 PREFIX_CHARS = 256
 _SSE = "text/event-stream"
-
-
-@dataclass
-class ProxyConfig:
-    """Everything the proxy needs; ``prefill``/``decode`` are ``host:port`` strings."""
-
-    model: str
-    prefill: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    scheduling: str = "round_robin"
-    flow: str = "store"
-    target_vllm: str | None = None  # p2p only; None = ask the instances' GET /version
-    admin_api_key: str | None = field(default=None, repr=False)  # None/empty: admin endpoints disabled (403)
-    upstream_api_key: str | None = field(default=None, repr=False)  # sent as Bearer when the client sends none
-    health_interval: float = 5.0
-    health_timeout: float = 2.0
-    health_failures: int = 2  # consecutive failed checks before leaving rotation
-    unavailable_wait: float = 5.0  # a request finding no instance of a kind waits this long for one
-    connect_timeout: float = 5.0
-    request_timeout: float | None = None  # whole upstream request; None = no limit
-    drain_timeout: float = 300.0
-    max_body_bytes: int = 64 << 20  # one client request body (413 above)
-    max_upstream_bytes: int = 256 << 20  # one buffered upstream answer (prefill, non-streamed decode)
-    header_timeout: float = 10.0  # a client's request head must arrive within this
-    body_timeout: float = 60.0  # ... and its body within this (408 otherwise)
-    idle_timeout: float = 60.0  # idle keep-alive client connections close after this
-    max_connections: int = 4096  # open client connections (always kept below the descriptor limit)
-    kv_events: str = "tcp://127.0.0.1:5557"  # kv_aware: the SUB socket the instances publish KV events to
-    kv_tokenize_timeout: float = 2.0  # kv_aware: one instance /tokenize (and /version) call
-    tokenizer: str | None = None  # kv_aware: the served model's tokenizer dir (completions tokenized here)
-    kv_replay: dict[str, str] | list[str] = field(default_factory=dict)  # kv_aware: host:port -> replay socket
-    engine_metrics_interval: float = 1.0  # seconds between reads of each instance's /metrics; 0 = never
 
 
 def _answer(err: ProxyError) -> web.Response:
@@ -514,10 +480,3 @@ class ProxyServer:
         if problems:
             return web.json_response({"status": "unhealthy", "reasons": problems}, status=503)
         return web.json_response({"status": "ok"})
-
-
-def config_from_env(**kwargs: Any) -> ProxyConfig:
-    """A ProxyConfig whose keys come from ``ADMIN_API_KEY`` / ``OPENAI_API_KEY``."""
-    kwargs.setdefault("admin_api_key", os.environ.get("ADMIN_API_KEY") or None)
-    kwargs.setdefault("upstream_api_key", os.environ.get("OPENAI_API_KEY") or None)
-    return ProxyConfig(**kwargs)
