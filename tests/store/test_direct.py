@@ -52,10 +52,12 @@ def _host_kv(seed: int, blocks: int = 12, layers: int = 3) -> list[np.ndarray]:
     return [rng.standard_normal((blocks, 2, 16, 64), dtype=np.float32) for _ in range(layers)]
 
 
-def test_batches_cut_a_load_evenly_over_the_lanes() -> None:
-    assert [batch_size(n, lanes) for n, lanes in ((1, 1), (62, 1), (62, 4), (3, 4))] == [
-        1, 62, 16, 1]
-    assert batch_size(10_000, 1) == 256  # MAX_BATCH keys per Mooncake call
+def test_gets_cut_a_load_into_pieces_per_lane_of_a_least_size() -> None:
+    mib = 1 << 20
+    # 4 per lane, at least 8 MiB (3 blocks of 3 MiB)
+    assert [batch_size(n, lanes, 3 * mib) for n, lanes in ((1, 1), (62, 1), (62, 4), (9, 1))] == [
+        3, 16, 4, 3]
+    assert batch_size(10_000, 1, 64 << 10) == 256  # MAX_BATCH keys per Mooncake call
 
 
 def test_host_background_loads_go_straight_into_the_blocks(client: Any) -> None:

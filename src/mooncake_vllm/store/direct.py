@@ -2,8 +2,8 @@
 
 One multi-buffer get per block: the 64-byte header into a registered host slot,
 the block's bytes into its segments of the (registered) KV cache — the same
-bytes, in the same order, as a value put from slots or from the blocks. Then,
-on the lane's worker, each block's checksum is computed where the KV lives:
+bytes, in the same order, as a value put from slots or from the blocks. Then
+each block's checksum is computed where the KV lives:
 
 * **host KV** — on the host, one read pass over the landed bytes (the header's
   kind: xxh3 for values framed from host memory, wsum64 from CUDA memory). On a
@@ -14,8 +14,9 @@ on the lane's worker, each block's checksum is computed where the KV lives:
   the 8-byte results come to the host. An xxh3 value is a counted miss there.
 
 A block whose header or checksum is wrong is a failed block: vLLM recomputes it,
-overwriting whatever was written. Batches are striped over the transport's
-lanes (:data:`DEPTH` in flight per lane), each verified on its lane's worker.
+overwriting whatever was written. Gets are striped over the transport's lanes
+(:data:`DEPTH` in flight per lane); the calling thread verifies each one while the
+next one runs.
 
 Only for *background* loads (the request stays parked until reported), because
 a get abandoned at its deadline may still write into the blocks: the loader
@@ -29,7 +30,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm import codec
@@ -40,38 +41,45 @@ from mooncake_vllm.store.slots import Run, slots_of
 from mooncake_vllm.store.timebox import LateRelease
 
 if TYPE_CHECKING:
-    from mooncake_vllm.stats import StoreStats
     from mooncake_vllm.store.paths import LayoutPaths
     from mooncake_vllm.store.transport import Lane, Transport
 
-__all__ = ["DEPTH", "LATE_WAIT", "batch_size", "get_direct", "get_into_blocks"]
+__all__ = ["DEPTH", "LATE_WAIT", "MIN_BATCH_BYTES", "PIECES", "batch_size", "get_direct"]
 
 log = logging.getLogger(__name__)
 
 #: after a deadline, how long a zero-copy load waits for Mooncake to stop writing
 LATE_WAIT = 60.0
-#: batches in flight per lane: two concurrent gets moved less than one on a 2-core box
-#: (3 MiB blocks, loopback TCP: 31 blocks in 92 ms vs 77 ms, verification included)
+#: gets in flight per lane: two concurrent gets moved less than one on a 2-core box
+#: (3 MiB blocks over loopback TCP: 31 blocks in 92 ms vs 77 ms, verification included)
 DEPTH = 1
+#: a load of one lane is cut into about this many gets, so that verifying one overlaps the
+#: next one's transfer
+PIECES = 4
+#: the fewest bytes one get asks for (a smaller get costs more per byte)
+MIN_BATCH_BYTES = 8 << 20
 
 
 @dataclass
 class _Batch:
-    """One multi-buffer get (+ verification) in flight on a lane: ``keys`` from ``pos``."""
+    """One multi-buffer get on a lane: ``keys`` from ``pos`` into ``blocks``."""
 
     pos: int
     keys: list[str]
+    blocks: list[int]
     runs: list[Run]
     future: Any
     late: LateRelease
     started: float
     lane: Lane
+    codes: list[Any] = field(default_factory=list)  #: once the get returned
 
 
-def batch_size(count: int, lanes: int) -> int:
-    """Blocks per batch: the load cut evenly over ``DEPTH`` batches per lane, at most
-    :data:`MAX_BATCH` keys."""
-    return max(1, min(MAX_BATCH, -(-count // (DEPTH * lanes))))
+def batch_size(count: int, lanes: int, slot_nbytes: int) -> int:
+    """Blocks per get: about :data:`PIECES` per lane, at least :data:`MIN_BATCH_BYTES`,
+    at most :data:`MAX_BATCH` keys."""
+    least = -(-MIN_BATCH_BYTES // slot_nbytes)
+    return max(1, min(MAX_BATCH, max(least, -(-count // (PIECES * lanes)))))
 
 
 def get_direct(transport: Transport, paths: LayoutPaths, keys: Sequence[str],
@@ -83,10 +91,11 @@ def get_direct(transport: Transport, paths: LayoutPaths, keys: Sequence[str],
     lanes = transport.lanes
     n = transport.holders.usable(keys)  # up to the first block of a suspended holder
     missed(transport, "holder_suspended", len(keys) - n)
-    step = batch_size(n, len(lanes))
+    step = batch_size(n, len(lanes), paths.slot_nbytes)
     inflight: deque[_Batch] = deque()
+    landed: _Batch | None = None  # its get returned: verified while the next one runs
     pos, started, done, cause = 0, 0, 0, ""  # done: keys delivered or counted
-    while pos < n or inflight:
+    while True:
         while not cause and pos < n and len(inflight) < DEPTH * len(lanes):
             batch = _submit(transport, lanes[started % len(lanes)], paths, pos,
                             list(keys[pos:pos + step]), list(block_ids[pos:pos + step]))
@@ -96,41 +105,81 @@ def get_direct(transport: Transport, paths: LayoutPaths, keys: Sequence[str],
             inflight.append(batch)
             pos += len(batch.keys)
             started += 1
+        if landed is not None:
+            out[landed.pos:landed.pos + len(landed.keys)] = _verify(transport, paths, landed)
+            done, landed = landed.pos + len(landed.keys), None
         if not inflight:
             break
         batch = inflight.popleft()
         got = _finish(transport, paths, batch)
-        if got == "load_timeout":  # wait until no batch still in flight writes
+        if got == "load_timeout":  # wait until no get still in flight writes
             for rest in inflight:
                 rest.late.timed_out()
                 _wait_late(paths, rest.future)
-            inflight.clear()
             cause, done = got, batch.pos
             break
         if isinstance(got, str):  # raised: the others in flight are collected as usual
             missed(transport, got, len(batch.keys))
             cause, done = cause or got, batch.pos + len(batch.keys)
             continue
-        out[batch.pos:batch.pos + len(got)] = got
-        done = batch.pos + len(got)
+        batch.codes, landed = got, batch
     missed(transport, cause or "no_slot", n - done)
     return out
 
 
-def get_into_blocks(store: Any, paths: LayoutPaths, stats: StoreStats, keys: list[str],
-                    blocks: list[int], slots: list[int]) -> tuple[list[Any], list[str | None]]:
-    """On the lane's worker: get ``keys`` into header ``slots`` + ``blocks``, then why each
-    delivered value is bad (header, or its checksum computed in place), ``None`` if good."""
+def _submit(transport: Transport, lane: Lane, paths: LayoutPaths, pos: int, keys: list[str],
+            blocks: list[int]) -> _Batch | str:
+    """Start one get (else the miss cause: breaker open, no header slot, refused)."""
+    if not transport.admits():
+        return "breaker_open"
     headers, layout = paths.header_pool, paths.layout
+    runs = headers.take(len(keys))
+    slots = slots_of(runs)
+    if len(slots) < len(keys):
+        headers.release(runs)
+        transport.stats.add("load_no_slot", len(keys))
+        return "no_slot"
     ptrs, sizes = [], []
     for slot, block in zip(slots, blocks):
         segs = layout.segments(block)
         ptrs.append([headers.address(slot)] + [p for p, _ in segs])
         sizes.append([codec.HEADER_SIZE] + [nbytes for _, nbytes in segs])
-    codes = list(store.batch_get_into_multi_buffers(keys, ptrs, sizes))
-    reasons: list[str | None] = [None] * len(keys)
+    late = LateRelease(lambda: headers.release(runs))
+    try:
+        fut = lane.transfers.submit(lane.store.batch_get_into_multi_buffers, keys, ptrs, sizes,
+                                    on_done=late.returned, wait=transport.lookup_timeout)
+    except CallRejected as exc:
+        headers.release(runs)
+        transport.rejected(exc, breaker=not transport.holders.master_answers())
+        return "load_rejected"
+    return _Batch(pos, keys, blocks, runs, fut, late, time.perf_counter(), lane)
+
+
+def _finish(transport: Transport, paths: LayoutPaths, batch: _Batch) -> list[Any] | str:
+    """The codes of one get (else the miss cause: it timed out, having waited for it to
+    end, or it raised)."""
+    timeout = transport.transfer_timeout(len(batch.keys) * paths.slot_nbytes)
+    try:
+        codes = batch.lane.transfers.result(batch.future, timeout)
+    except CallTimedOut as exc:
+        transport.timed_out(exc, batch.late, breaker=not transport.holders.stalled(batch.keys))
+        _wait_late(paths, batch.future)
+        return "load_timeout"
+    if isinstance(codes, BaseException):
+        paths.header_pool.release(batch.runs)
+        transport.health.failed(f"batch_get_into_multi_buffers raised {type(codes).__name__}")
+        return "load_error"
+    transport.stats.observe("get", time.perf_counter() - batch.started)
+    return list(codes)
+
+
+def _verify(transport: Transport, paths: LayoutPaths, batch: _Batch) -> list[bool]:
+    """Check each landed value's header, then its checksum computed in place; count."""
+    headers, layout = paths.header_pool, paths.layout
+    slots = slots_of(batch.runs)
+    reasons: list[str | None] = [None] * len(batch.keys)
     checked: list[tuple[int, codec.Header]] = []
-    for i, (key, code) in enumerate(zip(keys, codes)):
+    for i, (key, code) in enumerate(zip(batch.keys, batch.codes)):
         if code != paths.slot_nbytes:
             continue
         header, reason = codec.check_header(headers.view(slots[i])[:codec.HEADER_SIZE],
@@ -139,61 +188,19 @@ def get_into_blocks(store: Any, paths: LayoutPaths, stats: StoreStats, keys: lis
                                             key_digest=codec.digest16(key))
         if header is not None and reason is None and header.checksum_kind not in paths.in_place_kinds:
             reason = f"{codec.CHECKSUM_KINDS[header.checksum_kind]} checksum (not verifiable on the GPU)"
-            stats.add("unverifiable_on_gpu")
+            transport.stats.add("unverifiable_on_gpu")
         if reason or header is None:
             reasons[i] = reason
             continue
         checked.append((i, header))
+    headers.release(batch.runs)
     if checked:
-        sums = paths.block_sums([blocks[i] for i, _ in checked],
+        sums = paths.block_sums([batch.blocks[i] for i, _ in checked],
                                 [h.checksum_kind for _, h in checked])
         for (i, header), got in zip(checked, sums):
             if got != header.checksum:
                 reasons[i] = "checksum mismatch (corrupt value)"
-    return codes, reasons
-
-
-def _submit(transport: Transport, lane: Lane, paths: LayoutPaths, pos: int, keys: list[str],
-            blocks: list[int]) -> _Batch | str:
-    """Start one batch (else the miss cause: breaker open, no header slot, refused)."""
-    if not transport.admits():
-        return "breaker_open"
-    headers = paths.header_pool
-    runs = headers.take(len(keys))
-    slots = slots_of(runs)
-    if len(slots) < len(keys):
-        headers.release(runs)
-        transport.stats.add("load_no_slot", len(keys))
-        return "no_slot"
-    late = LateRelease(lambda: headers.release(runs))
-    try:
-        fut = lane.transfers.submit(get_into_blocks, lane.store, paths, transport.stats, keys,
-                                    blocks, slots, on_done=late.returned,
-                                    wait=transport.lookup_timeout)
-    except CallRejected as exc:
-        headers.release(runs)
-        transport.rejected(exc, breaker=not transport.holders.master_answers())
-        return "load_rejected"
-    return _Batch(pos, keys, runs, fut, late, time.perf_counter(), lane)
-
-
-def _finish(transport: Transport, paths: LayoutPaths, batch: _Batch) -> list[bool] | str:
-    """Collect one batch (else the miss cause: it timed out, having waited for it to end,
-    or it raised)."""
-    timeout = transport.transfer_timeout(len(batch.keys) * paths.slot_nbytes)
-    try:
-        got = batch.lane.transfers.result(batch.future, timeout)
-    except CallTimedOut as exc:
-        transport.timed_out(exc, batch.late, breaker=not transport.holders.stalled(batch.keys))
-        _wait_late(paths, batch.future)
-        return "load_timeout"
-    paths.header_pool.release(batch.runs)
-    if isinstance(got, BaseException):
-        transport.health.failed(f"batch_get_into_multi_buffers raised {type(got).__name__}")
-        return "load_error"
-    codes, reasons = got
-    transport.stats.observe("get", time.perf_counter() - batch.started)
-    return judge_gets(transport, batch.keys, codes, reasons, paths.slot_nbytes)
+    return judge_gets(transport, batch.keys, batch.codes, reasons, paths.slot_nbytes)
 
 
 def _wait_late(paths: LayoutPaths, fut: Any) -> None:
