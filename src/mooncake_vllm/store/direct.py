@@ -6,10 +6,11 @@ bytes, in the same order, as a value put from slots or from the blocks. Then
 each block's checksum is computed where the KV lives:
 
 * **host KV** — on the host, one read pass over the landed bytes (the header's
-  kind: xxh3 for values framed from host memory, wsum64 from CUDA memory). On a
-  2-core box a staged load (get into slots, verify, scatter: an extra read and
-  write pass) moved 0.76 GB/s where a get into the blocks moved 1.57
-  (bench/bench_store.py, the CPU bench model's 12 segments of 256 KiB);
+  kind: xxh3 for values framed from host memory, wsum64 from CUDA memory). It
+  saves a staged load's scatter pass and its cold staging pages: on the 2-core
+  dev box 4k / 8k-token pool hits of the CPU bench model came 13 % / 33 % sooner
+  (docs/bench-results/bench_serving-2026-12-05-host-direct.json); the check
+  itself reads memory at ~8 GB/s (xxh3), ~25 % of a loopback get's time there;
 * **CUDA KV** — on the GPU (wsum64, after the transfer engine's copies); only
   the 8-byte results come to the host. An xxh3 value is a counted miss there.
 
