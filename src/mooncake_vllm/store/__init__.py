@@ -11,7 +11,7 @@
 ``paths``          per-layout save capture and load verification
 ``transport``      the store handles ("lanes"), their time boxes, health and stats
 ``fetch``          staged loads: pipelined gets into slots, host verification
-``direct``         GPU zero-copy loads straight into the KV blocks
+``direct``         zero-copy background loads into the KV blocks, verified there
 ``probe``          timed throw-away loads at start: the claim policy's first samples
 ``puts``           puts of a captured save, striped over the lanes
 ``client``         :class:`StoreClient`, the one client both engines use

@@ -8,7 +8,8 @@ What it adds over ``mooncake.store.MooncakeDistributedStore``:
   worker pools with deadlines (:mod:`~mooncake_vllm.store.timebox`); an open
   circuit breaker sends nothing at all (:mod:`~mooncake_vllm.store.health`);
 * **host and CUDA memory** — blocks move through registered slots with torch ops
-  (:mod:`~mooncake_vllm.store.mover`), or zero-copy from host KV on save, or
+  (:mod:`~mooncake_vllm.store.mover`), or zero-copy with host KV (saves of large
+  pieces; background loads, verified in place: :mod:`~mooncake_vllm.store.direct`), or
   straight between GPU memory and the pool with checksums computed on the GPU
   (``gpu_path``, :func:`~mooncake_vllm.store.paths.choose_gpu_path`,
   :mod:`~mooncake_vllm.store.direct`);
@@ -196,14 +197,16 @@ class StoreClient:
                 "straight between GPU memory and the pool" if direct
                 else "through pinned staging slots", why)
         paths = LayoutPaths(layout, register, multi_buffer=multi, sizes=self._staging,
-                            gpu_zero_copy=direct)
+                            gpu_zero_copy=direct,
+                            host_direct=multi and hasattr(store, "batch_get_into_multi_buffers"))
         if not paths.registered:
             log.warning("mooncake-vllm: Mooncake refused to register staging memory; "
                         "transfers through it may fail")
         self._paths[id(layout)] = paths
-        log.info("mooncake-vllm: KV cache on %s, %s saves, loads through %d staging slots",
+        log.info("mooncake-vllm: KV cache on %s, %s saves, loads through %d staging slots%s",
                  layout.device, "zero-copy" if paths.zero_copy_save else "snapshot",
-                 paths.load_pool.count)
+                 paths.load_pool.count, " (background loads straight into the KV blocks)"
+                 if paths.direct_loads else "")
 
     def gpu_path(self, layout: BlockLayout) -> str:
         """``zero_copy`` or ``staged`` for a registered CUDA layout, ``host`` otherwise."""
@@ -302,13 +305,14 @@ class StoreClient:
         On CUDA the copies are ordered on vLLM's stream (no layer reads a block
         before it is loaded). ``background``: called off vLLM's thread for a
         request vLLM schedules only once told: the copies start after ``after``
-        (:meth:`stream_position`) and are complete when this returns. Transfers
-        are striped over the store clients.
+        (:meth:`stream_position`) and are complete when this returns; into registered
+        KV they go straight into the blocks, verified there (:mod:`.direct`).
+        Transfers are striped over the store clients.
         """
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
         paths = self._paths_for(layout)
-        if background and paths.gpu_zero_copy_loads:
+        if background and paths.direct_loads:
             out = get_direct(self.transport, paths, keys, block_ids, after) if keys else []
         else:
             out = get_staged(self.transport, paths, keys, block_ids, after, background)

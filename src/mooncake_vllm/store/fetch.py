@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from mooncake_vllm.store.transport import Lane, Transport
 
 __all__ = ["LOAD_PIECES", "MAX_BATCH", "MIN_FETCH", "Fetch", "count_failed_get", "get_staged",
-           "get_verified", "name_lost_segment"]
+           "get_verified", "judge_gets", "name_lost_segment"]
 
 #: a load of one lane is cut into about this many fetches (two in flight)
 LOAD_PIECES = 4
@@ -171,9 +171,21 @@ def _finish(transport: Transport, paths: LayoutPaths, fetch: Fetch, block_ids: S
         return "load_error"
     codes, reasons = got
     transport.stats.observe("get", time.perf_counter() - fetch.started)
+    ok = judge_gets(transport, fetch.keys, codes, reasons, size)
+    blocks = list(block_ids[fetch.pos:fetch.pos + len(ok)])
+    done = (paths.mover.scatter(pool, fetch.runs, ok, blocks, after=after, wait=background)
+            if any(ok) else None)
+    pool.release(fetch.runs, after=done)
+    return ok
+
+
+def judge_gets(transport: Transport, keys: Sequence[str], codes: Sequence[Any],
+               reasons: Sequence[str | None], size: int) -> list[bool]:
+    """Count and log one batch's outcome: ``True`` where a whole value (``size`` bytes)
+    came back and passed its checks (``reasons[i]`` is why value ``i`` did not)."""
     ok: list[bool] = []
     causes: list[str] = []
-    for key, code, reason in zip(fetch.keys, codes, reasons):
+    for key, code, reason in zip(keys, codes, reasons):
         if code != size:
             count_failed_get(transport, code)
             ok.append(False)
@@ -181,18 +193,14 @@ def _finish(transport: Transport, paths: LayoutPaths, fetch: Fetch, block_ids: S
             continue
         if reason:
             transport.failures.warn("corrupt", f"mooncake-vllm: ignoring stored block {key}: "
-                                    f"{reason}")
+                                    f"{reason}; vLLM recomputes it")
             transport.stats.add("corrupt")
             causes.append("corrupt")
         ok.append(reason is None)
     for cause in set(causes) - {""}:
         missed(transport, cause, causes.count(cause))
     transport.note_failures("get", codes)
-    name_lost_segment(transport, fetch.keys, codes)
-    blocks = list(block_ids[fetch.pos:fetch.pos + len(ok)])
-    done = (paths.mover.scatter(pool, fetch.runs, ok, blocks, after=after, wait=background)
-            if any(ok) else None)
-    pool.release(fetch.runs, after=done)
+    name_lost_segment(transport, keys, codes)
     return ok
 
 

@@ -11,9 +11,12 @@
   which save kind applies (zero-copy for host memory with Mooncake's
   multi-buffer API when each layer's piece of a block is large; a snapshot —
   one coalesced slice per block — for small pieces, for CUDA memory, or without
-  that API). Loads go through slots: a value is verified before any byte of it
+  that API). Loads go through slots (a value is verified before any byte of it
   reaches the KV cache, and a load abandoned at its deadline can only ever
-  write into slots that stay reserved until Mooncake returns.
+  write into slots that stay reserved until Mooncake returns), except
+  *background* loads into registered host KV with Mooncake's multi-buffer get
+  (``host_direct``): they get straight into the blocks and verify them there
+  (:mod:`~mooncake_vllm.store.direct`).
 * **GPU zero-copy** (:func:`choose_gpu_path`): with a CUDA build of Mooncake and
   the KV cache's CUDA memory registered, saves put the blocks straight from GPU
   memory (header from a registered host slot + the block's GPU segments in one
@@ -113,7 +116,8 @@ class LayoutPaths:
     """Slot pools and the mover of one registered layout."""
 
     def __init__(self, layout: BlockLayout, register: Any, *, multi_buffer: bool,
-                 sizes: StagingSizes, gpu_zero_copy: bool = False) -> None:
+                 sizes: StagingSizes, gpu_zero_copy: bool = False,
+                 host_direct: bool = False) -> None:
         self.layout = layout
         self.slot_nbytes = codec.HEADER_SIZE + layout.block_nbytes
         self.layout_digest = codec.digest16(layout.fingerprint)
@@ -121,8 +125,12 @@ class LayoutPaths:
         self.checksum_kind = codec.WSUM64 if layout.on_cuda else codec.XXH3
         #: CUDA KV moved straight by Mooncake (registered, CUDA build)
         self.gpu_zero_copy = gpu_zero_copy and layout.on_cuda
-        #: background loads straight into the KV blocks (off after a load that never returned)
-        self.gpu_zero_copy_loads = self.gpu_zero_copy
+        #: background loads straight into the KV blocks (off after a load that never returned):
+        #: CUDA KV moved zero-copy, or registered host KV (the caller checked the get API)
+        self.direct_loads = self.gpu_zero_copy or (host_direct and not layout.on_cuda)
+        #: checksum kinds a direct load verifies where the blocks are (the GPU: wsum64 only)
+        self.in_place_kinds = ((codec.WSUM64,) if layout.on_cuda
+                               else tuple(codec.CHECKSUM_KINDS))
         self.zero_copy_save = self.gpu_zero_copy or (
             multi_buffer and not layout.on_cuda and layout.seg_nbytes > COALESCE_BELOW)
         pinned = layout.on_cuda
@@ -214,6 +222,14 @@ class LayoutPaths:
                                           writers_done=writers_done)
         done.synchronize()
         return [v & codec.MASK64 for v in host.tolist()]
+
+    def block_sums(self, block_ids: Sequence[int], kinds: Sequence[int]) -> list[int]:
+        """Checksums of blocks as they are now, where they are: CUDA blocks on the GPU
+        (wsum64, after every copy queued so far), host blocks on the host (``kinds``)."""
+        if self.layout.on_cuda:
+            return self.device_sums(block_ids, writers_done=True)
+        return [codec.checksum_segments(self.layout.segments(b), kind)
+                for b, kind in zip(block_ids, kinds)]
 
     def intact(self, ticket: SaveTicket, positions: Sequence[int]) -> list[bool]:
         """Zero-copy: do these blocks' bytes still match the checksums taken at capture?"""
