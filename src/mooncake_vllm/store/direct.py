@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm import codec
 from mooncake_vllm.errors import CallRejected, CallTimedOut
-from mooncake_vllm.store.fetch import MAX_BATCH, judge_gets
+from mooncake_vllm.store.fetch import LOAD_PIECES, MAX_BATCH, judge_gets
 from mooncake_vllm.store.misses import missed
 from mooncake_vllm.store.slots import Run, slots_of
 from mooncake_vllm.store.timebox import LateRelease
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from mooncake_vllm.store.paths import LayoutPaths
     from mooncake_vllm.store.transport import Lane, Transport
 
-__all__ = ["DEPTH", "LATE_WAIT", "MIN_BATCH_BYTES", "PIECES", "batch_size", "get_direct"]
+__all__ = ["DEPTH", "LATE_WAIT", "MIN_BATCH_BYTES", "batch_size", "get_direct"]
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,6 @@ LATE_WAIT = 60.0
 #: gets in flight per lane: two concurrent gets moved less than one on a 2-core box
 #: (3 MiB blocks over loopback TCP: 31 blocks in 92 ms vs 77 ms, verification included)
 DEPTH = 1
-#: a load of one lane is cut into about this many gets, so that verifying one overlaps the
-#: next one's transfer
-PIECES = 4
 #: the fewest bytes one get asks for (a smaller get costs more per byte)
 MIN_BATCH_BYTES = 8 << 20
 
@@ -77,10 +74,11 @@ class _Batch:
 
 
 def batch_size(count: int, lanes: int, slot_nbytes: int) -> int:
-    """Blocks per get: about :data:`PIECES` per lane, at least :data:`MIN_BATCH_BYTES`,
-    at most :data:`MAX_BATCH` keys."""
+    """Blocks per get: about :data:`~mooncake_vllm.store.fetch.LOAD_PIECES` per lane (as a
+    staged load's fetches: verifying one overlaps the next one's transfer), at least
+    :data:`MIN_BATCH_BYTES`, at most :data:`MAX_BATCH` keys."""
     least = -(-MIN_BATCH_BYTES // slot_nbytes)
-    return max(1, min(MAX_BATCH, max(least, -(-count // (PIECES * lanes)))))
+    return max(1, min(MAX_BATCH, max(least, -(-count // (LOAD_PIECES * lanes)))))
 
 
 def get_direct(transport: Transport, paths: LayoutPaths, keys: Sequence[str],

@@ -12,8 +12,9 @@ instead of queueing without bound.
 A deadline is judged by a waiter that ran: a box with a ``grace`` looks once more, that
 long, before abandoning a call, because the waiter may wake past the deadline after the
 whole process or machine stood still (a paused VM, an overloaded box) while the call
-itself needed only a moment more. Boxes off vLLM's critical path (saves, loads on the
-loader's thread, markers published) have one; the scheduler's lookups do not.
+itself needed only a moment more. The saves, save lookups, published markers and block
+transfers have one (a synchronous load — ``load_async`` off, or V0 — thus waits at most
+the grace longer on vLLM's thread); the scheduler's lookups do not.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class TimeBox:
             except FutureTimeout:
                 pass
             else:
-                self.answered_in_grace += 1
+                with self._lock:
+                    self.answered_in_grace += 1
                 return value
         self.abandon(fut)
         raise CallTimedOut(f"{self.name}: no answer within {timeout + self.grace:.1f} s") from None
