@@ -298,3 +298,39 @@ def test_declines_any_hit_answers_without_deciding() -> None:
         other = advisor(clock, policy=policy)
         other.observe(steps=prefill_steps(), loads=[(2032.0, 0.3)] * 3)
         assert not other.declines_any_hit(0, 512, BS)
+
+
+def test_an_engine_that_only_hits_measures_a_prefill_now_and_then() -> None:
+    """H200 mixed serving, 2026-12-05: every prompt was a pool or prefix-cache hit, so the
+    reader never prefilled and claimed all 384 hits 'unmeasured', 96-token ones too (7-8 ms
+    loads where recomputing them costs ~2 ms). With the loads measured, after MEASURE_AFTER
+    unmeasured claims a hit long enough to be a sample is recomputed, one per explore_every;
+    shorter hits and a fresh engine's first hits are still claimed."""
+    from mooncake_vllm.v1.claims import MEASURE_AFTER, MIN_FIT
+
+    clock = Clock()
+    a = advisor(clock, explore_every=5.0)
+    a.observe(loads=loads(rate=100_000.0))  # a probe at start: the loads are measured
+    for _ in range(MEASURE_AFTER):
+        assert a.decide(0, 2048, BS).reason == "unmeasured"
+    assert (a.decide(2048, 96, BS).tokens, a.counts["unmeasured"]) == (96, MEASURE_AFTER + 1)
+    d = a.decide(0, 2048, BS)
+    assert (d.tokens, d.reason) == (0, "measure_probe")
+    assert a.decide(0, 2048, BS).reason == "unmeasured"  # one per explore_every
+    assert a.decide(0, MIN_FIT - BS, BS).reason == "unmeasured"  # too short to be a sample
+    clock.now += 5.0
+    assert a.decide(0, 2048, BS).reason == "measure_probe"
+    a.observe(steps=prefill_steps())  # what vLLM's recomputes taught
+    clock.now += 5.0
+    assert a.decide(0, 2048, BS).reason in ("claimed", "slow_pool", "explore")
+    assert a.decide(2048, 96, BS).reason in ("slow_pool", "claimed")
+
+
+def test_no_measure_probe_before_the_loads_are_measured() -> None:
+    """A CPU engine has no load probe: its first hits measure the pool, and are claimed."""
+    from mooncake_vllm.v1.claims import MEASURE_AFTER
+
+    clock = Clock()
+    a = advisor(clock)
+    for _ in range(2 * MEASURE_AFTER):
+        assert a.decide(0, 2048, BS).reason == "unmeasured"

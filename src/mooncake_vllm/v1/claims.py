@@ -26,7 +26,10 @@ and a clock, so it is testable with a fake clock and made-up samples.
   does not is declined once (``reach_probe``), so vLLM recomputes it and the
   model learns that far. While claims are declined, a quarter of one hit is
   claimed every ``explore_every`` seconds, so a pool that recovers is measured
-  again — of a hit long enough for that to be cheap (:data:`EXPLORE_STEPS`).
+  again — of a hit long enough for that to be cheap (:data:`EXPLORE_STEPS`). An
+  engine that never prefills (every prompt a hit) would stay unmeasured: after
+  :data:`MEASURE_AFTER` unmeasured claims with the loads measured, a long enough hit
+  is recomputed once in a while (``measure_probe``) until the recompute model has samples.
 
 ``policy``: ``auto`` (the above), ``always`` (every hit), ``never`` (none).
 """
@@ -39,7 +42,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CANDIDATES", "MIN_FIT", "OUTLIER", "ClaimAdvisor", "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
+__all__ = ["CANDIDATES", "DECLINE_REASONS", "MEASURE_AFTER", "MIN_FIT", "OUTLIER", "ClaimAdvisor",
+           "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
 
 #: prefix lengths a decision weighs (chunk boundaries, evenly coarsened)
 CANDIDATES = 16
@@ -62,6 +66,14 @@ OUTLIER = 4.0
 MAX_OUTLIERS = 2
 #: a declined hit is explored only if recomputing it costs at least this many engine steps
 EXPLORE_STEPS = 4.0
+#: unmeasured claims after which, the loads being measured, a hit of at least :data:`MIN_FIT`
+#: tokens is recomputed (``measure_probe``, at most one per ``explore_every``) until the
+#: recompute model has its samples: an engine whose every prompt hits the pool or its own
+#: prefix cache never prefills otherwise, and would claim every hit, paying or not, for ever
+MEASURE_AFTER = 8
+#: a decision's reasons for claiming less than the hit (the scheduler counts each as
+#: ``claims_declined_<reason>``)
+DECLINE_REASONS = ("slow_pool", "never", "reach_probe", "measure_probe")
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,7 @@ class Decision:
     """How many of the hit's tokens to claim, and why."""
 
     tokens: int
-    reason: str  #: claimed | unmeasured | explore | always | slow_pool | reach_probe | never
+    reason: str  #: claimed | unmeasured | measure_probe | explore | always | slow_pool | reach_probe | never
     predicted_load: float = math.nan  #: seconds, for the claimed (or best) prefix
     predicted_recompute: float = math.nan
 
@@ -316,6 +328,7 @@ class ClaimAdvisor:
         self.prefill = PrefillModel(rules.half_life)
         self.loads = LoadModel(rules.half_life)
         self._last_explore = -math.inf
+        self._last_measure = -math.inf
         self.counts: dict[str, int] = {}
         #: the last decisions: ``(clock, start, hit, decision)`` (what an operator or a bench
         #: compares with what the requests then took)
@@ -360,13 +373,16 @@ class ClaimAdvisor:
         d = self._verdict(now, start, hit, chunk, backlog)
         if d.reason == "explore":
             self._last_explore = now
+        elif d.reason == "measure_probe":
+            self._last_measure = now
         return d
 
     def _verdict(self, now: float, start: int, hit: int, chunk: int, backlog: int) -> Decision:
         """``auto``'s decision, nothing recorded."""
         best = self._best(now, start, hit, chunk, backlog)
         if best is None:
-            return Decision(hit, "unmeasured")
+            return Decision(0, "measure_probe") if self._measure_due(now, hit) \
+                else Decision(hit, "unmeasured")
         tokens, load, recompute = best
         if tokens > 0 and load <= (1.0 - self.rules.margin) * recompute:
             return Decision(tokens, "claimed", load, recompute)
@@ -388,6 +404,17 @@ class ClaimAdvisor:
         if self.rules.policy != "auto" or hit <= 0 or self.prefill.reaches_past(start + hit):
             return False
         return self._verdict(self.clock(), start, hit, chunk, backlog).tokens == 0
+
+    def _measure_due(self, now: float, hit: int) -> bool:
+        """Recompute this hit to measure prefills: the loads are measured and the prefills
+        are not, after :data:`MEASURE_AFTER` unmeasured claims (a fresh engine's first hits
+        stay claimed), a hit long enough to be a sample, at most one per ``explore_every``."""
+        prefills_unmeasured = (len(self.prefill.samples) < self.rules.min_samples
+                               or self.prefill.coefficients(now) is None)
+        return (prefills_unmeasured and hit >= MIN_FIT
+                and len(self.loads.samples) >= self.rules.min_samples
+                and self.counts.get("unmeasured", 0) >= MEASURE_AFTER
+                and now - self._last_measure >= self.rules.explore_every)
 
     def _explore_due(self, now: float, start: int, hit: int) -> bool:
         return (now - max(self._last_explore, self.loads.last_sample) >= self.rules.explore_every

@@ -67,6 +67,10 @@ COUNTERS: Mapping[str, str] = {
                                    "further than any prefill measured and its load did not beat "
                                    "a floor of its recompute: vLLM recomputed it once, to measure "
                                    "that far (load_policy auto).",
+    "claims_declined_measure_probe": "Lookups whose hit was not claimed so that vLLM recomputed it "
+                                     "and the claim policy measured a prefill: the loads were "
+                                     "measured, the prefills not (every prompt was a hit); at most "
+                                     "one per explore_every (load_policy auto).",
     "lookups_skipped_slow_pool": "Pool lookups not made: even a hit of every wanted token would "
                                  "load slower than recomputing it (load_policy auto); the saves "
                                  "skip what the pool holds.",
@@ -227,7 +231,8 @@ class Meter:
 
 #: scheduler-side counters exported under their own names
 _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declined_slow_pool",
-                      "claims_declined_never", "claims_declined_reach_probe", "lookups_skipped_slow_pool",
+                      "claims_declined_never", "claims_declined_reach_probe",
+                      "claims_declined_measure_probe", "lookups_skipped_slow_pool",
                       "claim_probes", "waits_for_shared_load", "pool_refill_chunks",
                       "pool_refill_hbm_chunks")
 

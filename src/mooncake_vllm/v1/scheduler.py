@@ -50,7 +50,7 @@ from typing import Any
 from mooncake_vllm.keys import RequestExtras, chunk_digests
 from mooncake_vllm.stats import CounterNames, Counters
 from mooncake_vllm.store.health import FailureLog
-from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
+from mooncake_vllm.v1.claims import DECLINE_REASONS, ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, request_extras
@@ -74,8 +74,8 @@ SKIP_LOOKUP_TOKENS = 512
 COUNTERS = CounterNames(
     initial=("lookups", "hit_tokens", "load_jobs", "save_jobs", "local_hit_chunks_not_saved",
              "declined_tokens", "claims_declined_slow_pool", "claims_declined_never",
-             "claims_declined_reach_probe", "lookups_skipped_slow_pool",
-             "claim_probes", "waits_for_shared_load", "pool_audits", "pool_refill_chunks",
+             "claims_declined_reach_probe", "claims_declined_measure_probe",
+             "lookups_skipped_slow_pool", "claim_probes", "waits_for_shared_load", "pool_audits", "pool_refill_chunks",
              "pool_refill_hbm_chunks"),
     later=frozenset({"failed_loads_not_retried", "perf_reports"}), families=(r"handoff_[a-z_]+",))
 
@@ -261,7 +261,7 @@ class SchedulerLogic:
         if decision.reason == "explore":
             self.counters["claim_probes"] += 1
         declined = hits - decision.tokens // bs
-        if declined > 0 and decision.reason in ("slow_pool", "never", "reach_probe"):
+        if declined > 0 and decision.reason in DECLINE_REASONS:
             self.counters[f"claims_declined_{decision.reason}"] += 1
             self.counters["declined_tokens"] += declined * bs
             if decision.reason == "slow_pool":
