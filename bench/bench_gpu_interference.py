@@ -288,7 +288,7 @@ def _proc(name: str, spec: dict[str, Any], work: Path, env: dict[str, str]) -> E
 
 
 def _prompts(args: argparse.Namespace) -> dict[str, Any]:
-    rnd = random.Random(12)
+    rnd = random.Random(args.seed)
 
     def toks(n: int) -> list[int]:
         return [rnd.randrange(100, args.vocab_max) for _ in range(n)]
@@ -484,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", default="measure,mixed,misses,degraded")
     ap.add_argument("--degraded-modes", default="", help="readers that run the degraded phase")
     ap.add_argument("--degraded-docs", type=int, default=8)
-    ap.add_argument("--degraded-len", type=int, default=4096)
+    ap.add_argument("--degraded-len", type=int, default=16000,
+                    help="tokens per document (a hit that pays on an H200: 4k hits are declined)")
     ap.add_argument("--degraded-seconds", type=float, default=60.0)
     ap.add_argument("--stop-at", type=float, default=15.0, help="SIGSTOP all holders but one")
     ap.add_argument("--resume-at", type=float, default=35.0, help="SIGCONT them")
@@ -495,8 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pyspy-modes", default="ours,ours-never,none")
     ap.add_argument("--pyspy-seconds", type=int, default=6)
     ap.add_argument("--local-stack", action="store_true", help="start a Mooncake stack (CPU dry run)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="prompts' seed (default: the time): runs on one pool never hit each other's prompts")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.seed is None:  # a pool kept between runs held the last run's questions (2026-12-05)
+        args.seed = time.time_ns() % (1 << 31)
     if args.worker:
         _worker(json.loads(Path(args.worker).read_text()))
         return 0
