@@ -149,6 +149,30 @@ def test_backlog_counts_against_the_claim() -> None:
     assert a.decide(0, 2048, BS, backlog=64_000).reason == "slow_pool"  # 0.66 s queued ahead
 
 
+def test_what_a_claimed_load_took_around_its_transfer_counts_against_the_next_claim() -> None:
+    """H200, 2026-12-05: an 8k hit was claimed at a predicted 117 ms (transfer + one 17 ms
+    step) against 177 ms of recompute; it took 238 ms (transfer 157) against 203. Claimed
+    loads reported over 2-5 steps after their transfer would end make the next claims
+    weigh that, not one step."""
+    from mooncake_vllm.v1.claims import ELAPSED_WINDOW
+
+    clock = Clock()
+    a = advisor(clock, explore_every=1e9)
+    a.observe(steps=prefill_steps(), loads=loads(rate=100_000.0))  # 2k: 0.025 s vs 0.05 s
+    assert a.wait(clock()) == pytest.approx(0.01)  # one step until measured
+    assert a.decide(0, 2048, BS).reason == "claimed"
+    transfer = a.loads.seconds(2048)
+    assert transfer is not None
+    for _ in range(ELAPSED_WINDOW):
+        a.observe_elapsed(2048, transfer + 0.04)
+    assert a.wait(clock()) == pytest.approx(0.04)
+    assert a.decide(0, 2048, BS).reason == "slow_pool"
+    assert a.decide(0, 16384, BS).reason == "claimed"  # a long hit still pays
+    for _ in range(ELAPSED_WINDOW):  # the steps around loads got short again
+        a.observe_elapsed(2048, transfer + 0.002)
+    assert a.decide(0, 2048, BS).reason == "claimed"
+
+
 def test_long_prompts_pay_where_short_ones_do_not() -> None:
     """Recompute grows faster than linearly (attention); a load does not."""
     clock = Clock()

@@ -352,6 +352,19 @@ def test_a_second_request_waits_for_the_first_ones_load_of_the_same_blocks() -> 
     assert logic.get_num_new_matched_tokens(_request("c", list(range(500, 518))), 0) == (0, False)
 
 
+def test_a_received_load_tells_the_claim_policy_how_long_it_took_from_its_claim() -> None:
+    clock = _Clock()
+    pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           load_async=True, can_defer=True, clock=clock)
+    for req_id, received in (("a", {"a"}), ("b", set())):  # b: aborted, only finished sending
+        logic.get_num_new_matched_tokens(_request(req_id, TOKENS), 0)
+        logic.update_state_after_alloc(_request(req_id, TOKENS), Blocks([0, 1, 2, 3, 4]), 16)
+        clock.now += 0.25
+        logic.loads_over({req_id}, received)
+    assert list(logic.claims.elapsed) == [(16.0, 0.25)]
+
+
 def test_a_shared_wait_is_bounded() -> None:
     clock = _Clock()
     pool = FakePool(set(chunk_keys(_ns(), TOKENS)))

@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CANDIDATES", "DECLINE_REASONS", "MEASURE_AFTER", "MIN_FIT", "OUTLIER", "ClaimAdvisor",
+__all__ = ["CANDIDATES", "DECLINE_REASONS", "ELAPSED_WINDOW", "MEASURE_AFTER", "MIN_FIT", "OUTLIER", "ClaimAdvisor",
            "ClaimRules", "Decision", "LoadModel", "PrefillModel"]
 
 #: prefix lengths a decision weighs (chunk boundaries, evenly coarsened)
@@ -71,6 +71,9 @@ EXPLORE_STEPS = 4.0
 #: recompute model has its samples: an engine whose every prompt hits the pool or its own
 #: prefix cache never prefills otherwise, and would claim every hit, paying or not, for ever
 MEASURE_AFTER = 8
+#: claimed background loads whose time from the claim to the step that reported them over is
+#: kept (what a load costs as vLLM's scheduler sees it: the transfer and the steps around it)
+ELAPSED_WINDOW = 16
 #: a decision's reasons for claiming less than the hit (the scheduler counts each as
 #: ``claims_declined_<reason>``)
 DECLINE_REASONS = ("slow_pool", "never", "reach_probe", "measure_probe")
@@ -329,6 +332,8 @@ class ClaimAdvisor:
         self.loads = LoadModel(rules.half_life)
         self._last_explore = -math.inf
         self._last_measure = -math.inf
+        #: ``(tokens, seconds)`` of claimed background loads, from claim to reported over
+        self.elapsed: deque[tuple[float, float]] = deque(maxlen=ELAPSED_WINDOW)
         self.counts: dict[str, int] = {}
         #: the last decisions: ``(clock, start, hit, decision)`` (what an operator or a bench
         #: compares with what the requests then took)
@@ -344,6 +349,26 @@ class ClaimAdvisor:
             self.prefill.add(now, tokens, work, seconds, reach[0] if reach else 0.0)
         for tokens, seconds in loads:
             self.loads.add(now, tokens, seconds)
+
+    def observe_elapsed(self, tokens: float, seconds: float) -> None:
+        """A claimed background load of ``tokens`` was reported over ``seconds`` after its claim."""
+        if tokens > 0 and seconds > 0:
+            self.elapsed.append((float(tokens), float(seconds)))
+
+    def wait(self, now: float) -> float:
+        """What a background load costs beyond its transfer: one engine step (vLLM schedules
+        it at the next) until measured, then the median over recent claimed loads of their
+        claim-to-reported-over seconds less their predicted transfer (the H200, 2026-12-05:
+        TTFT of 8k-32k hits 54-101 ms over the transfer with 17 ms steps, where one step was
+        assumed and an 8k hit claimed at a predicted 117 ms took 238 against 203 to recompute).
+        The request's last step follows either way, as a recompute's prefill would."""
+        if not self.background:
+            return 0.0
+        predict = self.loads.predictor(now)
+        if predict is None or len(self.elapsed) < self.rules.min_samples:
+            return self.prefill.step(now)
+        extra = sorted(seconds - predict(tokens) for tokens, seconds in self.elapsed)
+        return max(0.0, extra[len(extra) // 2])
 
     def decide(self, start: int, hit: int, chunk: int, backlog: int = 0) -> Decision:
         """Of ``hit`` tokens from position ``start`` (whole ``chunk``-token chunks), how many
@@ -439,7 +464,7 @@ class ClaimAdvisor:
         chunks = max(1, hit // max(1, chunk))
         stride = max(1, -(-chunks // CANDIDATES))
         lengths = sorted({min(chunks, k) * chunk for k in range(stride, chunks + stride, stride)})
-        wait = self.prefill.step(now) if self.background else 0.0
+        wait = self.wait(now)
         load_seconds = self.loads.predictor(now)
         if load_seconds is None:
             return None

@@ -285,11 +285,15 @@ class SchedulerLogic:
             self.counters["perf_reports"] += 1
             self.claims.observe(steps=perf.get("steps", ()), loads=perf.get("loads", ()))
 
-    def loads_over(self, req_ids: Iterable[str]) -> None:
-        """The workers report these requests' background loads over: their chunks are free."""
+    def loads_over(self, req_ids: Iterable[str], received: Iterable[str] = ()) -> None:
+        """The workers report these requests' background loads over: their chunks are free;
+        those ``received`` tell the claim policy how long a claimed load took."""
+        received, now = set(received), self._clock()
         for req_id in req_ids:
-            if self._inflight_tokens.pop(req_id, None) is not None:
+            if (inflight := self._inflight_tokens.pop(req_id, None)) is not None:
                 self._inflight = {d: r for d, r in self._inflight.items() if r != req_id}
+                if req_id in received:
+                    self.claims.observe_elapsed(inflight[0], now - inflight[1])
 
     def _expire_inflight(self) -> None:
         now = self._clock()

@@ -107,10 +107,10 @@ class Telemetry:
             perf = own.get("perf")
             if perf:
                 self.scheduler.observe_perf(perf)
-            over = set(getattr(connector_output, "finished_recving", None) or ())
-            over |= set(getattr(connector_output, "finished_sending", None) or ())
+            received = set(getattr(connector_output, "finished_recving", None) or ())
+            over = received | set(getattr(connector_output, "finished_sending", None) or ())
             if over:
-                self.scheduler.loads_over(over)
+                self.scheduler.loads_over(over, received)
             self.scheduler.workers_up.update(own.get("pool_up") or {})  # sent when it changes
         records = own.pop("events", None)  # consumed here: the front end does not need them
         dropped = own.pop("events_dropped", 0)
