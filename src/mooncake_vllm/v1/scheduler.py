@@ -52,6 +52,7 @@ from mooncake_vllm.stats import CounterNames, Counters
 from mooncake_vllm.store.health import FailureLog
 from mooncake_vllm.v1.claims import DECLINE_REASONS, ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
+from mooncake_vllm.v1.inflight import InflightLoads
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, request_extras
 from mooncake_vllm.v1.perf import step_work
@@ -147,8 +148,7 @@ class SchedulerLogic:
         #: cached under its hash until vLLM hears of it, so the refill never reads them
         self._recent_loads: deque[set[int]] = deque(maxlen=4)
         self._refill_jobs = 0
-        self._inflight: dict[str, str] = {}  # chunk digest -> request whose load brings it
-        self._inflight_tokens: dict[str, tuple[int, float]] = {}  # req -> (tokens, since)
+        self._inflight = InflightLoads(clock, expire_after=4 * MAX_SHARED_WAIT)
         self._declines = FailureLog()
         self.handoffs = Handoffs([ns.prefix() for ns in namespaces.namespaces], block_size,
                                  self.counters, offer=can_save,
@@ -223,9 +223,7 @@ class SchedulerLogic:
     def _waits_for_shared_load(self, st: RequestState, wanted: Sequence[str]) -> bool:
         """Another request's background load brings some of ``wanted``: wait for it (once
         over, vLLM's own prefix cache has them), at most :data:`MAX_SHARED_WAIT` s."""
-        self._expire_inflight()
-        if not self.can_defer or not self._inflight or \
-                not any(self._inflight.get(d, st.req_id) != st.req_id for d in wanted):
+        if not self.can_defer or not self._inflight.brought_by_another(st.req_id, wanted):
             st.shared_wait_since = None
             return False
         now = self._clock()
@@ -277,7 +275,7 @@ class SchedulerLogic:
     def loading_tokens(self) -> int:
         """Tokens of this instance's background loads not yet reported over (the backlog a
         new claim waits behind)."""
-        return sum(tokens for tokens, _ in self._inflight_tokens.values())
+        return self._inflight.tokens()
 
     def observe_perf(self, perf: Any) -> None:
         """Step and load timings the workers measured (``PoolStats.data["perf"]``)."""
@@ -288,19 +286,10 @@ class SchedulerLogic:
     def loads_over(self, req_ids: Iterable[str], received: Iterable[str] = ()) -> None:
         """The workers report these requests' background loads over: their chunks are free;
         those ``received`` tell the claim policy how long a claimed load took."""
-        received, now = set(received), self._clock()
-        for req_id in req_ids:
-            if (inflight := self._inflight_tokens.pop(req_id, None)) is not None:
-                self._inflight = {d: r for d, r in self._inflight.items() if r != req_id}
-                if req_id in received:
-                    self.claims.observe_elapsed(inflight[0], now - inflight[1])
-
-    def _expire_inflight(self) -> None:
-        now = self._clock()
-        stale = [r for r, (_, since) in self._inflight_tokens.items()
-                 if now - since > 4 * MAX_SHARED_WAIT]
-        if stale:
-            self.loads_over(stale)
+        received = set(received)
+        for req_id, tokens, seconds in self._inflight.over(req_ids):
+            if req_id in received:
+                self.claims.observe_elapsed(tokens, seconds)
 
     def _note_local_hits(self, st: RequestState, num_computed_tokens: int) -> None:
         """Blocks vLLM serves from its own prefix cache need no second save (a 2k-token hit
@@ -354,9 +343,7 @@ class SchedulerLogic:
         self._loads.append(BlockJob(st.req_id, st.digests[start:end], block_ids[start:end],
                                     background=self.load_async))
         if self.load_async:
-            for digest in st.digests[start:end]:
-                self._inflight.setdefault(digest, st.req_id)
-            self._inflight_tokens[st.req_id] = ((end - start) * self.block_size, self._clock())
+            self._inflight.add(st.req_id, st.digests[start:end], (end - start) * self.block_size)
         st.loaded_upto = max(st.loaded_upto, end)
         st.promised = end * self.block_size
         self.counters["load_jobs"] += 1
