@@ -20,15 +20,27 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mooncake_vllm.errors import CallRejected, CallTimedOut
+from mooncake_vllm.stats import StoreStats
 from mooncake_vllm.store.timebox import TimeBox
 
-if TYPE_CHECKING:
-    from mooncake_vllm.store.transport import Transport
+__all__ = ["HolderGuard", "TimedCalls"]
 
-__all__ = ["HolderGuard"]
+
+class TimedCalls(Protocol):
+    """What the guard needs of its transport (:class:`~mooncake_vllm.store.transport.Transport`,
+    which owns the guard: a protocol here keeps the import one way)."""
+
+    control: TimeBox
+    stats: StoreStats
+
+    @property
+    def store(self) -> Any: ...
+
+    def run(self, box: TimeBox, timeout: float, fn: Callable[..., Any], *args: Any,
+            breaker: bool = True) -> Any: ...
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +62,7 @@ def _dropped(where: str) -> None:
 class HolderGuard:
     """Suspended holders (by transfer endpoint) of one transport, and their probes."""
 
-    def __init__(self, transport: Transport, *, cooldown: float = 3.0, probe_timeout: float = 1.0,
+    def __init__(self, transport: TimedCalls, *, cooldown: float = 3.0, probe_timeout: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._t = transport
         self.cooldown = cooldown
