@@ -190,6 +190,8 @@ def test_a_holder_stalled_past_client_ttl_loses_its_blocks_but_takes_puts_again(
         assert any("no longer lists the blocks" in m and gone in m for m in said), (
             f"the dropped blocks were not named (only: {said})")
         assert not any(m.endswith("answers again") for m in said), said  # it was never probed answering
+        # counted: the V1 workers' stats carry it to the scheduler, which re-saves from HBM
+        assert client.stats.snapshot().get("holders_dropped", 0) >= 1
     except AssertionError as exc:
         print(f"FAILED: {exc}", file=sys.stderr, flush=True)
         raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from mooncake_vllm.v1.refill import HbmRefill, PoolAudit, cached_block
+from mooncake_vllm.v1.refill import LOSS_GAP, HbmRefill, PoolAudit, cached_block
 
 
 class Clock:
@@ -134,3 +134,31 @@ def test_the_connector_binds_vllms_cache_only_where_a_block_hash_is_one_chunk() 
         MooncakeStoreConnector.bind_gpu_block_pool(side, SimpleNamespace(  # type: ignore[arg-type]
             hash_block_size=hash_block_size, get_cached_block=lambda h, g: None))
         assert (refill.resolve is not None) == bound
+
+
+def test_a_loss_while_the_pool_stays_up_sweeps_as_after_an_outage_at_most_once_per_gap() -> None:
+    """HbmRefill.lost: the outage's sweep, started while the pool answers (a holder's segment
+    dropped); refused while the pool is away (the outage's sweep follows), taken without a
+    new sweep while one runs, rate-limited to one start per LOSS_GAP."""
+    refill, clock, _ = _refill(per_step=10)
+    refill.observe(True)
+    assert refill.lost("a lookup missed 4 chunks") and refill.sweeping
+    assert refill.timeline is not None and refill.timeline.back_at == clock.now
+    first = refill.timeline
+    assert refill.lost("again") and refill.timeline is first  # one runs: taken, nothing new
+    assert sorted(b for _, b in refill.take()) == [10, 11, 20, 21, 22]
+    refill.done_step(0, 5)  # all still there: done
+    assert not refill.sweeping
+    assert "blocks lost while the pool stayed up (a lookup missed 4 chunks) at" in refill.last_line
+    assert "0 of 6 remembered chunks re-saved (5 still in the pool, 1 no longer in" in refill.last_line
+    clock.now += LOSS_GAP - 1
+    assert not refill.lost("soon after") and not refill.sweeping
+    clock.now += 1
+    assert refill.lost("later") and refill.sweeping
+    refill.observe(False)  # the pool goes away mid-sweep: the outage takes over
+    assert "interrupted" in refill.last_line
+    clock.now += LOSS_GAP
+    assert not refill.lost("while away")
+    refill.resolve = None
+    refill.observe(True)
+    assert refill.lost("no cache to read") and not refill.sweeping

@@ -52,7 +52,8 @@ def _endpoint(replicas: Any) -> str | None:
         return None
 
 
-def _dropped(where: str) -> None:
+def _dropped(transport: TimedCalls, where: str) -> None:
+    transport.stats.add("holders_dropped")  # the V1 scheduler re-saves from HBM (v1/pool_loss)
     log.warning("mooncake-vllm: the master no longer lists the blocks of pool holder %s: it "
                 "stalled longer than the master's --client_ttl, which unmounted its segment and "
                 "dropped its blocks (or they were evicted); they are misses until saved again. "
@@ -125,7 +126,7 @@ class HolderGuard:
                 continue
             state = self._probe(key)
             if state == "gone":
-                _dropped(where)
+                _dropped(self._t, where)
             if state != "silent":
                 continue
             with self._lock:
@@ -168,7 +169,7 @@ class HolderGuard:
                 if state == "answers":
                     log.warning("mooncake-vllm: pool holder %s answers again", where)
                 else:
-                    _dropped(where)
+                    _dropped(self._t, where)
             else:
                 with self._lock:
                     self.suspended[where] = (self._clock() + self.cooldown, key)

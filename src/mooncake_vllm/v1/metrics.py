@@ -80,8 +80,19 @@ COUNTERS: Mapping[str, str] = {
     "pool_refill_chunks": "Chunks vLLM served from its own prefix cache that the pool had lost "
                           "(a master restart, a holder's segment dropped): saved again.",
     "pool_refill_hbm_chunks": "Chunks of vLLM's prefix cache saved again once the pool was back "
-                              "after an outage (a restarted master comes back empty), without "
-                              "waiting for a request to touch them.",
+                              "after an outage (a restarted master comes back empty) or had lost "
+                              "blocks while it stayed up, without waiting for a request to touch "
+                              "them.",
+    "pool_vanished_chunks": "Chunks a lookup found in the pool that a later lookup (within 120 s) "
+                            "missed: lost with a holder's segment, or evicted.",
+    "pool_loss_refills": "Sweeps of vLLM's prefix cache started because the pool lost blocks "
+                         "while it stayed up (a lookup missed chunks it had found, or a worker "
+                         "found a stalled holder's blocks dropped by the master); at most one "
+                         "per 30 s.",
+    "pool_loss_refill_chunks": "Chunks of vLLM's prefix cache those sweeps saved again.",
+    "pool_segments_dropped": "Times a worker found a stalled pool holder's blocks no longer listed "
+                             "by the master (it stalled past the master's --client_ttl, which "
+                             "dropped its segment).",
 }
 #: the labelled counter of misses caused by an error (``{cause}``: store/misses.MISS_CAUSES);
 #: in the per-step deltas each cause is the counter ``miss_causes:<cause>``
@@ -234,7 +245,8 @@ _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declin
                       "claims_declined_never", "claims_declined_reach_probe",
                       "claims_declined_measure_probe", "lookups_skipped_slow_pool",
                       "claim_probes", "waits_for_shared_load", "pool_refill_chunks",
-                      "pool_refill_hbm_chunks")
+                      "pool_refill_hbm_chunks", "pool_vanished_chunks", "pool_loss_refills",
+                      "pool_loss_refill_chunks")
 
 
 def scheduler_counters(scheduler: Any, client: Any = None) -> dict[str, int]:
@@ -265,6 +277,7 @@ def worker_counters(worker: Any, client: Any) -> dict[str, int]:
            "failed_blocks": c["failed_blocks"], "saved_blocks": c["saved_blocks"],
            "saved_bytes": c["saved_blocks"] * nbytes, "dropped_blocks": dropped}
     if client is not None:
+        out["pool_segments_dropped"] = store.get("holders_dropped", 0)
         out.update(_miss_causes(client, lookups=False))
     return out
 

@@ -9,7 +9,9 @@ recover (issue 27's soak). :class:`PoolAudit` checks a request's local-hit chunk
 against the pool at most once per ``interval`` per chunk; the chunks from the first
 one the pool lacks are then saved again from HBM with the request's other saves.
 :class:`HbmRefill` does not wait for requests: once the pool is back after an outage it
-re-saves every chunk vLLM's prefix cache still holds, a bounded batch per step.
+re-saves every chunk vLLM's prefix cache still holds, a bounded batch per step; the same
+sweep runs (:meth:`HbmRefill.lost`, rate-limited) when blocks were lost while the pool stayed
+up — a holder's segment dropped (:mod:`.pool_loss` notices it).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AUDIT_INTERVAL", "REFILL_GAP", "REFILL_PASSES", "RESAVE_PER_STEP", "HbmRefill",
-           "PoolAudit", "Timeline", "cached_block"]
+__all__ = ["AUDIT_INTERVAL", "LOSS_GAP", "REFILL_GAP", "REFILL_PASSES", "RESAVE_PER_STEP",
+           "HbmRefill", "PoolAudit", "Timeline", "cached_block"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,9 @@ RESAVE_PER_STEP = 64
 #: passes over vLLM's cache after an outage, ``REFILL_GAP`` s apart (holders re-mount late)
 REFILL_PASSES = 3
 REFILL_GAP = 5.0
+#: seconds between the starts of two sweeps after losses while the pool stayed up (a pool that
+#: keeps evicting what vLLM still caches would otherwise be swept again and again)
+LOSS_GAP = 30.0
 
 
 class PoolAudit:
@@ -86,17 +91,21 @@ class HbmRefill:
     save the put drops, never a wrong value. The master answers before its holders
     have mounted their segments again, so puts of the first pass may not land: a
     pass that re-saved anything is followed, ``gap`` seconds later, by another
-    (at most ``passes``), which saves only what is still missing.
+    (at most ``passes``), which saves only what is still missing. :meth:`lost` starts
+    the same sweep while the pool stays up (a holder's segment dropped), at most once per
+    ``loss_gap`` seconds.
     """
 
     def __init__(self, *, per_step: int = RESAVE_PER_STEP, capacity: int = _CAPACITY,
-                 passes: int = REFILL_PASSES, gap: float = REFILL_GAP,
+                 passes: int = REFILL_PASSES, gap: float = REFILL_GAP, loss_gap: float = LOSS_GAP,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self.per_step = per_step
         self.capacity = capacity
         self.passes = passes
         self.gap = gap
+        self.loss_gap = loss_gap
+        self._last_loss: float | None = None
         #: vLLM's cached block for a block hash, or ``None`` (bound by the connector)
         self.resolve: Callable[[Any], int | None] | None = None
         self._clock = clock
@@ -137,6 +146,23 @@ class HbmRefill:
                               "re-saves chunks as requests touch them")
             return True
         self._start_pass(t)
+        return True
+
+    def lost(self, why: str) -> bool:
+        """Blocks were lost while the pool stayed up (``why``: how it was noticed): sweep
+        vLLM's cache as after an outage. ``False`` = not now (the pool is away, or the last
+        such sweep started less than ``loss_gap`` s ago): ask again later; ``True`` = taken
+        (a sweep started, one already runs, or vLLM's cache cannot be read here)."""
+        now = self._clock()
+        if self._ready is False or (self.timeline is not None and self.timeline.back_at is None):
+            return False  # away: the outage's own sweep follows
+        if self.sweeping or self.resolve is None:
+            return True
+        if self._last_loss is not None and now - self._last_loss < self.loss_gap:
+            return False
+        self._last_loss = now
+        self.timeline = Timeline(lost_at=now, lost_wall=self._wall(), back_at=now, cause=why)
+        self._start_pass(self.timeline)
         return True
 
     def _start_pass(self, t: Timeline) -> None:
@@ -208,9 +234,11 @@ class HbmRefill:
         def rel(at: float | None) -> str:
             return "-" if at is None else f"+{at - t.lost_at:.1f} s"
         lost = time.strftime("%H:%M:%S", time.localtime(t.lost_wall))
+        what = (f"blocks lost while the pool stayed up ({t.cause}) at {lost}" if t.cause else
+                f"pool lost at {lost}, back at {rel(t.back_at)}")
         self.last_line = (
-            f"mooncake-vllm: pool refill from HBM: pool lost at {lost}, back at "
-            f"{rel(t.back_at)}, re-save started {rel(t.started_at)}, {t.resaved} of "
+            f"mooncake-vllm: pool refill from HBM: {what}, re-save started "
+            f"{rel(t.started_at)}, {t.resaved} of "
             f"{t.queued} remembered chunks re-saved ({t.present} still in the pool, "
             f"{t.evicted} no longer in vLLM's cache), {t.passes} pass(es) (the later ones "
             f"re-saved {t.later} whose puts had not landed), {how} at {rel(now)}")
@@ -219,8 +247,8 @@ class HbmRefill:
 
 @dataclass
 class Timeline:
-    """One outage of the pool, as the scheduler saw it (monotonic seconds; counts: of the
-    first pass)."""
+    """One outage of the pool (or, with a ``cause``, one loss of blocks while it stayed up), as
+    the scheduler saw it (monotonic seconds; counts: of the first pass)."""
 
     lost_at: float
     lost_wall: float
@@ -233,6 +261,7 @@ class Timeline:
     passes: int = 0
     later: int = 0  #: re-saved by later passes (the first pass's puts had not landed)
     pass_resaved: int = 0  #: re-saved by the current pass
+    cause: str = ""  #: how a loss while the pool stayed up was noticed ("": an outage)
 
 
 def cached_block(block_pool: Any) -> Callable[[Any], int | None]:

@@ -23,8 +23,9 @@ query), so it is unit-testable without vLLM or Mooncake.
 * Refill (:mod:`~mooncake_vllm.v1.refill`): chunks vLLM serves from its own prefix
   cache are not saved again, unless the pool lost them (checked at most once per
   chunk per audit interval): then they are saved again from HBM. Once the pool is
-  back after an outage, every chunk vLLM's prefix cache still holds is re-saved
-  without waiting for a request (``HbmRefill``, a bounded batch per step).
+  back after an outage, or lost blocks while it stayed up (a holder's segment dropped:
+  :mod:`~mooncake_vllm.v1.pool_loss`), every chunk vLLM's prefix cache still holds is
+  re-saved without waiting for a request (``HbmRefill``, a bounded batch per step).
 * Claims (:mod:`~mooncake_vllm.v1.claims`): a lookup's hit is claimed only as far
   as loading it is predicted to beat recomputing it (``load_policy``), from the
   step and load timings the workers report (``observe_perf``).
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +56,7 @@ from mooncake_vllm.v1.inflight import InflightLoads
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, request_extras
 from mooncake_vllm.v1.perf import step_work
+from mooncake_vllm.v1.pool_loss import PoolRefills
 from mooncake_vllm.v1.refill import HbmRefill, PoolAudit
 
 __all__ = ["COUNTERS", "MAX_SHARED_WAIT", "SKIP_LOOKUP_TOKENS", "RequestState", "SchedulerLogic"]
@@ -76,8 +77,9 @@ COUNTERS = CounterNames(
     initial=("lookups", "hit_tokens", "load_jobs", "save_jobs", "local_hit_chunks_not_saved",
              "declined_tokens", "claims_declined_slow_pool", "claims_declined_never",
              "claims_declined_reach_probe", "claims_declined_measure_probe",
-             "lookups_skipped_slow_pool", "claim_probes", "waits_for_shared_load", "pool_audits", "pool_refill_chunks",
-             "pool_refill_hbm_chunks"),
+             "lookups_skipped_slow_pool", "claim_probes", "waits_for_shared_load", "pool_audits",
+             "pool_refill_chunks", "pool_refill_hbm_chunks", "pool_vanished_chunks",
+             "pool_loss_refills", "pool_loss_refill_chunks"),
     later=frozenset({"failed_loads_not_retried", "perf_reports"}), families=(r"handoff_[a-z_]+",))
 
 
@@ -144,10 +146,8 @@ class SchedulerLogic:
         #: each worker's pool state (``pool_up`` of its stats: 0 while its breaker is open); the
         #: workers may run in their own processes, with their own clients and breakers
         self.workers_up: dict[str, int] = {}
-        #: blocks of the last steps' loads: a failed synchronous load leaves vLLM's block
-        #: cached under its hash until vLLM hears of it, so the refill never reads them
-        self._recent_loads: deque[set[int]] = deque(maxlen=4)
-        self._refill_jobs = 0
+        self.refills = PoolRefills(namespaces, lambda keys: self.lookup(keys), self.counters,
+                                   self.audit, self.refill, clock)
         self._inflight = InflightLoads(clock, expire_after=4 * MAX_SHARED_WAIT)
         self._declines = FailureLog()
         self.handoffs = Handoffs([ns.prefix() for ns in namespaces.namespaces], block_size,
@@ -207,6 +207,7 @@ class SchedulerLogic:
             return 0, False
         self.counters["lookups"] += 1
         present = self.lookup(self.namespaces.keys_for(wanted))
+        self.refills.looked_up(wanted, present)
         hits = self.namespaces.prefix_hits(present, len(wanted))
         self.handoffs.after_lookup(st.req_id, start + hits)
         if hits == 0:
@@ -317,8 +318,9 @@ class SchedulerLogic:
             return
         chunks = st.digests[due:local]
         self.counters["pool_audits"] += 1
-        found = self.namespaces.prefix_hits(self.lookup(self.namespaces.keys_for(chunks)),
-                                            len(chunks))
+        present = self.lookup(self.namespaces.keys_for(chunks))
+        self.refills.looked_up(chunks, present)
+        found = self.namespaces.prefix_hits(present, len(chunks))
         self.audit.found(chunks[:found])
         if found < len(chunks):
             st.pool_gap = st.local_upto = due + found
@@ -393,35 +395,10 @@ class SchedulerLogic:
             done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._plan_save(meta, st, done, block_state)
             self._declare(meta, st)
-        self._refill_from_hbm(meta)
+        # after an outage or a loss: what vLLM's prefix cache holds, saved again (.pool_loss)
+        self.refills.step(meta, self._pool_ready() and all(self.workers_up.values()),
+                          self._pool_ready)
         return meta
-
-    def _refill_from_hbm(self, meta: MooncakeConnectorMetadata) -> None:
-        """Once the pool is back after an outage: look up a bounded batch of the chunks
-        vLLM's prefix cache holds and save those the pool lacks from their blocks, with
-        this step's saves (:class:`~.refill.HbmRefill`)."""
-        self._recent_loads.append({b for job in meta.loads for b in job.block_ids})
-        # the workers put the refill's saves: it starts once they reach the pool too (run H: their
-        # breakers closed up to 22 s after the scheduler's, and saves meanwhile were dropped)
-        if self.refill.observe(self._pool_ready() and all(self.workers_up.values())):
-            self.audit.forget()  # a restarted master kept nothing the audit found
-        if not self.refill.sweeping:
-            return
-        batch = self.refill.take(set().union(*self._recent_loads))
-        digests = [digest for digest, _ in batch]
-        present = self.lookup(self.namespaces.keys_for(digests)) if batch else []
-        if batch and not self._pool_ready():
-            return  # away again: the next step's observe ends this sweep
-        n, ranks = len(batch), len(self.namespaces.namespaces)
-        lost = [(d, b) for j, (d, b) in enumerate(batch)
-                if not all(present[r * n + j] for r in range(ranks))]
-        if lost:
-            self._refill_jobs += 1
-            meta.saves.append(BlockJob(f"mcv-refill-{self._refill_jobs}", [d for d, _ in lost],
-                                       [b for _, b in lost], unheld=True))
-            self.counters["pool_refill_hbm_chunks"] += len(lost)
-        self.audit.found(digests)
-        self.refill.done_step(len(lost), n - len(lost))
 
     def _declare(self, meta: MooncakeConnectorMetadata, st: RequestState) -> None:
         """Every full chunk of an asked request is with the workers (or came from the

@@ -112,6 +112,7 @@ class Telemetry:
             if over:
                 self.scheduler.loads_over(over, received)
             self.scheduler.workers_up.update(own.get("pool_up") or {})  # sent when it changes
+            self.scheduler.refills.losses.workers_report(own.get("counters") or {})
         records = own.pop("events", None)  # consumed here: the front end does not need them
         dropped = own.pop("events_dropped", 0)
         if self.scheduler_events is not None:
