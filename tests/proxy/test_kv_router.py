@@ -160,10 +160,13 @@ def test_before_any_block_is_published_untokenized_first_turns_spread_by_load() 
 
 
 def _measured(router: KvRouter, fleet: list[Instance], rates: list[float]) -> None:
-    """The engines report ``rates`` (prefill tokens/s) since they started."""
-    for inst, rate in zip(fleet, rates):
-        inst.engine = EngineLoad(at=1e18, max_age=1e18, prefill_tokens=rate * 100, prefill_seconds=100.0)
-    router.calibrate(fleet)
+    """The engines computed at ``rates`` (prefill tokens/s, one prefill at a time) over 100 s
+    of the proxy's polls (their totals before its first poll are a baseline only)."""
+    for at, seconds in ((0.0, 0.0), (100.0, 100.0)):
+        for inst, rate in zip(fleet, rates):
+            inst.engine = EngineLoad(at=at, max_age=1e18, prefill_tokens=rate * seconds,
+                                     prefill_seconds=seconds)
+        router.calibrate(fleet)
 
 
 def test_before_any_block_is_published_first_turns_spread_by_measured_speed() -> None:

@@ -346,8 +346,8 @@ class KvRouter:
         engines = [i.engine for i in instances if i.engine is not None]
         with self._lock:
             for i in instances:
-                if i.engine is not None:
-                    self.speeds.update(i.key, i.engine.prefill_tokens, i.engine.prefill_seconds)
+                if (e := i.engine) is not None:
+                    self.speeds.update(i.key, e.prefill_tokens, e.prefill_seconds, e.at, e.running)
         if not engines:
             return
         got = sum(e.pool_hit_tokens for e in engines)
@@ -440,7 +440,7 @@ async def start(server: ProxyServer) -> None:
     sub = server.kv.subscriber
     server.kv.start()
     insts = [i for k in ("prefill", "decode") for i in server.pool.available(k)]
-    if server.session is not None and server.config.engine_metrics_interval > 0:  # speeds before the first request
+    if server.session is not None and server.config.engine_metrics_interval > 0:  # the speeds' baseline
         await asyncio.gather(*(engine_load.scrape(server.session, i, server.config.health_timeout,
                                                   3 * server.config.engine_metrics_interval) for i in insts))
         server.kv.calibrate(insts)
