@@ -38,7 +38,7 @@ from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient, vllm_ar
 from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
 from mooncake_vllm.proxy.kv_index import LOCAL, POOL, BlockIndex, CostWeights, choose
 from mooncake_vllm.proxy.kv_speed import SpeedTracker
-from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey
+from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey, check_queue_cap
 
 
 class ProxyServer(Protocol):
@@ -430,7 +430,7 @@ _LABELS: dict[str, tuple[str, ...]] = {
     "index_drops": ("reason",), "fallbacks": ("kind", "reason"), "decisions": ("kind", "outcome"),
     "predicted_local_tokens": ("kind",), "predicted_pool_tokens": ("kind",), "prompt_tokens": ("kind",),
     "got_cached_tokens": ("kind",), "observed_predicted_tokens": ("kind",), "observed": ("kind",),
-    "replays": ("outcome",), "bounded": ("kind",),
+    "replays": ("outcome",), "bounded": ("kind",), "capped": ("kind",),
 }
 
 
@@ -475,12 +475,14 @@ def parse_replay(value: dict[str, str] | Sequence[str]) -> dict[str, str]:
 
 
 def attach(server: ProxyServer) -> KvRouter | None:
-    """Give the server's ``kv_aware`` policies one shared router; None for other policies."""
+    """Give the server's ``kv_aware`` policies one shared router (and ``kv_queue_cap``, checked);
+    None for other policies."""
+    cap = check_queue_cap(server.config.kv_queue_cap, server.config.scheduling)
     policies = [p for p in server.policies.values() if isinstance(p, KvAwarePolicy)]
     if not policies:
         return None
     router = KvRouter(server.config.kv_events, replay=dict(server.config.kv_replay))
     for kind, p in server.policies.items():
         if isinstance(p, KvAwarePolicy):
-            p.router, p.kind = router, kind
+            p.router, p.kind, p.queue_cap = router, kind, cap
     return router
