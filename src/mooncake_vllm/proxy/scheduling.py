@@ -160,10 +160,11 @@ class KvAwarePolicy(SchedulingPolicy):
     documents were (1.35-1.38x the mean).
 
     Before any instance published a block (a fresh proxy) none is known to hold anything:
-    the cost is each instance's queued work and the prompt's, over its measured speed, so the
-    first turns spread by speed instead of hashing documents onto a few instances whose first
-    turns then pin every later conversation of those documents (bench_routing 2026-12-05:
-    3 / 4 / 1 of the first 8). A prompt that falls back then (not tokenized) spreads by load.
+    the cost is each instance's queued work and the prompt's, over its measured speed (equal
+    until the proxy's own polls measured it), so the first turns spread by cost instead of
+    hashing documents onto a few instances whose first turns then pin every later conversation
+    of those documents (bench_routing 2026-12-05: 3 / 4 / 1 of the first 8). A prompt that
+    falls back then (not tokenized) spreads by load.
 
     ``queue_cap`` (``--kv-queue-cap``, 0 = none): an instance holding that many requests
     (``Instance.load``) takes no more while another has room (counted as ``capped``); when
