@@ -141,6 +141,7 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
                                      scheduling=policy, kv_events=endpoint, health_interval=2.0,
                                      kv_replay=[f"{f.address}={f.replay}" for f in fleet],
                                      health_timeout=10.0,
+                                     kv_queue_cap=p.get("kv_queue_cap", 0) if policy == "kv_aware" else 0,
                                      # kv_aware tokenizes here: no /tokenize round trip per request
                                      tokenizer=model if policy == "kv_aware" and p.get("local_tokenizer")
                                      else None))
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, help="shared documents (the preset's otherwise)")
     ap.add_argument("--remote-tokenize", action="store_true",
                     help="kv_aware asks an instance's /tokenize per request (default: --tokenizer, the model's)")
+    ap.add_argument("--kv-queue-cap", type=int, default=0,
+                    help="kv_aware's --kv-queue-cap: requests on an instance beyond which it picks another")
     ap.add_argument("--tag", default="", help="suffix of the output files' names")
     ap.add_argument("--out", type=Path, default=Path("docs/bench-results"))
     ap.add_argument("--configs", nargs="+", help="subset of the configurations")
@@ -358,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.configs:
         p["configs"] = args.configs
     p["local_tokenizer"] = not args.remote_tokenize
+    p["kv_queue_cap"] = args.kv_queue_cap
     if args.repeats:
         p["repeats"] = args.repeats
     if args.kv_mib:

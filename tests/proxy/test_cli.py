@@ -103,3 +103,17 @@ def test_kv_aware_asked_for_without_its_packages_is_refused_naming_them(
     monkeypatch.setattr(server, "missing_modules", lambda: [])
     server.ProxyServer(server.ProxyConfig(model=MODEL, decode=["127.0.0.1:8200"],
                                           scheduling="round_robin"))  # other policies need neither
+
+
+def test_a_bad_kv_queue_cap_stops_the_cli_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from mooncake_vllm.cli.proxy import configure
+    from mooncake_vllm.cli.proxy import run as run_cli
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    args = parser.parse_args(["--model", MODEL, "-d", "127.0.0.1:8200", "--scheduling", "kv_aware",
+                              "--kv-queue-cap", "-2"])
+    assert run_cli(args) == 2
+    assert "--kv-queue-cap" in capsys.readouterr().err

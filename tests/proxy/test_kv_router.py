@@ -4,14 +4,17 @@ counts, and the ``no_events`` fallback for an instance that publishes nothing.""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
+from mooncake_vllm.errors import ConfigError
 from mooncake_vllm.proxy.engine_load import EngineLoad
 from mooncake_vllm.proxy.instances import Instance, parse_endpoint
 from mooncake_vllm.proxy.kv_hashes import PromptHasher
 from mooncake_vllm.proxy.kv_policy import KvRouter, PromptKey
 from mooncake_vllm.proxy.scheduling import KvAwarePolicy
+from mooncake_vllm.proxy.server import ProxyConfig, ProxyServer
 
 BS = 4
 DOC = list(range(100, 140))  # 10 full blocks
@@ -160,10 +163,13 @@ def test_before_any_block_is_published_untokenized_first_turns_spread_by_load() 
 
 
 def _measured(router: KvRouter, fleet: list[Instance], rates: list[float]) -> None:
-    """The engines report ``rates`` (prefill tokens/s) since they started."""
-    for inst, rate in zip(fleet, rates):
-        inst.engine = EngineLoad(at=1e18, max_age=1e18, prefill_tokens=rate * 100, prefill_seconds=100.0)
-    router.calibrate(fleet)
+    """The engines computed at ``rates`` (prefill tokens/s, one prefill at a time) over 100 s
+    of the proxy's polls (their totals before its first poll are a baseline only)."""
+    for at, seconds in ((0.0, 0.0), (100.0, 100.0)):
+        for inst, rate in zip(fleet, rates):
+            inst.engine = EngineLoad(at=at, max_age=1e18, prefill_tokens=rate * seconds,
+                                     prefill_seconds=seconds)
+        router.calibrate(fleet)
 
 
 def test_before_any_block_is_published_first_turns_spread_by_measured_speed() -> None:
@@ -189,3 +195,43 @@ def test_a_slow_holder_keeps_its_hits_but_not_a_queue_worth_a_recompute_elsewher
     assert policy.select([a, b], _key(DOC + [1, 2, 3, 4])) is a  # 4 tokens there against 44 recomputed
     router.pending[a.key] += 100  # 100 tokens queued on a: at a quarter of b's speed, b recomputes sooner
     assert policy.select([a, b], _key(DOC + [5, 6, 7, 8])) is b
+
+
+def _capped_server(**cfg: object) -> ProxyServer:
+    return ProxyServer(ProxyConfig(model="m", decode=["127.0.0.1:1"], flow="kv_both", **cfg))  # type: ignore[arg-type]
+
+
+def test_an_instance_at_the_queue_cap_takes_no_more_while_another_has_room() -> None:
+    """``kv_queue_cap`` 3: the holder of a document keeps its turns below 3 requests, then
+    another instance takes them (other clients' requests its engine reports count too); when
+    every instance is at the cap the cap picks nothing."""
+    server = _capped_server(scheduling="kv_aware", kv_queue_cap=3)
+    router, policy = server.kv, server.policies["decode"]
+    router.configure("0.32.0", {})
+    a, b, c = _fleet(3)
+    router.on_batch(a.key, 0, [_stored(DOC)])
+    a.in_flight, b.in_flight, c.in_flight = 2, 1, 1
+    assert policy.select([a, b, c], _key(DOC + [1, 2, 3, 4])) is a  # within 2x the mean, its hit
+    a.in_flight = 3
+    assert policy.select([a, b, c], _key(DOC + [5, 6, 7, 8])) is not a
+    a.in_flight = 1  # and 2 more of other clients, from its engine's last answer
+    a.engine = EngineLoad(at=time.monotonic(), max_age=60.0, running=3, ours=1)
+    assert a.load == 3 and policy.select([a, b, c], _key(DOC + [9, 9, 9, 9])) is not a
+    assert router.counters[("capped", "decode")] == 2
+    a.engine, a.in_flight, b.in_flight, c.in_flight = None, 3, 3, 3
+    assert policy.select([a, b, c], _key(DOC + [8, 8, 8, 8])) is a  # no room anywhere: the holder
+    assert router.counters[("capped", "decode")] == 2
+    assert 'mooncake_proxy_kv_aware_capped_total{kind="decode"} 2' in router.render()
+
+
+@pytest.mark.parametrize("cap", [-1, "4", 2.5, True, None])
+def test_a_queue_cap_that_is_not_a_count_is_refused_naming_the_field(cap: object) -> None:
+    with pytest.raises(ConfigError, match="--kv-queue-cap.*whole number of requests") as info:
+        _capped_server(scheduling="kv_aware", kv_queue_cap=cap)
+    assert info.value.fields == ["--kv-queue-cap"]
+
+
+def test_a_queue_cap_is_refused_where_nothing_would_use_it() -> None:
+    with pytest.raises(ConfigError, match="--kv-queue-cap.*only --scheduling kv_aware"):
+        _capped_server(scheduling="prefix", kv_queue_cap=4)
+    assert _capped_server(scheduling="prefix", kv_queue_cap=0).kv is None

@@ -64,6 +64,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="kv_aware: an instance's replay socket (\"replay_endpoint\" in its "
                              "--kv-events-config, bound by vLLM); the proxy fetches from it what the live "
                              "stream lost (its first batches, gaps). Repeat per instance")
+    parser.add_argument("--kv-queue-cap", type=int, default=0, metavar="N",
+                        help="kv_aware: an instance with N requests (ours in flight and, from its /metrics, "
+                             "other clients') takes no more while another has room; 0 = no cap (default)")
     parser.add_argument("--engine-metrics-interval", type=float, default=1.0, metavar="SECONDS",
                         help="read each instance's /metrics this often: its load (requests running and "
                              "waiting, other clients' too; kv_aware weighs them) and its cache counters, "
@@ -119,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
             drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
             max_body_bytes=args.max_body_mb << 20, kv_events=args.kv_events,
             kv_replay=args.kv_replay, engine_metrics_interval=args.engine_metrics_interval,
+            kv_queue_cap=args.kv_queue_cap,
             tokenizer=args.tokenizer, unavailable_wait=args.unavailable_wait))
     except (ConfigError, UnsupportedVersionError) as exc:
         print(f"mooncake-vllm proxy: {exc}", file=sys.stderr)

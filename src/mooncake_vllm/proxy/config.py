@@ -40,6 +40,7 @@ class ProxyConfig:
     kv_tokenize_timeout: float = 2.0  # kv_aware: one instance /tokenize (and /version) call
     tokenizer: str | None = None  # kv_aware: the served model's tokenizer dir (completions tokenized here)
     kv_replay: dict[str, str] | list[str] = field(default_factory=dict)  # kv_aware: host:port -> replay socket
+    kv_queue_cap: int = 0  # kv_aware: requests on an instance beyond which it picks another; 0 = no cap
     engine_metrics_interval: float = 1.0  # seconds between reads of each instance's /metrics; 0 = never
 
 

@@ -38,7 +38,7 @@ from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient, vllm_ar
 from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
 from mooncake_vllm.proxy.kv_index import LOCAL, POOL, BlockIndex, CostWeights, choose
 from mooncake_vllm.proxy.kv_speed import SpeedTracker
-from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey
+from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey, check_queue_cap
 
 
 class ProxyServer(Protocol):
@@ -346,8 +346,8 @@ class KvRouter:
         engines = [i.engine for i in instances if i.engine is not None]
         with self._lock:
             for i in instances:
-                if i.engine is not None:
-                    self.speeds.update(i.key, i.engine.prefill_tokens, i.engine.prefill_seconds)
+                if (e := i.engine) is not None:
+                    self.speeds.update(i.key, e.prefill_tokens, e.prefill_seconds, e.at, e.running)
         if not engines:
             return
         got = sum(e.pool_hit_tokens for e in engines)
@@ -430,7 +430,7 @@ _LABELS: dict[str, tuple[str, ...]] = {
     "index_drops": ("reason",), "fallbacks": ("kind", "reason"), "decisions": ("kind", "outcome"),
     "predicted_local_tokens": ("kind",), "predicted_pool_tokens": ("kind",), "prompt_tokens": ("kind",),
     "got_cached_tokens": ("kind",), "observed_predicted_tokens": ("kind",), "observed": ("kind",),
-    "replays": ("outcome",), "bounded": ("kind",),
+    "replays": ("outcome",), "bounded": ("kind",), "capped": ("kind",),
 }
 
 
@@ -440,7 +440,7 @@ async def start(server: ProxyServer) -> None:
     sub = server.kv.subscriber
     server.kv.start()
     insts = [i for k in ("prefill", "decode") for i in server.pool.available(k)]
-    if server.session is not None and server.config.engine_metrics_interval > 0:  # speeds before the first request
+    if server.session is not None and server.config.engine_metrics_interval > 0:  # the speeds' baseline
         await asyncio.gather(*(engine_load.scrape(server.session, i, server.config.health_timeout,
                                                   3 * server.config.engine_metrics_interval) for i in insts))
         server.kv.calibrate(insts)
@@ -475,12 +475,14 @@ def parse_replay(value: dict[str, str] | Sequence[str]) -> dict[str, str]:
 
 
 def attach(server: ProxyServer) -> KvRouter | None:
-    """Give the server's ``kv_aware`` policies one shared router; None for other policies."""
+    """Give the server's ``kv_aware`` policies one shared router (and ``kv_queue_cap``, checked);
+    None for other policies."""
+    cap = check_queue_cap(server.config.kv_queue_cap, server.config.scheduling)
     policies = [p for p in server.policies.values() if isinstance(p, KvAwarePolicy)]
     if not policies:
         return None
     router = KvRouter(server.config.kv_events, replay=dict(server.config.kv_replay))
     for kind, p in server.policies.items():
         if isinstance(p, KvAwarePolicy):
-            p.router, p.kind = router, kind
+            p.router, p.kind, p.queue_cap = router, kind, cap
     return router

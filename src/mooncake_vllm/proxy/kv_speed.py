@@ -5,13 +5,26 @@ or (the 2-core CPU bench) two instances computing on one core while a third has 
 itself. ``kv_aware`` weighs each instance's expected work by its measured speed: expected TTFT
 = (queued work + the prompt's own work) / its rate.
 
-The rate is the prefill tokens an engine computed (``vllm:request_prefill_kv_computed_tokens``,
-cached ones excluded) per second its requests spent in prefill (``vllm:request_prefill_time_seconds``),
-both histogram sums read by :mod:`.engine_load`. The engine's totals since it started seed it (a
-fresh proxy knows each instance's speed before its first request), capped at ``horizon`` tokens so
-that what it computes from then on soon outweighs them; each later answer's increase is added, the
-older sums decayed by ``exp(-tokens / horizon)``. Concurrent prefills share an engine's steps, so the
-rate is per request at the concurrency it ran, alike for all instances under a similar load.
+The rate is the engine's prefill **throughput**: prefill tokens it computed
+(``vllm:request_prefill_kv_computed_tokens``, cached ones excluded) per second it spent
+prefilling. Per request prefill seconds (``vllm:request_prefill_time_seconds``) overstate that
+time by the concurrency: three recomputes sharing an engine's steps each take three times as
+long, and a rate of tokens over their summed seconds read that engine three times slower than
+it is (issue 29: a fresh proxy seeded from the totals another policy's run had left then
+starved that instance). So each poll interval (``update``, the proxy's clock) counts its wall
+time as busy when the engine held a running request at either end or its counters moved, and
+the busy prefill time is taken as the smaller of the busy wall time and the summed request
+seconds: exact for one prefill at a time and for an engine saturated by concurrent ones,
+never more than the truth, so the rate is never above the engine's (decoding requests, which
+``num_requests_running`` also counts, cannot make a loaded instance look fast). Sums are
+decayed by ``exp(-tokens / horizon)``; the wall time of intervals without a finished prefill
+waits and joins the tokens that end it (a prefill's seconds are counted when it ends).
+The engine's totals before the first poll are a baseline only: they carry no wall time.
+
+:meth:`SpeedTracker.relative` gives each candidate's speed over the fleet's (geometric) mean,
+within ``[1/clamp, clamp]``; an instance that computed nothing for a while drifts back to the
+mean (half of its deviation every ``drift_half_life`` seconds), so one measured slow is tried
+again rather than starved for the rest of a run.
 """
 
 from __future__ import annotations
@@ -19,62 +32,100 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 __all__ = ["SpeedTracker"]
 
 log = logging.getLogger(__name__)
 
 
-class SpeedTracker:
-    """Per-instance prefill rate (tokens/s) and each candidate's speed relative to the others."""
+@dataclass
+class _Engine:
+    """One instance's decayed sums and its counters at the last poll."""
 
-    def __init__(self, horizon: float = 16384.0, min_tokens: float = 2048.0, clamp: float = 4.0) -> None:
+    tokens: float  # the engine's totals at the last poll
+    seconds: float
+    at: float  # that poll's time
+    running: float
+    sum_tokens: float = 0.0  # decayed: prefill tokens, summed request seconds, busy wall seconds
+    sum_seconds: float = 0.0
+    sum_busy: float = 0.0
+    busy_pending: float = 0.0  # busy wall time since the last finished prefill
+    measured_at: float | None = None  # the last poll that brought prefill tokens
+
+
+class SpeedTracker:
+    """Per-instance prefill throughput (tokens/s) and each candidate's speed relative to the others."""
+
+    def __init__(self, horizon: float = 16384.0, min_tokens: float = 2048.0, clamp: float = 2.0,
+                 drift_half_life: float = 30.0) -> None:
         self.horizon = horizon
         self.min_tokens = min_tokens  # fewer measured tokens than this: the rate is not trusted yet
         self.clamp = clamp  # a relative speed stays within [1/clamp, clamp]
-        self._sums: dict[str, tuple[float, float]] = {}  # instance -> decayed (tokens, seconds)
-        self._last: dict[str, tuple[float, float]] = {}  # instance -> the engine's totals last read
+        self.drift_half_life = drift_half_life  # seconds without prefill that halve a deviation
+        self._engines: dict[str, _Engine] = {}
+        self._now = -math.inf  # the latest poll's time
 
-    def update(self, key: str, tokens: float, seconds: float) -> None:
-        """One answer of ``key``'s engine: its prefill tokens and seconds since it started."""
-        if tokens <= 0 or seconds <= 0:
-            return  # the engine reports neither (another release) or has prefilled nothing yet
-        last = self._last.get(key)
-        self._last[key] = (tokens, seconds)
-        if last is None or tokens < last[0] or seconds < last[1]:  # first answer, or a restarted engine
-            cap = min(1.0, self.horizon / tokens)
-            self._sums[key] = (tokens * cap, seconds * cap)
+    def update(self, key: str, tokens: float, seconds: float, at: float, running: float = 0.0) -> None:
+        """One poll of ``key``'s engine at ``at`` (monotonic seconds): its prefill tokens and
+        request seconds since it started, and the requests it reported running."""
+        self._now = max(self._now, at)
+        e = self._engines.get(key)
+        if e is None or tokens < e.tokens or seconds < e.seconds:  # first answer, or a restarted engine
+            self._engines[key] = _Engine(tokens, seconds, at, running)
             return
-        d_tokens, d_seconds = tokens - last[0], seconds - last[1]
+        dt = at - e.at
+        if dt <= 0:
+            return  # the same answer again (a failed scrape keeps the last one)
+        d_tokens, d_seconds = tokens - e.tokens, seconds - e.seconds
+        if d_tokens > 0 or d_seconds > 0 or running > 0 or e.running > 0:
+            e.busy_pending += dt
+        e.tokens, e.seconds, e.at, e.running = tokens, seconds, at, running
         if d_tokens <= 0 or d_seconds <= 0:
             return
-        old = self._sums.get(key, (0.0, 0.0))
         keep = math.exp(-d_tokens / self.horizon)
-        self._sums[key] = (keep * old[0] + d_tokens, keep * old[1] + d_seconds)
+        e.sum_tokens = keep * e.sum_tokens + d_tokens
+        e.sum_seconds = keep * e.sum_seconds + d_seconds
+        e.sum_busy = keep * e.sum_busy + e.busy_pending
+        e.busy_pending = 0.0
+        e.measured_at = at
 
     def rate(self, key: str) -> float | None:
-        """``key``'s prefill tokens per second; None until ``min_tokens`` were measured."""
-        tokens, seconds = self._sums.get(key, (0.0, 0.0))
-        return tokens / seconds if tokens >= self.min_tokens and seconds > 0 else None
+        """``key``'s prefill tokens per second of prefill; None until ``min_tokens`` were measured."""
+        e = self._engines.get(key)
+        if e is None or e.sum_tokens < self.min_tokens:
+            return None
+        busy = min(e.sum_seconds, e.sum_busy)
+        return e.sum_tokens / busy if busy > 0 else None
 
     def relative(self, keys: Sequence[str]) -> list[float]:
         """Each instance's rate over the geometric mean of the measured ones among ``keys``
-        (1.0 for one not measured yet), within ``[1/clamp, clamp]``."""
+        (1.0 for one not measured yet), within ``[1/clamp, clamp]``, drifting back to 1.0
+        while the instance computes nothing."""
         rates = [self.rate(k) for k in keys]
         known = [r for r in rates if r is not None]
         if not known:
             return [1.0] * len(keys)
-        mean = math.exp(sum(math.log(r) for r in known) / len(known))
-        return [1.0 if r is None else min(self.clamp, max(1.0 / self.clamp, r / mean)) for r in rates]
+        mean = sum(math.log(r) for r in known) / len(known)
+        bound = math.log(self.clamp)
+        out = []
+        for k, r in zip(keys, rates):
+            if r is None:
+                out.append(1.0)
+                continue
+            measured_at = self._engines[k].measured_at
+            idle = self._now - measured_at if measured_at is not None else 0.0
+            weight = 0.5 ** (idle / self.drift_half_life) if self.drift_half_life > 0 else 1.0
+            out.append(math.exp(weight * min(bound, max(-bound, math.log(r) - mean))))
+        return out
 
     def forget(self, key: str) -> None:
         """``key`` left rotation: measure it afresh when it is back."""
-        self._sums.pop(key, None)
-        self._last.pop(key, None)
+        self._engines.pop(key, None)
 
     def render(self) -> list[str]:
         """``mooncake_proxy_kv_aware_prefill_rate`` gauge lines (tokens/s) of the measured instances."""
         out = ["# TYPE mooncake_proxy_kv_aware_prefill_rate gauge"]
         out += [f'mooncake_proxy_kv_aware_prefill_rate{{instance="{k}"}} {r:.1f}'
-                for k in sorted(self._sums) if (r := self.rate(k)) is not None]
+                for k in sorted(self._engines) if (r := self.rate(k)) is not None]
         return out

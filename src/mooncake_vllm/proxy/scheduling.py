@@ -20,6 +20,7 @@ __all__ = [
     "RoundRobinPolicy",
     "RoutingKey",
     "SchedulingPolicy",
+    "check_queue_cap",
     "make_policy",
     "under_bound",
 ]
@@ -128,6 +129,19 @@ def under_bound(candidates: Sequence[Instance], balance: float) -> list[Instance
     return [c for c, n in zip(candidates, loads) if n + 1 <= cap] or list(candidates)
 
 
+def check_queue_cap(value: object, scheduling: str = "kv_aware") -> int:
+    """``--kv-queue-cap`` as a whole number of requests (0: no cap); ``ConfigError`` naming the field."""
+    fix = "give the requests in flight per instance beyond which kv_aware picks another (0: no cap)"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError("--kv-queue-cap", [ConfigProblem(
+            "--kv-queue-cap", f"must be a whole number of requests, 0 or more, found {value!r}", fix)])
+    if value and scheduling != "kv_aware":
+        raise ConfigError("--kv-queue-cap", [ConfigProblem(
+            "--kv-queue-cap", f"only --scheduling kv_aware uses it (this proxy: {scheduling})",
+            "add --scheduling kv_aware, or leave --kv-queue-cap out")])
+    return value
+
+
 class KvAwarePolicy(SchedulingPolicy):
     """Cheapest expected prefill (own-cache hit first, a pool hit anywhere) weighed
     against load, from the instances' KV events (:mod:`.kv_policy`); routes like
@@ -146,18 +160,25 @@ class KvAwarePolicy(SchedulingPolicy):
     documents were (1.35-1.38x the mean).
 
     Before any instance published a block (a fresh proxy) none is known to hold anything:
-    the cost is each instance's queued work and the prompt's, over its measured speed, so the
-    first turns spread by speed instead of hashing documents onto a few instances whose first
-    turns then pin every later conversation of those documents (bench_routing 2026-12-05:
-    3 / 4 / 1 of the first 8). A prompt that falls back then (not tokenized) spreads by load.
+    the cost is each instance's queued work and the prompt's, over its measured speed (equal
+    until the proxy's own polls measured it), so the first turns spread by cost instead of
+    hashing documents onto a few instances whose first turns then pin every later conversation
+    of those documents (bench_routing 2026-12-05: 3 / 4 / 1 of the first 8). A prompt that
+    falls back then (not tokenized) spreads by load.
+
+    ``queue_cap`` (``--kv-queue-cap``, 0 = none): an instance holding that many requests
+    (``Instance.load``) takes no more while another has room (counted as ``capped``); when
+    none has, all are candidates (the proxy has no queue of its own).
     """
 
     name = "kv_aware"
 
-    def __init__(self, router: Router | None = None, kind: str = "decode", balance: float = 2.0) -> None:
+    def __init__(self, router: Router | None = None, kind: str = "decode", balance: float = 2.0,
+                 queue_cap: int = 0) -> None:
         self.router = router
         self.kind = kind
         self.balance = balance
+        self.queue_cap = queue_cap
         self._fallback = PrefixAwarePolicy()
         self._spread = LeastLoadedPolicy()
         self._n = 0
@@ -168,6 +189,12 @@ class KvAwarePolicy(SchedulingPolicy):
         router = self.router
         if router is not None:
             router.sync(self.kind, candidates)
+        if self.queue_cap:
+            room = [c for c in candidates if c.load < self.queue_cap]
+            if room and len(room) < len(candidates):
+                candidates = room
+                if router is not None:
+                    router.counters[("capped", self.kind)] += 1
         bounded = under_bound(candidates, self.balance)
         if router is None:
             return self._fallback.select(bounded, raw)
