@@ -197,3 +197,17 @@ def test_the_workers_export_dropped_segments_and_the_scheduler_its_loss_counters
     logic, _, _, _ = _served()
     assert {"pool_vanished_chunks", "pool_loss_refills", "pool_loss_refill_chunks"} <= \
         set(scheduler_counters(logic))
+
+
+def test_chunks_found_before_a_sweep_do_not_start_another() -> None:
+    """A sweep took the loss: chunks lost with it and no longer in vLLM's cache, missed by
+    later lookups, are no new loss (soak run J: a second sweep 30 s later re-saved nothing)."""
+    logic, pool, clock, keys = _served()
+    logic.refill.resolve = {}.get  # vLLM's cache evicted both documents meanwhile
+    _drop(pool, keys)
+    logic.get_num_new_matched_tokens(_request("r2", DOC_R, [f"hr{i}" for i in range(8)]), 0)
+    assert _saved(logic) == [] and logic.counters["pool_loss_refills"] == 1
+    clock.now += LOSS_GAP
+    logic.get_num_new_matched_tokens(_request("s2", DOC_S, [f"hs{i}" for i in range(8)]), 0)
+    assert _saved(logic) == [] and logic.counters["pool_loss_refills"] == 1
+    assert logic.counters["pool_vanished_chunks"] == 4  # S's lost chunks: found before the sweep

@@ -91,7 +91,10 @@ class LossWatch:
             self.pending = "a worker found a stalled holder's blocks dropped by the master"
 
     def forget(self) -> None:
-        """The pool was away: what a restarted master lacks is the outage sweep's."""
+        """The pool was away (what a restarted master lacks is the outage sweep's), or a sweep
+        took this loss: what was found before it is no measure any more (soak run J: chunks
+        lost with the segment and no longer in vLLM's cache, missed by later lookups, started
+        a second sweep 30 s after the first that re-saved nothing)."""
         self._found.clear()
         self.pending = None
 
@@ -135,7 +138,7 @@ class PoolRefills:
             before = self.refill.timeline
             if self.refill.lost(self.losses.pending):  # taken (else: rate-limited, kept)
                 self.counters["pool_loss_refills"] += self.refill.timeline is not before
-                self.losses.pending = None
+                self.losses.forget()
         if not self.refill.sweeping:
             return
         batch = self.refill.take(set().union(*self._recent_loads))
