@@ -159,8 +159,11 @@ def run(workdir: Path, *, seconds: float, clients: int, kinds: list[str], repeat
         # in the schedule's last SETTLE s
         gap = faults[1].at - faults[0].at if len(faults) > 1 else 0.0
         runner = FaultRunner(fleet, faults, min_gap=min(2 * DEADLINE, gap),
-                             deadline=seconds - SETTLE).start(t0)
+                             deadline=seconds - SETTLE, recovery=DEADLINE + 5.0)
+        load.hold = lambda: runner.hold_until
+        runner.start(t0)
         samples = [s.row() for s in load.run_load(t0)]
+        seconds = max(seconds, time.monotonic() - t0)  # a fault's recovery kept the load going
         runner.stop.set()
         runner.join(60)
         kv_idle = _kv_idle({n: u for n, u in metrics.items() if fleet.procs[n].alive()})

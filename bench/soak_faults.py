@@ -106,6 +106,12 @@ class FaultRunner:
     min_gap: float = 0.0
     #: seconds after the start by which a fault must begin, else it is skipped (recorded)
     deadline: float | None = None
+    #: seconds after a fault's end its recovery is measured over (the load lasts that long)
+    recovery: float = 0.0
+    #: seconds after the start the load must last: while a fault runs, for ever; after the
+    #: last one ended, ``recovery`` more (soak run J's second rolling restart ended 8 s after
+    #: the load stopped, so its recovery went unmeasured)
+    hold_until: float = 0.0
     _thread: threading.Thread | None = None
 
     def start(self, t0: float) -> FaultRunner:
@@ -125,6 +131,7 @@ class FaultRunner:
                 return
             kind = KINDS[fault.kind]
             fault.began = self.clock() - t0
+            self.hold_until = float("inf")
             log.warning("fault %s begins: %s", fault.kind, kind.what)
             try:
                 kind.begin(self.fleet)
@@ -134,6 +141,7 @@ class FaultRunner:
                 fault.error = f"{type(exc).__name__}: {exc}"
                 log.error("fault %s failed: %s", fault.kind, fault.error)
             fault.ended = last_end = self.clock() - t0
+            self.hold_until = last_end + self.recovery
             log.warning("fault %s ended after %.1f s", fault.kind, fault.ended - fault.began)
 
     def join(self, timeout: float | None = None) -> None:

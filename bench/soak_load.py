@@ -59,14 +59,18 @@ class _Loop:
     seconds: float
     samples: list[Sample] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
+    #: seconds after ``t0`` the load must last at least (a fault still running or recovering)
+    hold: Callable[[], float] = lambda: 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def run(self, t0: float, one: Callable[[int, random.Random, float], Sample]) -> list[Sample]:
-        """``clients`` threads calling ``one`` back to back until ``seconds`` after ``t0``."""
+        """``clients`` threads calling ``one`` back to back until ``seconds`` after ``t0``, or
+        later while :attr:`hold` says so."""
 
         def client(i: int) -> None:
             rng = random.Random(i)
-            while not self.stop.is_set() and time.monotonic() - t0 < self.seconds:
+            while not self.stop.is_set() and \
+                    time.monotonic() - t0 < max(self.seconds, self.hold()):
                 s = one(i, rng, t0)
                 with self._lock:
                     self.samples.append(s)

@@ -61,6 +61,38 @@ def test_a_fault_that_overran_pushes_the_rest_back_instead_of_bunching_them(
     assert third.began is None and third.error.startswith("skipped")  # past the last start
 
 
+def test_the_load_lasts_while_a_fault_runs_and_through_its_recovery(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Soak run J's second rolling restart ended 8 s after the load's last request: its
+    recovery was never measured. The load now runs while a fault does and ``recovery`` s after."""
+    import random
+    import threading
+    import time
+
+    import soak_faults
+    from soak_faults import Fault, FaultRunner, Kind
+    from soak_load import Sample, _Loop
+
+    release = threading.Event()
+    monkeypatch.setitem(soak_faults.KINDS, "long", Kind("long", "outlasts the load", 0.0,
+                                                        lambda f: release.wait(5), lambda f: None))
+    runner = FaultRunner(None, [Fault("long", 0.0)], recovery=0.3)
+    loop = _Loop(clients=1, seconds=0.1, hold=lambda: runner.hold_until)
+
+    def one(i: int, rng: random.Random, t0: float) -> Sample:
+        time.sleep(0.01)
+        return Sample(t=time.monotonic() - t0, client=i, target="x", seconds=0.01)
+
+    t0 = time.monotonic()
+    runner.start(t0)
+    threading.Timer(0.4, release.set).start()
+    samples = loop.run(t0, one)
+    runner.join(5)
+    (fault,) = runner.faults
+    assert fault.ended is not None and fault.ended >= 0.4
+    assert samples[-1].t >= fault.ended + 0.25  # its recovery window had requests
+
+
 def test_recovery_is_the_time_back_to_80_percent_of_the_pre_fault_rate() -> None:
     from soak_report import recovery
 
