@@ -144,3 +144,15 @@ def test_a_box_with_a_grace_looks_once_more_before_abandoning_a_call(grace: floa
         assert time.monotonic() - start < 0.05 + grace + 0.1
     finally:
         b.close()
+
+
+def test_drain_waits_for_every_running_call_abandoned_ones_too() -> None:
+    b = TimeBox("d", 1, spare=1)
+    release = threading.Event()
+    with pytest.raises(CallTimedOut):
+        b.run(0.05, release.wait, 5)  # abandoned at its deadline, still running
+    assert not b.drain(0.05)
+    release.set()
+    assert b.drain(2.0)
+    b.close()
+    assert b.drain(0.0)

@@ -239,3 +239,44 @@ def test_a_late_marker_poll_opens_no_breaker_but_a_late_lookup_does() -> None:
     finally:
         release.set()
         client.close()
+
+
+def test_close_never_closes_a_store_client_under_a_call_still_running_in_it() -> None:
+    """CI, vllm 0.8.5 contract env: a connector closed while its namespace registration's put
+    still ran in the store client segfaulted the process. A call that returns within the
+    close's deadline is waited for; one that does not leaves the client unclosed."""
+    import threading
+    import time
+
+    from mooncake_vllm.store.transport import Transport
+
+    class Store:
+        def __init__(self) -> None:
+            self.release = threading.Event()
+            self.closed_while_busy: list[bool] = []
+            self.busy = False
+
+        def put(self, key: str, value: bytes) -> int:
+            self.busy = True
+            self.release.wait(5)
+            self.busy = False
+            return 0
+
+        def close(self) -> int:
+            self.closed_while_busy.append(self.busy)
+            return 0
+
+    config: Any = SimpleNamespace(master_server_address="127.0.0.1:1", ssd_offload=False)
+    for returns_in_time in (True, False):
+        store = Store()
+        t = Transport(store, config, op_timeout=0.3)
+        worker = threading.Thread(target=t.run, args=(t.control, 5.0, store.put, "k", b"v"))
+        worker.start()
+        while not store.busy:
+            time.sleep(0.005)
+        if returns_in_time:
+            threading.Timer(0.1, store.release.set).start()
+        t.close()
+        assert store.closed_while_busy == ([False] if returns_in_time else [])
+        store.release.set()
+        worker.join(5)

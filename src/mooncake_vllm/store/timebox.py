@@ -55,6 +55,8 @@ class TimeBox:
         self._spare = spare
         self._abandoned: set[int] = set()  # ids of futures whose slot was handed on
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._running = 0  #: calls started and not yet returned (abandoned ones included)
         self._closed = False
 
     def run(self, timeout: float, fn: Callable[..., Any], *args: Any,
@@ -80,13 +82,17 @@ class TimeBox:
         if self._closed:
             self._slots.release()
             raise CallRejected(f"{self.name}: closed")
+        with self._lock:
+            self._running += 1
         try:
             fut: Future[Any] = self._pool.submit(call, fn, *args)
         except RuntimeError as exc:  # shut down meanwhile
             self._slots.release()
+            self._returned()
             raise CallRejected(f"{self.name}: closed") from exc
 
         def finished(f: Future[Any]) -> None:
+            self._returned()
             with self._lock:
                 handed_on = id(f) in self._abandoned
                 self._abandoned.discard(id(f))
@@ -125,6 +131,18 @@ class TimeBox:
                 self._abandoned.add(id(fut))
         if spare:
             self._slots.release()
+
+    def _returned(self) -> None:
+        with self._idle:
+            self._running -= 1
+            if self._running == 0:
+                self._idle.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no call this box started is still running (an
+        abandoned one included); whether none is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._running == 0, timeout)
 
     def close(self) -> None:
         self._closed = True
