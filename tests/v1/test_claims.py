@@ -358,3 +358,18 @@ def test_no_measure_probe_before_the_loads_are_measured() -> None:
     a = advisor(clock)
     for _ in range(2 * MEASURE_AFTER):
         assert a.decide(0, 2048, BS).reason == "unmeasured"
+
+
+def test_a_measure_probe_is_decided_at_the_lookup_not_by_skipping_it() -> None:
+    """declines_any_hit lets the scheduler skip a lookup as 'slow_pool'; a hit due for a
+    measure probe is not that (its lookup decides it, counted as measure_probe)."""
+    from mooncake_vllm.v1.claims import MEASURE_AFTER, MIN_FIT
+
+    clock = Clock()
+    a = advisor(clock)
+    a.observe(loads=loads(rate=100_000.0))
+    for _ in range(MEASURE_AFTER):
+        a.decide(0, 2048, BS)
+    assert not a.declines_any_hit(0, MIN_FIT, BS)
+    assert a.decide(0, MIN_FIT, BS).reason == "measure_probe"
+    assert "load_wait" in a.snapshot() and a.snapshot()["elapsed"] == []

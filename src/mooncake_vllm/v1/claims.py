@@ -385,6 +385,7 @@ class ClaimAdvisor:
                 "prefill_outliers": self.prefill.outliers,
                 "prefill_samples": [[t, *x, y] for t, x, y in self.prefill.samples],
                 "load_samples": [list(x) for x in self.loads.samples], "counts": dict(self.counts),
+                "load_wait": self.wait(now), "elapsed": [list(x) for x in self.elapsed],
                 "decisions": [[at, start, hit, d.tokens, d.reason, d.predicted_load,
                                d.predicted_recompute] for at, start, hit, d in self.recent]}
 
@@ -428,7 +429,8 @@ class ClaimAdvisor:
         reach (a shorter hit may lie within it), an explore due, a policy other than ``auto``."""
         if self.rules.policy != "auto" or hit <= 0 or self.prefill.reaches_past(start + hit):
             return False
-        return self._verdict(self.clock(), start, hit, chunk, backlog).tokens == 0
+        d = self._verdict(self.clock(), start, hit, chunk, backlog)
+        return d.tokens == 0 and d.reason != "measure_probe"  # a probe is decided at the lookup
 
     def _measure_due(self, now: float, hit: int) -> bool:
         """Recompute this hit to measure prefills: the loads are measured and the prefills
