@@ -373,3 +373,16 @@ def test_a_measure_probe_is_decided_at_the_lookup_not_by_skipping_it() -> None:
     assert not a.declines_any_hit(0, MIN_FIT, BS)
     assert a.decide(0, MIN_FIT, BS).reason == "measure_probe"
     assert "load_wait" in a.snapshot() and a.snapshot()["elapsed"] == []
+
+
+def test_a_hand_off_decode_is_never_the_measure_probe() -> None:
+    """CI, 1P1D on the CPU engine: the decode never prefills, so after 8 unmeasured claims
+    measure probes recomputed 3 of 24 hand-offs. A decode exists not to prefill."""
+    from mooncake_vllm.v1.claims import MEASURE_AFTER
+
+    clock = Clock()
+    a = advisor(clock)
+    a.observe(loads=loads(rate=100_000.0))
+    for _ in range(2 * MEASURE_AFTER):
+        assert a.decide(0, 2048, BS, probe=False).reason == "unmeasured"
+    assert a.decide(0, 2048, BS).reason == "measure_probe"  # another request may be

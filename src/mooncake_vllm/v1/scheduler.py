@@ -215,7 +215,7 @@ class SchedulerLogic:
         if not self.handoffs.asked(st.req_id) and st.pool_gap is None:
             # (a hand-off's decode reads every chunk; a gap before ``start``: saved again)
             st.present_upto = max(st.present_upto, start + hits)
-        hits = self._claim(start, hits)
+        hits = self._claim(start, hits, probe=not self.handoffs.involves(st.req_id))
         if hits == 0:
             return 0, False
         st.pending_load = (start, hits, num_computed_tokens)
@@ -252,11 +252,12 @@ class SchedulerLogic:
             "and store_clients make it faster; load_policy always claims regardless)"))
         return True
 
-    def _claim(self, start: int, hits: int) -> int:
-        """How many of ``hits`` chunks from chunk ``start`` to claim (:mod:`.claims`)."""
+    def _claim(self, start: int, hits: int, probe: bool = True) -> int:
+        """How many of ``hits`` chunks from chunk ``start`` to claim (:mod:`.claims`); a
+        hand-off's decode is never the one recomputed to measure prefills (``probe``)."""
         bs = self.block_size
         backlog = self.loading_tokens()
-        decision = self.claims.decide(start * bs, hits * bs, bs, backlog)
+        decision = self.claims.decide(start * bs, hits * bs, bs, backlog, probe=probe)
         if decision.reason == "explore":
             self.counters["claim_probes"] += 1
         declined = hits - decision.tokens // bs
