@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from mooncake_vllm.keys import KeyNamespace, chunk_keys
 from mooncake_vllm.v1.metrics import PoolStats, scheduler_counters, worker_counters
 from mooncake_vllm.v1.namespace import RankNamespaces
-from mooncake_vllm.v1.pool_loss import MIN_VANISHED, LossWatch, chunk_presence
+from mooncake_vllm.v1.pool_loss import MIN_VANISHED, LossWatch
 from mooncake_vllm.v1.refill import LOSS_GAP
 from mooncake_vllm.v1.scheduler import SchedulerLogic
 from mooncake_vllm.v1.telemetry import Telemetry
@@ -185,8 +185,6 @@ def test_loss_watch_counts_only_chunks_found_within_its_horizon() -> None:
     watch.looked_up(["a", "b"], [True, True])
     assert watch.looked_up(["a", "b", "d"], [False, False, True]) == 2
     assert watch.pending == "a lookup missed 2 chunks found in the pool before"
-    # two ranks: a chunk is there only where every rank's key is
-    assert chunk_presence([True, True, True, False], 2, 2) == [True, False]
 
 
 def test_the_workers_export_dropped_segments_and_the_scheduler_its_loss_counters() -> None:

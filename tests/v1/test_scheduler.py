@@ -214,6 +214,11 @@ def test_prefix_hits_is_the_minimum_over_ranks(present: list[bool], expected: in
     assert ranks.prefix_hits(present, 3) == expected
 
 
+def test_a_chunk_is_present_only_where_every_ranks_key_is() -> None:
+    ranks = RankNamespaces((_ns(0, 2), _ns(1, 2)))
+    assert ranks.chunks_present([True, True, True, False], 2) == [True, False]
+
+
 # ---------------------------------------------------------------- background loads
 def test_background_loads_are_announced_and_planned_as_such() -> None:
     logic = _logic(FakePool(set(chunk_keys(_ns(), TOKENS))), load_async=True)

@@ -198,16 +198,15 @@ class RankNamespaces:
         prefixes = [ns.prefix() for ns in self.namespaces]
         return [f"{p}/{d}" for p in prefixes for d in digests_hex]
 
+    def chunks_present(self, present: Sequence[bool], num_chunks: int) -> list[bool]:
+        """Per chunk, whether EVERY rank's key is present, from :meth:`keys_for` order."""
+        ranks = len(self.namespaces)
+        return [all(present[r * num_chunks + j] for r in range(ranks)) for j in range(num_chunks)]
+
     def prefix_hits(self, present: Sequence[bool], num_chunks: int) -> int:
         """Leading chunks present for EVERY rank, from :meth:`keys_for` order."""
-        hits = num_chunks
-        for r in range(len(self.namespaces)):
-            row = present[r * num_chunks:(r + 1) * num_chunks]
-            n = 0
-            while n < hits and row[n]:
-                n += 1
-            hits = n
-        return hits
+        return next((j for j, here in enumerate(self.chunks_present(present, num_chunks)) if not here),
+                    num_chunks)
 
 
 def rank_namespaces(vllm_config: Any, settings: ConnectorSettings, *, tenant: str = "",

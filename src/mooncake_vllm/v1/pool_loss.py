@@ -34,8 +34,7 @@ if TYPE_CHECKING:
     from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
     from mooncake_vllm.v1.namespace import RankNamespaces
 
-__all__ = ["MIN_VANISHED", "VANISH_HORIZON", "WORKER_DROPS", "LossWatch", "PoolRefills",
-           "chunk_presence"]
+__all__ = ["MIN_VANISHED", "VANISH_HORIZON", "WORKER_DROPS", "LossWatch", "PoolRefills"]
 
 #: seconds a chunk a lookup found is expected to stay (an older one may have been evicted)
 VANISH_HORIZON = 120.0
@@ -44,11 +43,6 @@ MIN_VANISHED = 4
 #: the workers' counter of holders whose blocks the master dropped (``v1/metrics``)
 WORKER_DROPS = "pool_segments_dropped"
 _CAPACITY = 1 << 16
-
-
-def chunk_presence(present: Sequence[bool], chunks: int, ranks: int) -> list[bool]:
-    """Per chunk, whether every rank's key was present (``present``: ``keys_for`` order)."""
-    return [all(present[r * chunks + j] for r in range(ranks)) for j in range(chunks)]
 
 
 class LossWatch:
@@ -64,15 +58,17 @@ class LossWatch:
         #: how the loss was noticed, until a sweep takes it (``None``: no loss seen)
         self.pending: str | None = None
 
-    def looked_up(self, digests: Sequence[str], present: Sequence[bool], ranks: int = 1) -> int:
-        """A lookup's answer (``present``: every rank's key, ``keys_for`` order): how many
-        chunks found within ``horizon`` it missed (``0`` for a lookup that found nothing:
-        a failed lookup answers all-miss and proves nothing)."""
-        if not digests or not any(present):
+    def looked_up(self, digests: Sequence[str], found: Sequence[bool],
+                  reached: bool | None = None) -> int:
+        """A lookup's answer (``found``: per chunk, every rank's key there; ``reached``: it
+        found any key at all, default ``any(found)``): how many chunks found within
+        ``horizon`` it missed (``0`` for a lookup that found nothing: a failed lookup
+        answers all-miss and proves nothing)."""
+        if not digests or not (any(found) if reached is None else reached):
             return 0
         now = self._clock()
         vanished = 0
-        for digest, here in zip(digests, chunk_presence(present, len(digests), ranks)):
+        for digest, here in zip(digests, found):
             if here:
                 self._found[digest] = now
                 self._found.move_to_end(digest)
@@ -119,8 +115,8 @@ class PoolRefills:
 
     def looked_up(self, digests: Sequence[str], present: Sequence[bool]) -> None:
         """A scheduler lookup's answer (not the sweep's own)."""
-        ranks = len(self.namespaces.namespaces)
-        self.counters["pool_vanished_chunks"] += self.losses.looked_up(digests, present, ranks)
+        found = self.namespaces.chunks_present(present, len(digests))
+        self.counters["pool_vanished_chunks"] += self.losses.looked_up(digests, found, any(present))
 
     def step(self, meta: MooncakeConnectorMetadata, ready: bool,
              pool_ready: Callable[[], bool]) -> None:
@@ -146,8 +142,9 @@ class PoolRefills:
         present = self.lookup(self.namespaces.keys_for(digests)) if batch else []
         if batch and not pool_ready():
             return  # away again: the next step's observe ends this sweep
-        n, ranks = len(batch), len(self.namespaces.namespaces)
-        lost = [(d, b) for (d, b), here in zip(batch, chunk_presence(present, n, ranks)) if not here]
+        n = len(batch)
+        lost = [(d, b) for (d, b), here in zip(batch, self.namespaces.chunks_present(present, n))
+                if not here]
         if lost:
             self._jobs += 1
             meta.saves.append(BlockJob(f"mcv-refill-{self._jobs}", [d for d, _ in lost],
