@@ -241,10 +241,12 @@ class Transport:
         self.closed = True
         self.health.close()
         self.holders.close()
-        boxes = [self.lookups, self.save_lookups, self.publish, self.markers, self.control,
-                 self.holders.box, *(box for lane in self.lanes for box in lane.boxes())]
-        for box in boxes:
+        own = [self.lookups, self.save_lookups, self.publish, self.markers, self.control]
+        for box in own:
             box.close()
+        for lane in self.lanes:
+            lane.close()
+        boxes = [*own, self.holders.box, *(box for lane in self.lanes for box in lane.boxes())]
         deadline = time.monotonic() + self.op_timeout
         # closing a store client under a call still running in it can crash the process (a
         # segfault in CI: a namespace registration's put beside a connector's close)
