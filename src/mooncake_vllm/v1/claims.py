@@ -355,16 +355,17 @@ class ClaimAdvisor:
         if tokens > 0 and seconds > 0:
             self.elapsed.append((float(tokens), float(seconds)))
 
-    def wait(self, now: float) -> float:
+    def wait(self, now: float, predict: Callable[[float], float] | None = None) -> float:
         """What a background load costs beyond its transfer: one engine step (vLLM schedules
         it at the next) until measured, then the median over recent claimed loads of their
         claim-to-reported-over seconds less their predicted transfer (the H200, 2026-12-05:
         TTFT of 8k-32k hits 54-101 ms over the transfer with 17 ms steps, where one step was
         assumed and an 8k hit claimed at a predicted 117 ms took 238 against 203 to recompute).
-        The request's last step follows either way, as a recompute's prefill would."""
+        The request's last step follows either way, as a recompute's prefill would.
+        ``predict``: the load model's transfer predictor at ``now``, if the caller has it."""
         if not self.background:
             return 0.0
-        predict = self.loads.predictor(now)
+        predict = predict or self.loads.predictor(now)
         if predict is None or len(self.elapsed) < self.rules.min_samples:
             return self.prefill.step(now)
         extra = sorted(seconds - predict(tokens) for tokens, seconds in self.elapsed)
@@ -469,10 +470,10 @@ class ClaimAdvisor:
         chunks = max(1, hit // max(1, chunk))
         stride = max(1, -(-chunks // CANDIDATES))
         lengths = sorted({min(chunks, k) * chunk for k in range(stride, chunks + stride, stride)})
-        wait = self.wait(now)
         load_seconds = self.loads.predictor(now)
         if load_seconds is None:
             return None
+        wait = self.wait(now, load_seconds)
         best: tuple[float, int, float, float] | None = None
         for tokens in lengths:
             recompute = recompute_of(now, start, start + tokens)
