@@ -386,3 +386,57 @@ def test_a_hand_off_decode_is_never_the_measure_probe() -> None:
     for _ in range(2 * MEASURE_AFTER):
         assert a.decide(0, 2048, BS, probe=False).reason == "unmeasured"
     assert a.decide(0, 2048, BS).reason == "measure_probe"  # another request may be
+
+
+def test_blind_claims_do_not_queue_behind_each_other() -> None:
+    """H100 mixed serving, 2026-12-05: a fresh reader (loads measured by its probe, no prefill
+    yet) claimed 8 documents' 2k hits in one burst; one loader took them in turn and reported
+    them over 75-630 ms after their claims, where each recompute took ~50 ms. With a load in
+    flight, a blind hit long enough to be a sample is recomputed instead (and measures the
+    prefills); alone, a short one, or a hand-off's decode is still claimed."""
+    from mooncake_vllm.v1.claims import MIN_FIT
+
+    clock = Clock()
+    a = advisor(clock)
+    a.observe(loads=loads(rate=100_000.0))
+    assert a.decide(0, 2048, BS).reason == "unmeasured"  # nothing in flight
+    d = a.decide(0, 2048, BS, backlog=2048)
+    assert (d.tokens, d.reason) == (0, "measure_probe")
+    assert a.decide(0, 2048, BS, backlog=2048).reason == "measure_probe"  # every one of a burst
+    assert a.decide(0, MIN_FIT - BS, BS, backlog=2048).reason == "unmeasured"  # not a sample
+    assert a.decide(0, 2048, BS, backlog=2048, probe=False).reason == "unmeasured"
+    b = advisor(clock)  # loads unmeasured too (a CPU engine): its first hits measure the pool
+    assert b.decide(0, 2048, BS, backlog=2048).reason == "unmeasured"
+
+
+def test_where_workers_probe_a_declining_policy_explores_without_a_request() -> None:
+    """H100, 2026-12-05: an 8k hit whose quarter was claimed to measure the pool (explore)
+    took 259 ms against 211 to recompute. Where the workers run background probes, no part
+    of a request's hit is claimed to explore: the scheduler asks for a probe instead, after a
+    decline, at most once per explore_every since the last probe or load."""
+    clock = Clock()
+    a = advisor(clock, half_life=5.0, explore_every=10.0)
+    a.observe(steps=prefill_steps(), loads=loads(rate=400_000.0), probes=True)
+    assert a.probes_available and a.decide(0, 8192, BS).reason == "claimed"
+    clock.now += 1
+    a.observe(loads=[(8192.0, 3.0)] * 2)  # a busy holder
+    assert not a.take_probe()  # nothing declined yet
+    assert a.decide(0, 8192, BS).reason == "slow_pool"
+    assert not a.take_probe()  # within explore_every of the last load
+    clock.now += 10
+    assert a.decide(0, 8192, BS).reason == "slow_pool"  # no quarter claimed: no explore
+    assert a.take_probe() and not a.take_probe()  # one probe, then explore_every again
+    clock.now += 1
+    a.observe(loads=loads(rate=400_000.0)[:3])  # the probe's three loads were fast
+    assert a.decide(0, 8192, BS).reason == "claimed"
+    assert a.counts["background_probe"] == 1 and "explore" not in a.counts
+
+
+def test_a_skipped_lookup_counts_as_a_decline_for_the_probe() -> None:
+    clock = Clock()
+    a = advisor(clock, explore_every=10.0)
+    a.observe(steps=prefill_steps(), loads=loads(rate=10_000.0), probes=True)  # a slow pool
+    clock.now += 10
+    assert not a.take_probe()
+    assert a.declines_any_hit(0, 256, BS)  # the scheduler skips this lookup
+    assert a.take_probe()

@@ -566,3 +566,19 @@ def test_the_refill_waits_until_the_workers_reach_the_pool_again() -> None:
     meta = logic.build_connector_meta(_output())
     assert [j.block_ids for j in meta.saves] == [[7, 8, 9, 10]]
     assert logic.refill.timeline is not None and logic.refill.timeline.back_at == clock.now
+
+
+def test_a_declining_policy_asks_the_workers_for_a_probe_through_the_metadata() -> None:
+    """ClaimAdvisor.take_probe says when the pool should be measured again; the step's
+    metadata carries the ask (``probe_loads``), counted; a scheduler that never loads never
+    asks."""
+    logic = _logic(FakePool())
+    logic.claims.take_probe = lambda: True  # type: ignore[method-assign]
+    meta = logic.build_connector_meta(_output())
+    assert meta.probe_loads and logic.counters["pool_probes"] == 1
+    logic.claims.take_probe = lambda: False  # type: ignore[method-assign]
+    assert not logic.build_connector_meta(_output()).probe_loads
+    producer = _logic(FakePool(), load=False)
+    producer.claims.take_probe = lambda: True  # type: ignore[method-assign]
+    assert not producer.build_connector_meta(_output()).probe_loads
+    assert producer.counters["pool_probes"] == 0

@@ -566,7 +566,47 @@ def test_a_host_kv_worker_never_probes_the_pool(pool: SharedClient, workers: Any
                     load_probe=True)
     workers(w)
     w.register_kv_caches(_cache(3))
+    w.start_load_kv(MooncakeConnectorMetadata(probe_loads=True))  # nor when the scheduler asks
     assert _probe_samples(w, timeout=1.0) == []  # its first real loads measure the pool
+
+
+class _ProbeClient:
+    """``probe_loads`` that blocks until released, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.release = threading.Event()
+
+    def probe_loads(self, layout: Any) -> list[tuple[int, float]]:
+        self.calls += 1
+        self.release.wait(10)
+        return [(16, 0.02)]
+
+
+def test_the_scheduler_asks_a_probing_worker_for_one_probe_at_a_time() -> None:
+    """While the claim policy declines, the scheduler asks for a background probe
+    (``metadata.probe_loads``): a worker that probes runs one (never two at once), reports
+    its loads and that it probes; one that does not probe ignores the ask."""
+    client = _ProbeClient()
+    w = WorkerLogic(_ns("probe-ask"), EXPECTED, _Source(client), can_load=True, can_save=False,
+                    load_probe=True)
+    w.layout = SimpleNamespace()  # type: ignore[assignment]  (what register_kv_caches sets)
+    ask = MooncakeConnectorMetadata(probe_loads=True)
+    w.start_load_kv(ask)
+    assert client.calls == 0  # the timer says this worker does not probe (host KV)
+    w.timer.probes = True  # as register_kv_caches sets it for CUDA KV with the probe on
+    w.start_load_kv(ask)
+    w.start_load_kv(ask)  # asked again while it runs
+    client.release.set()
+    samples = _probe_samples(w, timeout=5.0)
+    assert client.calls == 1 and samples == [[16.0 * SHAPE[2], 0.02]]
+    w.timer.load_done(16, 0.01)
+    assert w.timer.take() == {"steps": [], "loads": [[16.0, 0.01]], "probes": True}
+    w.start_load_kv(ask)  # the first one is over: another may run
+    deadline = time.monotonic() + 5
+    while client.calls < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.calls == 2
 
 
 @pytest.mark.gpu
@@ -588,6 +628,8 @@ def test_a_cuda_kv_worker_seeds_the_load_model_with_a_probe(pool: SharedClient,
             continue
         assert [int(t) for t, _ in samples] == [n * SHAPE[2] for n in (16, 32, 64)]
         assert all(s > 0 for _, s in samples)
+        w.start_load_kv(MooncakeConnectorMetadata(probe_loads=True))  # asked while declining
+        assert [int(t) for t, _ in _probe_samples(w)] == [n * SHAPE[2] for n in (16, 32, 64)]
     torch.cuda.synchronize()
     for name, t in caches.items():  # the probe never wrote into the KV cache
         assert torch.equal(t, before[name])

@@ -58,3 +58,6 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     #: the step's work (scheduled tokens, attention work, furthest prefill position):
     #: the workers time the step and report both to the claim policy (:mod:`~mooncake_vllm.v1.perf`)
     step_work: tuple[float, float, float] | None = None
+    #: the claim policy declines and wants the pool measured: the workers run a background
+    #: probe of throw-away loads (:func:`~mooncake_vllm.store.probe.probe_loads`), if they can
+    probe_loads: bool = False

@@ -69,12 +69,15 @@ COUNTERS: Mapping[str, str] = {
                                    "that far (load_policy auto).",
     "claims_declined_measure_probe": "Lookups whose hit was not claimed so that vLLM recomputed it "
                                      "and the claim policy measured a prefill: the loads were "
-                                     "measured, the prefills not (every prompt was a hit); at most "
-                                     "one per explore_every (load_policy auto).",
+                                     "measured, the prefills not (every prompt was a hit: at most "
+                                     "one per explore_every; or another load was in flight, behind "
+                                     "which a blind claim would queue) (load_policy auto).",
     "lookups_skipped_slow_pool": "Pool lookups not made: even a hit of every wanted token would "
                                  "load slower than recomputing it (load_policy auto); the saves "
                                  "skip what the pool holds.",
     "claim_probes": "Partial claims made while declining, to measure the pool again.",
+    "pool_probes": "Background probes (throw-away loads, no request's blocks) the workers were "
+                   "asked for while declining, to measure the pool again (CUDA KV).",
     "waits_for_shared_load": "Requests deferred while another request's load brought their "
                              "blocks (one load per block).",
     "pool_refill_chunks": "Chunks vLLM served from its own prefix cache that the pool had lost "
@@ -244,7 +247,7 @@ class Meter:
 _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declined_slow_pool",
                       "claims_declined_never", "claims_declined_reach_probe",
                       "claims_declined_measure_probe", "lookups_skipped_slow_pool",
-                      "claim_probes", "waits_for_shared_load", "pool_refill_chunks",
+                      "claim_probes", "pool_probes", "waits_for_shared_load", "pool_refill_chunks",
                       "pool_refill_hbm_chunks", "pool_vanished_chunks", "pool_loss_refills",
                       "pool_loss_refill_chunks")
 

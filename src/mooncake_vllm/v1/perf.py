@@ -37,6 +37,9 @@ class StepTimer:
         self._unread: deque[tuple[tuple[float, ...], Any, Any]] = deque(maxlen=MAX_PENDING)
         self._steps: list[list[float]] = []
         self._loads: list[list[float]] = []
+        #: this worker runs background load probes when the scheduler asks (reported with
+        #: the samples, so the claim policy explores with probes instead of requests)
+        self.probes = False
 
     def _mark(self) -> Any:
         if self._device is None:
@@ -75,8 +78,9 @@ class StepTimer:
                 if len(self._loads) < MAX_PENDING:
                     self._loads.append([float(tokens), float(seconds)])
 
-    def take(self) -> dict[str, list[list[float]]] | None:
-        """Steps whose timing is known (CUDA: events completed) and loads since the last call."""
+    def take(self) -> dict[str, Any] | None:
+        """Steps whose timing is known (CUDA: events completed) and loads since the last call
+        (``probes``: present and true where this worker runs background probes)."""
         with self._lock:
             while self._unread:
                 work, start, end = self._unread[0]
@@ -90,7 +94,9 @@ class StepTimer:
                 if len(self._steps) < MAX_PENDING:
                     self._steps.append([*work, seconds])
             steps, loads, self._steps, self._loads = self._steps, self._loads, [], []
-        return {"steps": steps, "loads": loads} if steps or loads else None
+        if not (steps or loads):
+            return None
+        return {"steps": steps, "loads": loads, **({"probes": True} if self.probes else {})}
 
 
 def step_work(scheduler_output: Any) -> tuple[float, float, float]:

@@ -77,7 +77,8 @@ COUNTERS = CounterNames(
     initial=("lookups", "hit_tokens", "load_jobs", "save_jobs", "local_hit_chunks_not_saved",
              "declined_tokens", "claims_declined_slow_pool", "claims_declined_never",
              "claims_declined_reach_probe", "claims_declined_measure_probe",
-             "lookups_skipped_slow_pool", "claim_probes", "waits_for_shared_load", "pool_audits",
+             "lookups_skipped_slow_pool", "claim_probes", "pool_probes", "waits_for_shared_load",
+             "pool_audits",
              "pool_refill_chunks", "pool_refill_hbm_chunks", "pool_vanished_chunks",
              "pool_loss_refills", "pool_loss_refill_chunks"),
     later=frozenset({"failed_loads_not_retried", "perf_reports"}), families=(r"handoff_[a-z_]+",))
@@ -283,7 +284,8 @@ class SchedulerLogic:
         """Step and load timings the workers measured (``PoolStats.data["perf"]``)."""
         if isinstance(perf, dict):
             self.counters["perf_reports"] += 1
-            self.claims.observe(steps=perf.get("steps", ()), loads=perf.get("loads", ()))
+            self.claims.observe(steps=perf.get("steps", ()), loads=perf.get("loads", ()),
+                                probes=bool(perf.get("probes")))
 
     def loads_over(self, req_ids: Iterable[str], received: Iterable[str] = ()) -> None:
         """The workers report these requests' background loads over: their chunks are free;
@@ -369,6 +371,9 @@ class SchedulerLogic:
                 st.block_ids = []
         self._keep_promises(scheduler_output)
         meta.step_work = step_work(scheduler_output)
+        if self.can_load and self.claims.take_probe():  # declining: measure the pool meanwhile
+            meta.probe_loads = True
+            self.counters["pool_probes"] += 1
         if not self.can_save:
             return meta
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)

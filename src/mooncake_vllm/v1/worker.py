@@ -120,6 +120,7 @@ class WorkerLogic:
         self._loading: dict[str, int] = {}  # req_id -> background loads not yet over
         self._received: set[str] = set()  # background loads over, not yet reported
         self._loads: BackgroundLoads | None = None
+        self._probing = False  # a load probe runs (:meth:`_probe_loads`)
         self._fences: dict[str, list[Any]] = {}  # req_id -> CopyFences not yet ordered
         #: read freely; counted only through :meth:`_count` (engine and save threads)
         self.counters = Counters(COUNTERS)
@@ -142,6 +143,7 @@ class WorkerLogic:
         self.layout = layout
         if layout.on_cuda:
             self.timer = StepTimer(cuda_device=layout.device)
+            self.timer.probes = self.load_probe
         self.source.on_connect(lambda client: client.register_layout(
             layout, self.gpu_path, clients=self.store_clients))
         if self.load_probe and layout.on_cuda:
@@ -152,16 +154,27 @@ class WorkerLogic:
             self._markers.start()
 
     def _probe_loads(self, client: Any) -> None:
-        """Seed the claim policy's load model before the first hit (off vLLM's thread).
-        Only for CUDA KV: on the host a load is a memory copy, measured by the first real ones."""
+        """Seed the claim policy's load model before the first hit, or measure the pool again
+        while claims are declined (``metadata.probe_loads``), off vLLM's thread: throw-away
+        loads, never a request's blocks. Only for CUDA KV: on the host a load is a memory
+        copy, measured by the real ones. One probe at a time."""
+        with self._cond:
+            if self._probing:
+                return
+            self._probing = True
+
         def run() -> None:
-            assert self.layout is not None
-            bs = self.namespace.block_size
-            samples = client.probe_loads(self.layout)
-            for blocks, seconds in samples:
-                self.timer.load_done(blocks * bs, seconds)
-            log.info("mooncake-vllm: load probe: %s", ", ".join(
-                f"{b * bs} tokens in {s * 1e3:.1f} ms" for b, s in samples) or "no answer")
+            try:
+                assert self.layout is not None
+                bs = self.namespace.block_size
+                samples = client.probe_loads(self.layout)
+                for blocks, seconds in samples:
+                    self.timer.load_done(blocks * bs, seconds)
+                log.info("mooncake-vllm: load probe: %s", ", ".join(
+                    f"{b * bs} tokens in {s * 1e3:.1f} ms" for b, s in samples) or "no answer")
+            finally:
+                with self._cond:
+                    self._probing = False
 
         threading.Thread(target=run, name="mcv-load-probe", daemon=True).start()
 
@@ -179,6 +192,10 @@ class WorkerLogic:
         self._idle_step = meta is not None and meta.idle_step
         if meta is None:
             return
+        if meta.probe_loads and self.timer.probes:  # CUDA KV with the probe on
+            client = self.source.get()
+            if client is not None:
+                self._probe_loads(client)
         self._order_fences(meta.preempted_req_ids)  # before this forward may write them
         if meta.delayed_loads:
             with self._cond:
