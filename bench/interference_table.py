@@ -59,7 +59,8 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
 
 def _serving_columns(row: dict[str, Any], run: dict[str, Any]) -> None:
     """Mixed serving and miss TTFT (ms, medians over each length's prompts)."""
-    reps = [m for m in run.get("mixed_reps", [run.get("mixed")]) if m and "error" not in m]
+    reps = [m for m in run.get("mixed_reps", [run.get("mixed")])
+            if m and "error" not in m and not m.get("profiled")]  # py-spy slowed those
     misses = run.get("misses")
     if reps:
         row["mixed"] = _mixed_row(reps)
