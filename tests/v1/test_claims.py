@@ -4,55 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules, LoadModel, PrefillModel
-
-BS = 16
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def prefill_steps(c0: float = 0.01, c1: float = 2e-5,
-                  c2: float = 1e-9) -> list[tuple[float, float, float, float]]:
-    """Steps of a GPU-like engine: one request prefilling ``m`` tokens from position ``p``."""
-    out = []
-    for p, m in [(0, 2048), (0, 8192), (2048, 2048), (0, 512), (8192, 8192), (0, 4096),
-                 (16384, 16384)]:
-        work = m * (p + m / 2)
-        out.append((float(m), work, float(p + m), c0 + c1 * m + c2 * work))
-    out.append((1.0, 5000.0, 5000.0, c0))  # a decode step: the fixed cost, not a prefill sample
-    return out
-
-
-def loads(rate: float, l0: float = 0.005) -> list[tuple[float, float]]:
-    return [(float(t), l0 + t / rate) for t in (512, 2048, 8192, 16384)]
+from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
+from tests.v1.claim_samples import BS, Clock, loads, prefill_steps
 
 
 def advisor(clock: Clock, **rules: object) -> ClaimAdvisor:
     return ClaimAdvisor(ClaimRules(**rules), clock=clock)  # type: ignore[arg-type]
-
-
-def test_models_recover_what_they_were_fed() -> None:
-    clock = Clock()
-    pm = PrefillModel(60.0)
-    for m, w, reach, s in prefill_steps():
-        pm.add(clock(), m, w, s, reach)
-    assert len(pm.samples) == 7 and pm.reach == 32768  # the decode step is not a prefill sample
-    c0, c1, c2 = pm.coefficients(clock())  # type: ignore[misc]
-    assert c0 == pytest.approx(0.01, rel=1e-3) and c1 == pytest.approx(2e-5, rel=1e-3)
-    assert c2 == pytest.approx(1e-9, rel=1e-3)
-    assert pm.recompute(clock(), 0, 8192) == pytest.approx(2e-5 * 8192 + 1e-9 * 8192 * 4096)
-    lm = LoadModel()
-    for t, s in loads(100_000.0):  # l0 5 ms: a small load costs more per token
-        lm.add(clock(), t, s)
-    assert lm.seconds(10_000) == pytest.approx(0.005 + 0.1, rel=1e-3)
-    lm.add(clock(), 2048, 5.0)  # one outlier moves nothing
-    assert lm.seconds(10_000) == pytest.approx(0.005 + 0.1, rel=0.05)
 
 
 def test_a_prompt_longer_than_any_measured_prefill_is_weighed_against_a_floor() -> None:
@@ -74,22 +31,6 @@ def test_a_prompt_longer_than_any_measured_prefill_is_weighed_against_a_floor() 
     fast.observe(steps=short, loads=loads(rate=400_000.0))
     d = fast.decide(0, 32768, BS)
     assert (d.tokens, d.reason) == (32768, "claimed")
-
-
-def test_the_recompute_floor_is_the_model_within_reach_and_below_it_beyond() -> None:
-    clock = Clock()
-    pm = PrefillModel(60.0)
-    for m, w, reach, sec in prefill_steps():
-        if reach <= 8192:
-            pm.add(clock(), m, w, sec, reach)
-    assert pm.recompute_floor(clock(), 0, 8192) == pytest.approx(pm.recompute(clock(), 0, 8192))
-    assert pm.recompute_floor(clock(), 1024, 4096) == pytest.approx(pm.recompute(clock(), 1024, 4096))
-    for start, end in ((0, 16384), (4096, 32768), (12000, 16000)):
-        floor, model = pm.recompute_floor(clock(), start, end), pm.recompute(clock(), start, end)
-        assert floor is not None and model is not None and 0 < floor < model
-    # the floor prices each token past the reach at the cost of the token at the reach
-    _, c1, c2 = pm.coefficients(clock())  # type: ignore[misc]
-    assert pm.recompute_floor(clock(), 8192, 9192) == pytest.approx(1000 * (c1 + c2 * 8192))
 
 
 def test_unmeasured_claims_everything_then_a_slow_pool_is_declined_and_a_fast_one_claimed() -> None:
@@ -195,23 +136,6 @@ def test_always_and_never() -> None:
         ClaimRules(policy="sometimes")
 
 
-def test_chunks_of_one_size_still_measure_the_per_token_cost() -> None:
-    """vLLM prefills a long prompt in max_num_batched_tokens chunks: every prefill sample has
-    the same size, so an intercept fitted to them alone would swallow the per-token cost (and
-    the H200 run declined 16k hits that loaded in 0.27 s against a 0.48 s recompute)."""
-    clock = Clock()
-    pm = PrefillModel(60.0)
-    c0, c1, c2 = 0.012, 2.1e-5, 9e-10
-    for p in (0, 8192) * 6:
-        w = 8192 * (p + 4096)
-        pm.add(clock(), 8192, w, c0 + c1 * 8192 + c2 * w, p + 8192)
-    for _ in range(20):
-        pm.add(clock(), 1, 4000, c0 + c1 + c2 * 4000, 0)  # decodes
-    truth = c1 * 16000 + c2 * 16000 * 8000
-    assert pm.recompute(clock(), 0, 16000) == pytest.approx(truth, rel=0.02)
-    assert pm.step(clock()) == pytest.approx(c0, rel=0.01)
-
-
 def test_small_prefills_teach_no_per_token_cost() -> None:
     """On the H200 three 64-token prefills (16-41 ms, launch-bound, beside 19 ms decodes)
     fitted 210 us/token, 10x the truth: every 2k hit looked like 0.43 s of recompute and was
@@ -240,26 +164,6 @@ def test_one_or_two_loads_decide_nothing_however_slow_the_first_was() -> None:
     assert (d.tokens, d.reason) == (15984, "unmeasured")
     a.observe(loads=[(15984.0, 0.30)])  # the third: a model now, and the outlier a third of it
     assert a.decide(0, 15984, BS).reason == "claimed"
-
-
-def test_warm_up_prompts_of_one_length_give_a_per_token_cost_not_a_degenerate_fit() -> None:
-    """The H200 reader served three 2k prompts first: both columns of such samples are
-    proportional, and the fit priced a 1k recompute at 0.3 ms (every hit declined), then, with
-    one 1k step beside them, a negative per-token cost (no model: every hit claimed blind)."""
-    clock = Clock()
-    pm = PrefillModel(60.0)
-    for _ in range(20):
-        pm.add(clock(), 1, 100, 0.0259)  # decodes: c0
-    for s in (0.0508, 0.0431, 0.0429):
-        pm.add(clock(), 2048, 2048 * 1024, s, 2048)
-    per_token = (0.0456 - 0.0259) / 2048
-    assert pm.recompute(clock(), 0, 1008) == pytest.approx(per_token * 1008, rel=0.1)
-    pm.add(clock(), 1024, 1024 * 512, 0.0298, 1024)  # strong curvature: c1 would be < 0
-    coef = pm.coefficients(clock())
-    assert coef is not None and coef[1] == 0.0 and coef[2] > 0
-    short, long = pm.recompute(clock(), 0, 1008), pm.recompute(clock(), 0, 2048)
-    assert short is not None and long is not None and 0 < short < long
-    assert long == pytest.approx(0.0197, rel=0.25)  # what the 2k steps took above c0
 
 
 def test_a_first_time_shape_is_left_out_of_the_recompute_fit() -> None:
