@@ -607,6 +607,14 @@ def test_the_scheduler_asks_a_probing_worker_for_one_probe_at_a_time() -> None:
     while client.calls < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert client.calls == 2
+    time.sleep(0.1)  # that one is over too
+    w._loading["r"] = 1  # a background load of ours in flight: its slots are not competed for
+    w.start_load_kv(ask)
+    w._loading.clear()
+    w.start_load_kv(MooncakeConnectorMetadata(probe_loads=True, loads=[BlockJob("s", ["d"], [0])]))
+    assert w.take_load_errors() == {0}  # (this fake client loads nothing)
+    time.sleep(0.1)
+    assert client.calls == 2
 
 
 @pytest.mark.gpu

@@ -192,7 +192,8 @@ class WorkerLogic:
         self._idle_step = meta is not None and meta.idle_step
         if meta is None:
             return
-        if meta.probe_loads and self.timer.probes:  # CUDA KV with the probe on
+        if meta.probe_loads and self.timer.probes and not meta.loads and not self._loading:
+            # CUDA KV with the probe on, and no load of ours for its slots to compete with
             client = self.source.get()
             if client is not None:
                 self._probe_loads(client)
