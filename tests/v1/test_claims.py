@@ -336,11 +336,17 @@ def test_where_workers_probe_a_declining_policy_explores_without_a_request() -> 
     assert a.counts["background_probe"] == 1 and "explore" not in a.counts
 
 
-def test_a_skipped_lookup_counts_as_a_decline_for_the_probe() -> None:
+def test_only_a_declined_hit_worth_exploring_asks_for_a_probe() -> None:
+    """A short span is declined whatever the pool's speed (its load's fixed cost): most of a
+    serving engine's lookups are those, and a probe every explore_every for them would
+    measure the pool for nothing. A declined hit whose recompute costs EXPLORE_STEPS engine
+    steps asks for one."""
     clock = Clock()
     a = advisor(clock, explore_every=10.0)
     a.observe(steps=prefill_steps(), loads=loads(rate=10_000.0), probes=True)  # a slow pool
     clock.now += 10
-    assert not a.take_probe()
     assert a.declines_any_hit(0, 256, BS)  # the scheduler skips this lookup
+    assert a.decide(0, 256, BS).reason == "slow_pool"
+    assert not a.take_probe()
+    assert a.decide(0, 16000, BS).reason == "slow_pool"
     assert a.take_probe()

@@ -187,8 +187,8 @@ class ClaimAdvisor:
         d = self._verdict(now, start, hit, chunk, backlog, probe)
         if d.reason == "explore":
             self._last_explore = now
-        elif d.reason == "slow_pool":
-            self._declined_at = now
+        elif d.reason == "slow_pool" and self._worth_exploring(now, start, hit):
+            self._declined_at = now  # a hit long enough to pay once the pool recovers
         elif d.reason == "measure_probe":
             self._last_measure = now
         return d
@@ -213,23 +213,20 @@ class ClaimAdvisor:
 
     def declines_any_hit(self, start: int, hit: int, chunk: int, backlog: int = 0) -> bool:
         """Whether no hit of up to ``hit`` tokens from ``start`` would be claimed now, so the
-        pool need not be asked (only the decline is recorded: :meth:`take_probe`). Loads cost ``l0 + t/rate`` (both
+        pool need not be asked (nothing is recorded). Loads cost ``l0 + t/rate`` (both
         non-negative) and recomputing ``t`` tokens grows at least linearly, so the
         load-to-recompute ratio falls with ``t``: if the whole hit does not pay, no part
         does. ``False`` whenever a decision could claim: unmeasured, beyond the measured
         reach (a shorter hit may lie within it), an explore due, a policy other than ``auto``."""
         if self.rules.policy != "auto" or hit <= 0 or self.prefill.reaches_past(start + hit):
             return False
-        now = self.clock()
-        declined = self._verdict(now, start, hit, chunk, backlog).tokens == 0
-        if declined:
-            self._declined_at = now  # (the only thing recorded: a probe may follow)
-        return declined
+        return self._verdict(self.clock(), start, hit, chunk, backlog).tokens == 0
 
     def take_probe(self) -> bool:
         """Whether the workers should measure the pool now with a background probe (and, if
-        so, it is counted as done): ``auto`` has declined a hit since the last probe or
-        load, and ``explore_every`` s have passed. Where the workers can probe
+        so, it is counted as done): ``auto`` has declined a hit worth exploring (one whose
+        recompute costs :data:`EXPLORE_STEPS` engine steps: a short span never pays, however
+        fast the pool) since the last probe or load, and ``explore_every`` s have passed. Where the workers can probe
         (:attr:`probes_available`), this replaces the quarter-hit ``explore``, which made
         the request it explored with slower than its recompute (the H100, 2026-12-05: an
         8k hit whose quarter was claimed took 259 ms against 211 to recompute)."""
