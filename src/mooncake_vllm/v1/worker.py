@@ -153,11 +153,12 @@ class WorkerLogic:
             self._thread.start()
             self._markers.start()
 
-    def _probe_loads(self, client: Any) -> None:
+    def _probe_loads(self, client: Any, *, again: bool = False) -> None:
         """Seed the claim policy's load model before the first hit, or measure the pool again
         while claims are declined (``metadata.probe_loads``), off vLLM's thread: throw-away
         loads, never a request's blocks. Only for CUDA KV: on the host a load is a memory
-        copy, measured by the real ones. One probe at a time."""
+        copy, measured by the real ones. One probe at a time; only the first is logged at
+        INFO (``again``: asked while declining, every ``explore_every`` s at most)."""
         with self._cond:
             if self._probing:
                 return
@@ -170,7 +171,7 @@ class WorkerLogic:
                 samples = client.probe_loads(self.layout)
                 for blocks, seconds in samples:
                     self.timer.load_done(blocks * bs, seconds)
-                log.info("mooncake-vllm: load probe: %s", ", ".join(
+                log.log(logging.DEBUG if again else logging.INFO, "mooncake-vllm: load probe: %s", ", ".join(
                     f"{b * bs} tokens in {s * 1e3:.1f} ms" for b, s in samples) or "no answer")
             finally:
                 with self._cond:
@@ -196,7 +197,7 @@ class WorkerLogic:
             # CUDA KV with the probe on, and no load of ours for its slots to compete with
             client = self.source.get()
             if client is not None:
-                self._probe_loads(client)
+                self._probe_loads(client, again=True)
         self._order_fences(meta.preempted_req_ids)  # before this forward may write them
         if meta.delayed_loads:
             with self._cond:
