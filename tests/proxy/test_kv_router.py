@@ -202,26 +202,56 @@ def _capped_server(**cfg: object) -> ProxyServer:
 
 
 def test_an_instance_at_the_queue_cap_takes_no_more_while_another_has_room() -> None:
-    """``kv_queue_cap`` 3: the holder of a document keeps its turns below 3 requests, then
-    another instance takes them (other clients' requests its engine reports count too); when
-    every instance is at the cap the cap picks nothing."""
+    """``kv_queue_cap`` 3: an instance at 3 requests (other clients' requests its engine reports
+    count too) takes no prompt it does not hold while another has room; when every instance is
+    at the cap the cap picks nothing."""
     server = _capped_server(scheduling="kv_aware", kv_queue_cap=3)
     router, policy = server.kv, server.policies["decode"]
     router.configure("0.32.0", {})
     a, b, c = _fleet(3)
     router.on_batch(a.key, 0, [_stored(DOC)])
-    a.in_flight, b.in_flight, c.in_flight = 2, 1, 1
-    assert policy.select([a, b, c], _key(DOC + [1, 2, 3, 4])) is a  # within 2x the mean, its hit
+    cold = list(range(500, 540))
+    a.in_flight, b.in_flight, c.in_flight = 0, 1, 1
+    assert policy.select([a, b, c], _key(cold)) is a  # the least queued: nothing cached anywhere
+    router.settle("decode", _key(cold))
+    router.pending.clear()
     a.in_flight = 3
-    assert policy.select([a, b, c], _key(DOC + [5, 6, 7, 8])) is not a
+    assert policy.select([a, b, c], _key(cold + [1, 2, 3, 4])) is not a
     a.in_flight = 1  # and 2 more of other clients, from its engine's last answer
     a.engine = EngineLoad(at=time.monotonic(), max_age=60.0, running=3, ours=1)
-    assert a.load == 3 and policy.select([a, b, c], _key(DOC + [9, 9, 9, 9])) is not a
+    assert a.load == 3 and policy.select([a, b, c], _key(cold + [9, 9, 9, 9])) is not a
     assert router.counters[("capped", "decode")] == 2
     a.engine, a.in_flight, b.in_flight, c.in_flight = None, 3, 3, 3
     assert policy.select([a, b, c], _key(DOC + [8, 8, 8, 8])) is a  # no room anywhere: the holder
     assert router.counters[("capped", "decode")] == 2
     assert 'mooncake_proxy_kv_aware_capped_total{kind="decode"} 2' in router.render()
+
+
+def test_the_queue_cap_never_moves_a_hit_off_the_instance_that_alone_holds_it() -> None:
+    """At the cap, the holder of most of the prompt still takes it (the cost model decides, as
+    without the cap): the cap had sent the turn to an instance with room to recompute the
+    document there. A prompt that is only a shared first block has no holder; the cap holds."""
+    server = _capped_server(scheduling="kv_aware", kv_queue_cap=3)
+    router, policy = server.kv, server.policies["decode"]
+    router.configure("0.32.0", {})
+    a, b, c = _fleet(3)
+    router.on_batch(a.key, 0, [_stored(DOC)])
+    a.in_flight, b.in_flight, c.in_flight = 3, 1, 1
+    assert policy.select([a, b, c], _key(DOC + [1, 2, 3, 4])) is a
+    assert router.counters[("cap_held", "decode")] == 1
+    assert router.counters[("capped", "decode")] == 0  # a stayed a candidate: nothing was left out
+    assert 'mooncake_proxy_kv_aware_cap_held_total{kind="decode"} 1' in router.render()
+    # a holds only the first block of this prompt: not a hit worth keeping, the cap applies
+    assert policy.select([a, b, c], _key(DOC[:4] + list(range(600, 636)))) is not a
+    assert router.counters[("capped", "decode")] == 1
+    # b holds the document too: no single holder, the cap leaves a out and b takes it
+    router.on_batch(b.key, 0, [_stored(DOC)])
+    assert policy.select([a, b, c], _key(DOC + [5, 6, 7, 8])) is b
+    assert router.counters[("cap_held", "decode")] == 1
+    # a holder past the 2x bound is still left out: the bound, not the cap, keeps a hot document in check
+    a.in_flight, b.in_flight, c.in_flight = 6, 0, 0
+    router.on_batch(b.key, 1, [{"type": "AllBlocksCleared"}])
+    assert policy.select([a, b, c], _key(DOC + [2, 2, 2, 2])) is not a
 
 
 @pytest.mark.parametrize("cap", [-1, "4", 2.5, True, None])

@@ -307,15 +307,8 @@ class KvRouter:
                            "events after %d requests of full blocks; start it with --kv-events-config (see "
                            "--kv-events) or remove it", silent[0], self.unheard_requests.get(silent[0], 0))
             return None
-        local, pool = [0] * len(candidates), 0
+        local, pool = self._hits(candidates, key, size)
         with self._lock:
-            if size is not None:
-                hashes = key.hashes.get(size)
-                if hashes is None:
-                    hashes = key.hashes[size] = (self.hasher or self.hashers[0]).block_hashes(key.tokens, size)
-                empty = BlockIndex(0)
-                local = [(self.indexes.get(c.key) or empty).prefix_blocks(hashes, LOCAL) * size for c in candidates]
-                pool = max((i.prefix_blocks(hashes, POOL) for i in self.indexes.values()), default=0) * size
             speeds = self.speeds.relative([c.key for c in candidates])
         n = len(key.tokens)
         self.mean_prompt = n if not self.mean_prompt else 0.9 * self.mean_prompt + 0.1 * n
@@ -333,6 +326,31 @@ class KvRouter:
         self._pool_predicted += pick.pool_tokens
         self.counters[("prompt_tokens", kind)] += n
         return chosen
+
+    def _hits(self, candidates: Sequence[Instance], key: PromptKey, size: int | None) -> tuple[list[int], int]:
+        """Prompt tokens each candidate holds in its own cache, and those the pool holds."""
+        if size is None or key.tokens is None:
+            return [0] * len(candidates), 0
+        with self._lock:
+            hashes = key.hashes.get(size)
+            if hashes is None:
+                hashes = key.hashes[size] = (self.hasher or self.hashers[0]).block_hashes(key.tokens, size)
+            empty = BlockIndex(0)
+            local = [(self.indexes.get(c.key) or empty).prefix_blocks(hashes, LOCAL) * size for c in candidates]
+            pool = max((i.prefix_blocks(hashes, POOL) for i in self.indexes.values()), default=0) * size
+        return local, pool
+
+    def holder(self, candidates: Sequence[Instance], key: RoutingKey) -> Instance | None:
+        """The one candidate whose own cache holds the longest prefix of ``key``'s prompt, when
+        that covers at least half of it (a shared system prompt makes no holder); None otherwise,
+        or when ``key`` cannot be predicted."""
+        if self.fallback_reason(key) or not candidates:
+            return None
+        local, _ = self._hits(candidates, key, self.block_size())
+        best = max(local)
+        if not best or 2 * best < len(key.tokens) or local.count(best) > 1:
+            return None
+        return candidates[local.index(best)]
 
     def effective_weights(self) -> CostWeights:
         """``weights`` with the pool's cost as realized: a declined load is a recompute."""
@@ -430,7 +448,7 @@ _LABELS: dict[str, tuple[str, ...]] = {
     "index_drops": ("reason",), "fallbacks": ("kind", "reason"), "decisions": ("kind", "outcome"),
     "predicted_local_tokens": ("kind",), "predicted_pool_tokens": ("kind",), "prompt_tokens": ("kind",),
     "got_cached_tokens": ("kind",), "observed_predicted_tokens": ("kind",), "observed": ("kind",),
-    "replays": ("outcome",), "bounded": ("kind",), "capped": ("kind",),
+    "replays": ("outcome",), "bounded": ("kind",), "capped": ("kind",), "cap_held": ("kind",),
 }
 
 

@@ -119,6 +119,8 @@ class Router(Protocol):
 
     def routed(self, inst: Instance, key: Any) -> None: ...
 
+    def holder(self, candidates: Sequence[Instance], key: Any) -> Instance | None: ...
+
 
 def under_bound(candidates: Sequence[Instance], balance: float) -> list[Instance]:
     """The candidates that can take one more request and stay within ``balance`` x the mean
@@ -168,7 +170,13 @@ class KvAwarePolicy(SchedulingPolicy):
 
     ``queue_cap`` (``--kv-queue-cap``, 0 = none): an instance holding that many requests
     (``Instance.load``) takes no more while another has room (counted as ``capped``); when
-    none has, all are candidates (the proxy has no queue of its own).
+    none has, all are candidates (the proxy has no queue of its own). The cap never turns a
+    hit into a recompute: an instance at the cap still takes a prompt whose longest prefix
+    it alone holds in its own cache, half the prompt or more (:meth:`Router.holder`, counted
+    as ``cap_held``), and the cost model weighs it against the others as it would without
+    the cap. A hit queued behind 3-4 others took 0.5-0.9 s on the CPU bench; the cap's
+    moves each recomputed a document elsewhere (2.5-6 s) and stalled the hits already on
+    that instance behind it (bench_routing 2026-12-05-conc: up to 23 s).
     """
 
     name = "kv_aware"
@@ -192,9 +200,14 @@ class KvAwarePolicy(SchedulingPolicy):
         if self.queue_cap:
             room = [c for c in candidates if c.load < self.queue_cap]
             if room and len(room) < len(candidates):
-                candidates = room
-                if router is not None:
-                    router.counters[("capped", self.kind)] += 1
+                held = router.holder(candidates, prefix) if router is not None else None
+                if router is not None and held is not None and held not in room:
+                    room = [c for c in candidates if c in room or c is held]
+                    router.counters[("cap_held", self.kind)] += 1
+                if len(room) < len(candidates):
+                    if router is not None:
+                        router.counters[("capped", self.kind)] += 1
+                    candidates = room
         bounded = under_bound(candidates, self.balance)
         if router is None:
             return self._fallback.select(bounded, raw)
