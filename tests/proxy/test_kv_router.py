@@ -26,6 +26,14 @@ def _stored(tokens: list[int]) -> dict:
             "token_ids": tokens[: len(hashes) * BS], "block_size": BS, "medium": "GPU", "extra_keys": None}
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _fleet(n: int) -> list[Instance]:
     return [Instance("decode", parse_endpoint(f"127.0.0.1:{9000 + i}")) for i in range(n)]
 
@@ -195,6 +203,26 @@ def test_a_slow_holder_keeps_its_hits_but_not_a_queue_worth_a_recompute_elsewher
     assert policy.select([a, b], _key(DOC + [1, 2, 3, 4])) is a  # 4 tokens there against 44 recomputed
     router.pending[a.key] += 100  # 100 tokens queued on a: at a quarter of b's speed, b recomputes sooner
     assert policy.select([a, b], _key(DOC + [5, 6, 7, 8])) is b
+
+
+def test_a_holder_whose_queued_recompute_is_nearly_computed_keeps_its_hit() -> None:
+    """The queued work drains at the holder's measured rate: 100 tokens queued on a (250 tokens/s)
+    send the next turn to b to be recomputed at first; 0.4 s later they are computed (their first
+    token not back yet) and the turn stays on a, where it hits."""
+    clock = FakeClock()
+    router = KvRouter("tcp://127.0.0.1:1", clock=clock)
+    router.configure("0.32.0", {})
+    policy = KvAwarePolicy(router, "decode")
+    a, b = _fleet(2)
+    _measured(router, [a, b], [250.0, 1000.0])
+    router.on_batch(a.key, 0, [_stored(DOC)])
+    router.on_batch(b.key, 0, [])
+    router.backlog.add(a.key, 100.0)  # a cold prompt routed to a at 0 s
+    assert policy.select([a, b], _key(DOC + [5, 6, 7, 8])) is b
+    router.backlog.remove(b.key, router.backlog.work[b.key])
+    clock.now = 0.4
+    assert router.queued(a) == 0.0 and router.pending[a.key] == pytest.approx(100.0)
+    assert policy.select([a, b], _key(DOC + [1, 2, 3, 4])) is a
 
 
 def _capped_server(**cfg: object) -> ProxyServer:

@@ -8,7 +8,8 @@ blocks like vLLM (:mod:`.kv_hashes`), and asks every instance's index
 cache; the pool's (medium ``MOONCAKE``) counts the same for all, at the cost the
 instances' own counters show it has (:meth:`KvRouter.calibrate`: a declined load is
 a recompute). The least prefill work plus the work queued before it wins
-(:meth:`KvRouter.queued`: work routed there and not yet at its first token, decode
+(:meth:`KvRouter.queued`: work routed there, not at its first token nor computed since at
+the instance's measured rate, decode
 shares, requests its engine reports beyond ours via :mod:`.engine_load`), each over the
 instance's measured prefill speed (:mod:`.kv_speed`). Before any instance published a
 block nothing is cached anywhere as far as the proxy knows: the same cost with no hits.
@@ -26,8 +27,9 @@ import logging
 import os
 import shlex
 import threading
+import time
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -37,7 +39,7 @@ from mooncake_vllm.proxy.instances import Instance, parse_endpoint
 from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient, vllm_args
 from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
 from mooncake_vllm.proxy.kv_index import LOCAL, POOL, BlockIndex, CostWeights, choose
-from mooncake_vllm.proxy.kv_speed import SpeedTracker
+from mooncake_vllm.proxy.kv_speed import Backlog, SpeedTracker
 from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey, check_queue_cap
 
 
@@ -69,7 +71,8 @@ class KvRouter:
     """The shared state of both kinds' ``kv_aware`` policies: indexes, hasher, counters."""
 
     def __init__(self, endpoint: str, weights: CostWeights = CostWeights(), capacity: int = 1 << 17,
-                 replay: dict[str, str] | None = None, sync_interval: float = 0.5) -> None:
+                 replay: dict[str, str] | None = None, sync_interval: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.weights = weights
         self.capacity = capacity
         self._lock = threading.Lock()
@@ -84,12 +87,13 @@ class KvRouter:
         self.unheard_requests: dict[str, int] = defaultdict(int)  # full-block prompts sent to one not heard
         self.silent_after = 3  # that many, and an instance not heard is taken for one that publishes nothing
         self.mean_work = 0.0  # predicted prefill work per routed request (recomputed-token units)
-        self.pending: dict[str, float] = defaultdict(float)  # instance -> routed prefill work not yet done
         #: the share of predicted pool tokens the instances really loaded (their own counters): they
         #: recompute what their load policy declines, so a pool token costs this much of ``weights.pool``
         #: and the rest of a recompute
         self.pool_realized = 1.0
         self.speeds = SpeedTracker()  # each instance's measured prefill rate (its engine's counters)
+        self.backlog = Backlog(self.speeds, clock)  # routed prefill work not at its first token, drained
+        self.pending = self.backlog.work  # instance -> routed prefill work not yet settled
         self._pool_predicted = 0  # pool tokens predicted for routed requests, ever
         self._pool_base: tuple[int, float] | None = None  # (predicted, the engines' pool hits) last time
         self._in_rotation: dict[str, set[str]] = {}
@@ -316,7 +320,7 @@ class KvRouter:
         pick = choose(n, local, pool, [self.queued(c) for c in candidates], self.effective_weights(), start, speeds)
         chosen = candidates[pick.index]
         self.mean_work = pick.work if not self.mean_work else 0.9 * self.mean_work + 0.1 * pick.work
-        self.pending[chosen.key] += pick.work
+        self.backlog.add(chosen.key, pick.work)
         key.charged[kind] = (chosen.key, pick.work)
         key.predicted[kind] = pick.local_tokens + pick.pool_tokens
         where = "local" if pick.local_tokens else "pool" if pick.pool_tokens else "cold"
@@ -382,11 +386,11 @@ class KvRouter:
 
     def queued(self, inst: Instance) -> float:
         """Work ahead of a new request on ``inst`` (recomputed-token units): the prefill work
-        routed there and not yet done, a share of the mean prompt per request in flight
+        routed there and not computed yet (:class:`.kv_speed.Backlog`), a share of the mean prompt per request in flight
         (decode steps), and the mean work of each request its engine reports beyond ours."""
         others = max(0, inst.load - inst.in_flight)
         per_request = self.weights.per_request * self.mean_prompt
-        return max(0.0, self.pending.get(inst.key, 0.0)) + per_request * (inst.in_flight + others) \
+        return self.backlog.left(inst.key) + per_request * (inst.in_flight + others) \
             + self.mean_work * others
 
     def routed(self, inst: Instance, key: RoutingKey) -> None:
@@ -403,12 +407,7 @@ class KvRouter:
         ended): its work no longer queues before others. Idempotent."""
         charge = key.charged.pop(kind, None) if isinstance(key, PromptKey) else None
         if charge is not None:
-            inst, work = charge
-            left = self.pending.get(inst, 0.0) - work
-            if left > 1e-6:
-                self.pending[inst] = left
-            else:
-                self.pending.pop(inst, None)
+            self.backlog.remove(*charge)
 
     def observe(self, kind: str, key: RoutingKey, answer: Any) -> None:
         """Count what the instance reports it served from cache (``usage.prompt_tokens_details``)."""
