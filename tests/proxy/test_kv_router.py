@@ -255,31 +255,41 @@ def test_an_instance_at_the_queue_cap_takes_no_more_while_another_has_room() -> 
     assert 'mooncake_proxy_kv_aware_capped_total{kind="decode"} 2' in router.render()
 
 
-def test_the_queue_cap_never_moves_a_hit_off_the_instance_that_alone_holds_it() -> None:
-    """At the cap, the holder of most of the prompt still takes it (the cost model decides, as
-    without the cap): the cap had sent the turn to an instance with room to recompute the
-    document there. A prompt that is only a shared first block has no holder; the cap holds."""
+def test_the_queue_cap_never_moves_a_session_off_the_instance_that_holds_it() -> None:
+    """At the cap, a turn that continues a prompt routed to the holder stays there (the cost
+    model decides, as without the cap): the cap had sent it elsewhere to recompute the whole
+    conversation. A new prompt on the same document goes where there is room, and so does a
+    prompt that shares only a first block with the holder's."""
     server = _capped_server(scheduling="kv_aware", kv_queue_cap=3)
     router, policy = server.kv, server.policies["decode"]
     router.configure("0.32.0", {})
     a, b, c = _fleet(3)
     router.on_batch(a.key, 0, [_stored(DOC)])
+    turn1 = DOC[:36] + [1, 2, 3, 4, 5]  # the first turn of a conversation on DOC, routed to a
+    assert policy.select([a, b, c], _key(turn1)) is a
+    router.on_batch(a.key, 1, [_stored(turn1)])  # its blocks are in a's cache
     a.in_flight, b.in_flight, c.in_flight = 3, 1, 1
-    assert policy.select([a, b, c], _key(DOC + [1, 2, 3, 4])) is a
+    turn2 = turn1 + [6, 7, 8, 9, 10, 11, 12]  # the next turn: it continues turn1
+    assert policy.select([a, b, c], _key(turn2)) is a
     assert router.counters[("cap_held", "decode")] == 1
     assert router.counters[("capped", "decode")] == 0  # a stayed a candidate: nothing was left out
     assert 'mooncake_proxy_kv_aware_cap_held_total{kind="decode"} 1' in router.render()
-    # a holds only the first block of this prompt: not a hit worth keeping, the cap applies
-    assert policy.select([a, b, c], _key(DOC[:4] + list(range(600, 636)))) is not a
+    # another conversation on DOC: a holds its document but no turn of it, the cap applies
+    assert policy.select([a, b, c], _key(DOC[:36] + [40, 41, 42, 43, 44])) is not a
     assert router.counters[("capped", "decode")] == 1
-    # b holds the document too: no single holder, the cap leaves a out and b takes it
-    router.on_batch(b.key, 0, [_stored(DOC)])
-    assert policy.select([a, b, c], _key(DOC + [5, 6, 7, 8])) is b
+    # a holds only the first block of this prompt: not a hit worth keeping
+    assert policy.select([a, b, c], _key(DOC[:4] + list(range(600, 636)))) is not a
     assert router.counters[("cap_held", "decode")] == 1
     # a holder past the 2x bound is still left out: the bound, not the cap, keeps a hot document in check
     a.in_flight, b.in_flight, c.in_flight = 6, 0, 0
-    router.on_batch(b.key, 1, [{"type": "AllBlocksCleared"}])
-    assert policy.select([a, b, c], _key(DOC + [2, 2, 2, 2])) is not a
+    assert policy.select([a, b, c], _key(turn2 + [13, 14, 15, 16])) is not a
+    # an instance that left rotation forgets its sessions: back at the cap, the turn moves
+    a.in_flight, b.in_flight, c.in_flight = 3, 1, 1
+    a.healthy = False
+    policy.select([b, c], _key(turn2))
+    a.healthy = True
+    router.on_batch(a.key, 0, [_stored(turn1)])
+    assert policy.select([a, b, c], _key(turn2 + [17, 18, 19, 20])) is not a
 
 
 @pytest.mark.parametrize("cap", [-1, "4", 2.5, True, None])

@@ -33,12 +33,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.proxy import engine_load
-from mooncake_vllm.proxy.instances import Instance, parse_endpoint
-from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient, vllm_args
+from mooncake_vllm.proxy.instances import Instance
+from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient, parse_replay, vllm_args
 from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
 from mooncake_vllm.proxy.kv_index import LOCAL, POOL, BlockIndex, CostWeights, choose
+from mooncake_vllm.proxy.kv_sessions import SessionTails
 from mooncake_vllm.proxy.kv_speed import Backlog, SpeedTracker
 from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey, check_queue_cap
 
@@ -94,6 +94,7 @@ class KvRouter:
         self.speeds = SpeedTracker()  # each instance's measured prefill rate (its engine's counters)
         self.backlog = Backlog(self.speeds, clock)  # routed prefill work not at its first token, drained
         self.pending = self.backlog.work  # instance -> routed prefill work not yet settled
+        self.sessions = SessionTails()  # the prompts routed to each instance, for holder()
         self._pool_predicted = 0  # pool tokens predicted for routed requests, ever
         self._pool_base: tuple[int, float] | None = None  # (predicted, the engines' pool hits) last time
         self._in_rotation: dict[str, set[str]] = {}
@@ -280,6 +281,7 @@ class KvRouter:
                     self.heard.discard(key)
                     self.unheard_requests.pop(key, None)
                     self.speeds.forget(key)
+                    self.sessions.forget(key)
 
     def fallback_reason(self, key: RoutingKey) -> str:
         """Why ``key`` cannot be routed by prediction ("" if it can)."""
@@ -331,14 +333,19 @@ class KvRouter:
         self.counters[("prompt_tokens", kind)] += n
         return chosen
 
+    def _hashes(self, key: PromptKey, size: int) -> list[int]:
+        hashes = key.hashes.get(size)
+        if hashes is None:
+            assert key.tokens is not None
+            hashes = key.hashes[size] = (self.hasher or self.hashers[0]).block_hashes(key.tokens, size)
+        return hashes
+
     def _hits(self, candidates: Sequence[Instance], key: PromptKey, size: int | None) -> tuple[list[int], int]:
         """Prompt tokens each candidate holds in its own cache, and those the pool holds."""
         if size is None or key.tokens is None:
             return [0] * len(candidates), 0
+        hashes = self._hashes(key, size)
         with self._lock:
-            hashes = key.hashes.get(size)
-            if hashes is None:
-                hashes = key.hashes[size] = (self.hasher or self.hashers[0]).block_hashes(key.tokens, size)
             empty = BlockIndex(0)
             local = [(self.indexes.get(c.key) or empty).prefix_blocks(hashes, LOCAL) * size for c in candidates]
             pool = max((i.prefix_blocks(hashes, POOL) for i in self.indexes.values()), default=0) * size
@@ -346,15 +353,18 @@ class KvRouter:
 
     def holder(self, candidates: Sequence[Instance], key: RoutingKey) -> Instance | None:
         """The one candidate whose own cache holds the longest prefix of ``key``'s prompt, when
-        that covers at least half of it (a shared system prompt makes no holder); None otherwise,
-        or when ``key`` cannot be predicted."""
-        if self.fallback_reason(key) or not candidates:
+        that covers at least half of it and continues an earlier prompt routed there (a session's
+        next turn, :mod:`.kv_sessions`); None otherwise (a new prompt on a shared document, a
+        shared system prompt), or when ``key`` cannot be predicted."""
+        size = self.block_size()
+        if self.fallback_reason(key) or not candidates or size is None:
             return None
-        local, _ = self._hits(candidates, key, self.block_size())
+        local, _ = self._hits(candidates, key, size)
         best = max(local)
         if not best or 2 * best < len(key.tokens) or local.count(best) > 1:
             return None
-        return candidates[local.index(best)]
+        held = candidates[local.index(best)]
+        return held if self.sessions.continues(held.key, self._hashes(key, size), best // size) else None
 
     def effective_weights(self) -> CostWeights:
         """``weights`` with the pool's cost as realized: a declined load is a recompute."""
@@ -395,12 +405,14 @@ class KvRouter:
 
     def routed(self, inst: Instance, key: RoutingKey) -> None:
         """``key`` went to ``inst`` (by prediction or fallback): count it against an instance
-        not heard yet when the prompt has a full block (vLLM publishes nothing for less)."""
-        if inst.key in self.heard or not isinstance(key, PromptKey) or key.tokens is None:
-            return
+        not heard yet when the prompt has a full block (vLLM publishes nothing for less), and
+        remember its last full block there (:attr:`sessions`)."""
         size = self.block_size()
-        if size is not None and len(key.tokens) >= size:
+        if not isinstance(key, PromptKey) or key.tokens is None or size is None or len(key.tokens) < size:
+            return
+        if inst.key not in self.heard:
             self.unheard_requests[inst.key] += 1
+        self.sessions.record(inst.key, self._hashes(key, size))
 
     def settle(self, kind: str, key: RoutingKey) -> None:
         """The prefill of ``key``'s ``kind`` request is done (its first token came back, or it
@@ -464,31 +476,6 @@ async def start(server: ProxyServer) -> None:
     if await asyncio.to_thread(sub.bound.wait, 5.0):
         log.info("kv_aware: KV events on %s; start each instance with %s", sub.bound_endpoint,
                  " ".join(shlex.quote(a) for a in vllm_args(str(sub.bound_endpoint), "<its host:port>")))
-
-
-_REPLAY_FIX = ("give each as HOST:PORT=tcp://HOST:PORT (the instance as the proxy names it = the "
-               "replay_endpoint in its --kv-events-config), e.g. 127.0.0.1:8100=tcp://127.0.0.1:5600")
-
-
-def parse_replay(value: dict[str, str] | Sequence[str]) -> dict[str, str]:
-    """``--kv-replay`` (``HOST:PORT=ENDPOINT`` items, or a mapping) keyed by canonical instance
-    key; one ``ConfigError`` naming the field and every bad item."""
-    items = list(value.items()) if isinstance(value, dict) else [tuple(v.split("=", 1)) if "=" in v else (v, "")
-                                                                  for v in value]
-    out: dict[str, str] = {}
-    problems: list[ConfigProblem] = []
-    for inst, ep in items:
-        if not str(ep).startswith(("tcp://", "ipc://")) or str(ep).endswith(":"):
-            problems.append(ConfigProblem("--kv-replay", f"{inst}={ep}: the endpoint is not tcp://HOST:PORT or "
-                                          "ipc://PATH", _REPLAY_FIX))
-            continue
-        try:
-            out[parse_endpoint(str(inst), field_name="--kv-replay").key] = str(ep)
-        except ConfigError as exc:
-            problems += [ConfigProblem("--kv-replay", f"{inst}={ep}: {p.problem}", _REPLAY_FIX) for p in exc.problems]
-    if problems:
-        raise ConfigError("--kv-replay", problems)
-    return out
 
 
 def attach(server: ProxyServer) -> KvRouter | None:

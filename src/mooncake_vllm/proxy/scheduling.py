@@ -170,13 +170,15 @@ class KvAwarePolicy(SchedulingPolicy):
 
     ``queue_cap`` (``--kv-queue-cap``, 0 = none): an instance holding that many requests
     (``Instance.load``) takes no more while another has room (counted as ``capped``); when
-    none has, all are candidates (the proxy has no queue of its own). The cap never turns a
-    hit into a recompute: an instance at the cap still takes a prompt whose longest prefix
-    it alone holds in its own cache, half the prompt or more (:meth:`Router.holder`, counted
-    as ``cap_held``), and the cost model weighs it against the others as it would without
-    the cap. A hit queued behind 3-4 others took 0.5-0.9 s on the CPU bench; the cap's
-    moves each recomputed a document elsewhere (2.5-6 s) and stalled the hits already on
-    that instance behind it (bench_routing 2026-12-05-conc: up to 23 s).
+    none has, all are candidates (the proxy has no queue of its own). The cap never moves a
+    session's next turn: an instance at the cap still takes a prompt that continues one routed
+    there before and whose longest prefix it alone holds, half the prompt or more
+    (:meth:`Router.holder`, counted as ``cap_held``); the cost model weighs it against the others
+    as without the cap. Moving such a turn recomputed its whole conversation elsewhere (2.5-6 s
+    on the CPU bench, bench_routing 2026-12-05-conc) for one turn's gain. A new prompt that
+    only shares a document with others still goes where there is room: it pays one recompute
+    and has its session ahead of it there (holding those too kept 6 conversations of 3
+    documents on one instance for 30 s, its hits 0.7-3.9 s: 2026-12-05-capheld).
     """
 
     name = "kv_aware"
