@@ -26,6 +26,14 @@ def _stored(tokens: list[int]) -> dict:
             "token_ids": tokens[: len(hashes) * BS], "block_size": BS, "medium": "GPU", "extra_keys": None}
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _fleet(n: int) -> list[Instance]:
     return [Instance("decode", parse_endpoint(f"127.0.0.1:{9000 + i}")) for i in range(n)]
 
@@ -197,31 +205,91 @@ def test_a_slow_holder_keeps_its_hits_but_not_a_queue_worth_a_recompute_elsewher
     assert policy.select([a, b], _key(DOC + [5, 6, 7, 8])) is b
 
 
+def test_a_holder_whose_queued_recompute_is_nearly_computed_keeps_its_hit() -> None:
+    """The queued work drains at the holder's measured rate: 100 tokens queued on a (250 tokens/s)
+    send the next turn to b to be recomputed at first; 0.4 s later they are computed (their first
+    token not back yet) and the turn stays on a, where it hits."""
+    clock = FakeClock()
+    router = KvRouter("tcp://127.0.0.1:1", clock=clock)
+    router.configure("0.32.0", {})
+    policy = KvAwarePolicy(router, "decode")
+    a, b = _fleet(2)
+    _measured(router, [a, b], [250.0, 1000.0])
+    router.on_batch(a.key, 0, [_stored(DOC)])
+    router.on_batch(b.key, 0, [])
+    router.backlog.add(a.key, 100.0)  # a cold prompt routed to a at 0 s
+    assert policy.select([a, b], _key(DOC + [5, 6, 7, 8])) is b
+    router.backlog.remove(b.key, router.backlog.work[b.key])
+    clock.now = 0.4
+    assert router.queued(a) == 0.0 and router.pending[a.key] == pytest.approx(100.0)
+    assert policy.select([a, b], _key(DOC + [1, 2, 3, 4])) is a
+
+
 def _capped_server(**cfg: object) -> ProxyServer:
     return ProxyServer(ProxyConfig(model="m", decode=["127.0.0.1:1"], flow="kv_both", **cfg))  # type: ignore[arg-type]
 
 
 def test_an_instance_at_the_queue_cap_takes_no_more_while_another_has_room() -> None:
-    """``kv_queue_cap`` 3: the holder of a document keeps its turns below 3 requests, then
-    another instance takes them (other clients' requests its engine reports count too); when
-    every instance is at the cap the cap picks nothing."""
+    """``kv_queue_cap`` 3: an instance at 3 requests (other clients' requests its engine reports
+    count too) takes no prompt it does not hold while another has room; when every instance is
+    at the cap the cap picks nothing."""
     server = _capped_server(scheduling="kv_aware", kv_queue_cap=3)
     router, policy = server.kv, server.policies["decode"]
     router.configure("0.32.0", {})
     a, b, c = _fleet(3)
     router.on_batch(a.key, 0, [_stored(DOC)])
-    a.in_flight, b.in_flight, c.in_flight = 2, 1, 1
-    assert policy.select([a, b, c], _key(DOC + [1, 2, 3, 4])) is a  # within 2x the mean, its hit
+    cold = list(range(500, 540))
+    a.in_flight, b.in_flight, c.in_flight = 0, 1, 1
+    assert policy.select([a, b, c], _key(cold)) is a  # the least queued: nothing cached anywhere
+    router.settle("decode", _key(cold))
+    router.pending.clear()
     a.in_flight = 3
-    assert policy.select([a, b, c], _key(DOC + [5, 6, 7, 8])) is not a
+    assert policy.select([a, b, c], _key(cold + [1, 2, 3, 4])) is not a
     a.in_flight = 1  # and 2 more of other clients, from its engine's last answer
     a.engine = EngineLoad(at=time.monotonic(), max_age=60.0, running=3, ours=1)
-    assert a.load == 3 and policy.select([a, b, c], _key(DOC + [9, 9, 9, 9])) is not a
+    assert a.load == 3 and policy.select([a, b, c], _key(cold + [9, 9, 9, 9])) is not a
     assert router.counters[("capped", "decode")] == 2
     a.engine, a.in_flight, b.in_flight, c.in_flight = None, 3, 3, 3
     assert policy.select([a, b, c], _key(DOC + [8, 8, 8, 8])) is a  # no room anywhere: the holder
     assert router.counters[("capped", "decode")] == 2
     assert 'mooncake_proxy_kv_aware_capped_total{kind="decode"} 2' in router.render()
+
+
+def test_the_queue_cap_never_moves_a_session_off_the_instance_that_holds_it() -> None:
+    """At the cap, a turn that continues a prompt routed to the holder stays there (the cost
+    model decides, as without the cap): the cap had sent it elsewhere to recompute the whole
+    conversation. A new prompt on the same document goes where there is room, and so does a
+    prompt that shares only a first block with the holder's."""
+    server = _capped_server(scheduling="kv_aware", kv_queue_cap=3)
+    router, policy = server.kv, server.policies["decode"]
+    router.configure("0.32.0", {})
+    a, b, c = _fleet(3)
+    router.on_batch(a.key, 0, [_stored(DOC)])
+    turn1 = DOC[:36] + [1, 2, 3, 4, 5]  # the first turn of a conversation on DOC, routed to a
+    assert policy.select([a, b, c], _key(turn1)) is a
+    router.on_batch(a.key, 1, [_stored(turn1)])  # its blocks are in a's cache
+    a.in_flight, b.in_flight, c.in_flight = 3, 1, 1
+    turn2 = turn1 + [6, 7, 8, 9, 10, 11, 12]  # the next turn: it continues turn1
+    assert policy.select([a, b, c], _key(turn2)) is a
+    assert router.counters[("cap_held", "decode")] == 1
+    assert router.counters[("capped", "decode")] == 0  # a stayed a candidate: nothing was left out
+    assert 'mooncake_proxy_kv_aware_cap_held_total{kind="decode"} 1' in router.render()
+    # another conversation on DOC: a holds its document but no turn of it, the cap applies
+    assert policy.select([a, b, c], _key(DOC[:36] + [40, 41, 42, 43, 44])) is not a
+    assert router.counters[("capped", "decode")] == 1
+    # a holds only the first block of this prompt: not a hit worth keeping
+    assert policy.select([a, b, c], _key(DOC[:4] + list(range(600, 636)))) is not a
+    assert router.counters[("cap_held", "decode")] == 1
+    # a holder past the 2x bound is still left out: the bound, not the cap, keeps a hot document in check
+    a.in_flight, b.in_flight, c.in_flight = 6, 0, 0
+    assert policy.select([a, b, c], _key(turn2 + [13, 14, 15, 16])) is not a
+    # an instance that left rotation forgets its sessions: back at the cap, the turn moves
+    a.in_flight, b.in_flight, c.in_flight = 3, 1, 1
+    a.healthy = False
+    policy.select([b, c], _key(turn2))
+    a.healthy = True
+    router.on_batch(a.key, 0, [_stored(turn1)])
+    assert policy.select([a, b, c], _key(turn2 + [17, 18, 19, 20])) is not a
 
 
 @pytest.mark.parametrize("cap", [-1, "4", 2.5, True, None])

@@ -11,7 +11,7 @@ import pytest
 from mooncake_vllm.proxy.engine_load import EngineLoad
 from mooncake_vllm.proxy.instances import Instance, parse_endpoint
 from mooncake_vllm.proxy.kv_policy import KvRouter
-from mooncake_vllm.proxy.kv_speed import SpeedTracker
+from mooncake_vllm.proxy.kv_speed import Backlog, SpeedTracker
 
 
 @dataclass
@@ -188,3 +188,53 @@ def test_nothing_to_measure_yet_a_restart_and_forgetting() -> None:
     assert 'mooncake_proxy_kv_aware_prefill_rate{instance="a"} 1000.0' in s.render()
     s.forget("a")
     assert s.rate("a") is None
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _rated(rate: float | None) -> SpeedTracker:
+    speeds = SpeedTracker()
+    if rate is not None:  # one prefill at a time over 100 s of polls
+        speeds.update("a", 0.0, 0.0, 0.0)
+        speeds.update("a", rate * 100, 100.0, 100.0)
+    return speeds
+
+
+def test_the_backlog_drains_at_the_measured_rate_and_settles_first_in_first_out() -> None:
+    clock = FakeClock()
+    backlog = Backlog(_rated(250.0), clock)
+    backlog.add("a", 2000.0)  # a recompute: 8 s at 250 tokens/s
+    assert backlog.left("a") == pytest.approx(2000.0)
+    clock.now = 6.0
+    assert backlog.left("a") == pytest.approx(500.0)  # 2 s of it left
+    backlog.add("a", 40.0)  # a hit behind it
+    assert backlog.left("a") == pytest.approx(540.0)
+    clock.now = 20.0
+    assert backlog.left("a") == 0.0  # never below nothing, however long
+    backlog.remove("a", 2000.0)  # the recompute's first token: the hit was computed too
+    assert backlog.left("a") == 0.0 and backlog.work["a"] == pytest.approx(40.0)
+    backlog.remove("a", 40.0)
+    assert "a" not in backlog.work
+    clock.now = 30.0  # idle time earns nothing towards the next request
+    backlog.add("a", 100.0)
+    assert backlog.left("a") == pytest.approx(100.0)
+
+
+def test_an_unmeasured_engine_drains_nothing_and_settling_a_slow_head_keeps_the_rest() -> None:
+    clock = FakeClock()
+    backlog = Backlog(_rated(None), clock)
+    backlog.add("a", 2000.0)
+    clock.now = 60.0
+    assert backlog.left("a") == pytest.approx(2000.0)  # no rate yet: all of it until its first token
+    backlog = Backlog(_rated(100.0), clock)
+    backlog.add("a", 2000.0)
+    backlog.add("a", 500.0)
+    clock.now = 65.0  # 500 of the first computed
+    backlog.remove("a", 2000.0)
+    assert backlog.left("a") == pytest.approx(500.0)

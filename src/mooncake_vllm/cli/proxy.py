@@ -66,7 +66,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "stream lost (its first batches, gaps). Repeat per instance")
     parser.add_argument("--kv-queue-cap", type=int, default=0, metavar="N",
                         help="kv_aware: an instance with N requests (ours in flight and, from its /metrics, "
-                             "other clients') takes no more while another has room; 0 = no cap (default)")
+                             "other clients') takes no more while another has room, except the next turn of "
+                             "a session it holds; 0 = no cap (default)")
     parser.add_argument("--engine-metrics-interval", type=float, default=1.0, metavar="SECONDS",
                         help="read each instance's /metrics this often: its load (requests running and "
                              "waiting, other clients' too; kv_aware weighs them) and its cache counters, "

@@ -31,10 +31,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["AUTO", "END_SEQ", "EventSubscriber", "ReplayClient", "decode_batch", "missing_modules",
+from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.proxy.instances import parse_endpoint
+
+__all__ = ["AUTO", "END_SEQ", "EventSubscriber", "ReplayClient", "decode_batch", "missing_modules", "parse_replay",
            "vllm_args"]
 
 log = logging.getLogger(__name__)
@@ -214,3 +217,28 @@ class ReplayClient:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+
+
+_REPLAY_FIX = ("give each as HOST:PORT=tcp://HOST:PORT (the instance as the proxy names it = the "
+               "replay_endpoint in its --kv-events-config), e.g. 127.0.0.1:8100=tcp://127.0.0.1:5600")
+
+
+def parse_replay(value: dict[str, str] | Sequence[str]) -> dict[str, str]:
+    """``--kv-replay`` (``HOST:PORT=ENDPOINT`` items, or a mapping) keyed by canonical instance
+    key; one ``ConfigError`` naming the field and every bad item."""
+    items = list(value.items()) if isinstance(value, dict) else [tuple(v.split("=", 1)) if "=" in v else (v, "")
+                                                                  for v in value]
+    out: dict[str, str] = {}
+    problems: list[ConfigProblem] = []
+    for inst, ep in items:
+        if not str(ep).startswith(("tcp://", "ipc://")) or str(ep).endswith(":"):
+            problems.append(ConfigProblem("--kv-replay", f"{inst}={ep}: the endpoint is not tcp://HOST:PORT or "
+                                          "ipc://PATH", _REPLAY_FIX))
+            continue
+        try:
+            out[parse_endpoint(str(inst), field_name="--kv-replay").key] = str(ep)
+        except ConfigError as exc:
+            problems += [ConfigProblem("--kv-replay", f"{inst}={ep}: {p.problem}", _REPLAY_FIX) for p in exc.problems]
+    if problems:
+        raise ConfigError("--kv-replay", problems)
+    return out

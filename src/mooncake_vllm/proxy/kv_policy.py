@@ -8,7 +8,8 @@ blocks like vLLM (:mod:`.kv_hashes`), and asks every instance's index
 cache; the pool's (medium ``MOONCAKE``) counts the same for all, at the cost the
 instances' own counters show it has (:meth:`KvRouter.calibrate`: a declined load is
 a recompute). The least prefill work plus the work queued before it wins
-(:meth:`KvRouter.queued`: work routed there and not yet at its first token, decode
+(:meth:`KvRouter.queued`: work routed there, not at its first token nor computed since at
+the instance's measured rate, decode
 shares, requests its engine reports beyond ours via :mod:`.engine_load`), each over the
 instance's measured prefill speed (:mod:`.kv_speed`). Before any instance published a
 block nothing is cached anywhere as far as the proxy knows: the same cost with no hits.
@@ -26,18 +27,19 @@ import logging
 import os
 import shlex
 import threading
+import time
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.proxy import engine_load
-from mooncake_vllm.proxy.instances import Instance, parse_endpoint
-from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient, vllm_args
+from mooncake_vllm.proxy.instances import Instance
+from mooncake_vllm.proxy.kv_events import EventSubscriber, ReplayClient, parse_replay, vllm_args
 from mooncake_vllm.proxy.kv_hashes import PromptHasher, detect, hasher_for
 from mooncake_vllm.proxy.kv_index import LOCAL, POOL, BlockIndex, CostWeights, choose
-from mooncake_vllm.proxy.kv_speed import SpeedTracker
+from mooncake_vllm.proxy.kv_sessions import SessionTails
+from mooncake_vllm.proxy.kv_speed import Backlog, SpeedTracker
 from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoutingKey, check_queue_cap
 
 
@@ -69,7 +71,8 @@ class KvRouter:
     """The shared state of both kinds' ``kv_aware`` policies: indexes, hasher, counters."""
 
     def __init__(self, endpoint: str, weights: CostWeights = CostWeights(), capacity: int = 1 << 17,
-                 replay: dict[str, str] | None = None, sync_interval: float = 0.5) -> None:
+                 replay: dict[str, str] | None = None, sync_interval: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.weights = weights
         self.capacity = capacity
         self._lock = threading.Lock()
@@ -84,12 +87,14 @@ class KvRouter:
         self.unheard_requests: dict[str, int] = defaultdict(int)  # full-block prompts sent to one not heard
         self.silent_after = 3  # that many, and an instance not heard is taken for one that publishes nothing
         self.mean_work = 0.0  # predicted prefill work per routed request (recomputed-token units)
-        self.pending: dict[str, float] = defaultdict(float)  # instance -> routed prefill work not yet done
         #: the share of predicted pool tokens the instances really loaded (their own counters): they
         #: recompute what their load policy declines, so a pool token costs this much of ``weights.pool``
         #: and the rest of a recompute
         self.pool_realized = 1.0
         self.speeds = SpeedTracker()  # each instance's measured prefill rate (its engine's counters)
+        self.backlog = Backlog(self.speeds, clock)  # routed prefill work not at its first token, drained
+        self.pending = self.backlog.work  # instance -> routed prefill work not yet settled
+        self.sessions = SessionTails()  # the prompts routed to each instance, for holder()
         self._pool_predicted = 0  # pool tokens predicted for routed requests, ever
         self._pool_base: tuple[int, float] | None = None  # (predicted, the engines' pool hits) last time
         self._in_rotation: dict[str, set[str]] = {}
@@ -276,6 +281,7 @@ class KvRouter:
                     self.heard.discard(key)
                     self.unheard_requests.pop(key, None)
                     self.speeds.forget(key)
+                    self.sessions.forget(key)
 
     def fallback_reason(self, key: RoutingKey) -> str:
         """Why ``key`` cannot be routed by prediction ("" if it can)."""
@@ -307,15 +313,8 @@ class KvRouter:
                            "events after %d requests of full blocks; start it with --kv-events-config (see "
                            "--kv-events) or remove it", silent[0], self.unheard_requests.get(silent[0], 0))
             return None
-        local, pool = [0] * len(candidates), 0
+        local, pool = self._hits(candidates, key, size)
         with self._lock:
-            if size is not None:
-                hashes = key.hashes.get(size)
-                if hashes is None:
-                    hashes = key.hashes[size] = (self.hasher or self.hashers[0]).block_hashes(key.tokens, size)
-                empty = BlockIndex(0)
-                local = [(self.indexes.get(c.key) or empty).prefix_blocks(hashes, LOCAL) * size for c in candidates]
-                pool = max((i.prefix_blocks(hashes, POOL) for i in self.indexes.values()), default=0) * size
             speeds = self.speeds.relative([c.key for c in candidates])
         n = len(key.tokens)
         self.mean_prompt = n if not self.mean_prompt else 0.9 * self.mean_prompt + 0.1 * n
@@ -323,7 +322,7 @@ class KvRouter:
         pick = choose(n, local, pool, [self.queued(c) for c in candidates], self.effective_weights(), start, speeds)
         chosen = candidates[pick.index]
         self.mean_work = pick.work if not self.mean_work else 0.9 * self.mean_work + 0.1 * pick.work
-        self.pending[chosen.key] += pick.work
+        self.backlog.add(chosen.key, pick.work)
         key.charged[kind] = (chosen.key, pick.work)
         key.predicted[kind] = pick.local_tokens + pick.pool_tokens
         where = "local" if pick.local_tokens else "pool" if pick.pool_tokens else "cold"
@@ -333,6 +332,39 @@ class KvRouter:
         self._pool_predicted += pick.pool_tokens
         self.counters[("prompt_tokens", kind)] += n
         return chosen
+
+    def _hashes(self, key: PromptKey, size: int) -> list[int]:
+        hashes = key.hashes.get(size)
+        if hashes is None:
+            assert key.tokens is not None
+            hashes = key.hashes[size] = (self.hasher or self.hashers[0]).block_hashes(key.tokens, size)
+        return hashes
+
+    def _hits(self, candidates: Sequence[Instance], key: PromptKey, size: int | None) -> tuple[list[int], int]:
+        """Prompt tokens each candidate holds in its own cache, and those the pool holds."""
+        if size is None or key.tokens is None:
+            return [0] * len(candidates), 0
+        hashes = self._hashes(key, size)
+        with self._lock:
+            empty = BlockIndex(0)
+            local = [(self.indexes.get(c.key) or empty).prefix_blocks(hashes, LOCAL) * size for c in candidates]
+            pool = max((i.prefix_blocks(hashes, POOL) for i in self.indexes.values()), default=0) * size
+        return local, pool
+
+    def holder(self, candidates: Sequence[Instance], key: RoutingKey) -> Instance | None:
+        """The one candidate whose own cache holds the longest prefix of ``key``'s prompt, when
+        that covers at least half of it and continues an earlier prompt routed there (a session's
+        next turn, :mod:`.kv_sessions`); None otherwise (a new prompt on a shared document, a
+        shared system prompt), or when ``key`` cannot be predicted."""
+        size = self.block_size()
+        if self.fallback_reason(key) or not candidates or size is None:
+            return None
+        local, _ = self._hits(candidates, key, size)
+        best = max(local)
+        if not best or 2 * best < len(key.tokens) or local.count(best) > 1:
+            return None
+        held = candidates[local.index(best)]
+        return held if self.sessions.continues(held.key, self._hashes(key, size), best // size) else None
 
     def effective_weights(self) -> CostWeights:
         """``weights`` with the pool's cost as realized: a declined load is a recompute."""
@@ -364,33 +396,30 @@ class KvRouter:
 
     def queued(self, inst: Instance) -> float:
         """Work ahead of a new request on ``inst`` (recomputed-token units): the prefill work
-        routed there and not yet done, a share of the mean prompt per request in flight
+        routed there and not computed yet (:class:`.kv_speed.Backlog`), a share of the mean prompt per request in flight
         (decode steps), and the mean work of each request its engine reports beyond ours."""
         others = max(0, inst.load - inst.in_flight)
         per_request = self.weights.per_request * self.mean_prompt
-        return max(0.0, self.pending.get(inst.key, 0.0)) + per_request * (inst.in_flight + others) \
+        return self.backlog.left(inst.key) + per_request * (inst.in_flight + others) \
             + self.mean_work * others
 
     def routed(self, inst: Instance, key: RoutingKey) -> None:
         """``key`` went to ``inst`` (by prediction or fallback): count it against an instance
-        not heard yet when the prompt has a full block (vLLM publishes nothing for less)."""
-        if inst.key in self.heard or not isinstance(key, PromptKey) or key.tokens is None:
-            return
+        not heard yet when the prompt has a full block (vLLM publishes nothing for less), and
+        remember its last full block there (:attr:`sessions`)."""
         size = self.block_size()
-        if size is not None and len(key.tokens) >= size:
+        if not isinstance(key, PromptKey) or key.tokens is None or size is None or len(key.tokens) < size:
+            return
+        if inst.key not in self.heard:
             self.unheard_requests[inst.key] += 1
+        self.sessions.record(inst.key, self._hashes(key, size))
 
     def settle(self, kind: str, key: RoutingKey) -> None:
         """The prefill of ``key``'s ``kind`` request is done (its first token came back, or it
         ended): its work no longer queues before others. Idempotent."""
         charge = key.charged.pop(kind, None) if isinstance(key, PromptKey) else None
         if charge is not None:
-            inst, work = charge
-            left = self.pending.get(inst, 0.0) - work
-            if left > 1e-6:
-                self.pending[inst] = left
-            else:
-                self.pending.pop(inst, None)
+            self.backlog.remove(*charge)
 
     def observe(self, kind: str, key: RoutingKey, answer: Any) -> None:
         """Count what the instance reports it served from cache (``usage.prompt_tokens_details``)."""
@@ -430,7 +459,7 @@ _LABELS: dict[str, tuple[str, ...]] = {
     "index_drops": ("reason",), "fallbacks": ("kind", "reason"), "decisions": ("kind", "outcome"),
     "predicted_local_tokens": ("kind",), "predicted_pool_tokens": ("kind",), "prompt_tokens": ("kind",),
     "got_cached_tokens": ("kind",), "observed_predicted_tokens": ("kind",), "observed": ("kind",),
-    "replays": ("outcome",), "bounded": ("kind",), "capped": ("kind",),
+    "replays": ("outcome",), "bounded": ("kind",), "capped": ("kind",), "cap_held": ("kind",),
 }
 
 
@@ -447,31 +476,6 @@ async def start(server: ProxyServer) -> None:
     if await asyncio.to_thread(sub.bound.wait, 5.0):
         log.info("kv_aware: KV events on %s; start each instance with %s", sub.bound_endpoint,
                  " ".join(shlex.quote(a) for a in vllm_args(str(sub.bound_endpoint), "<its host:port>")))
-
-
-_REPLAY_FIX = ("give each as HOST:PORT=tcp://HOST:PORT (the instance as the proxy names it = the "
-               "replay_endpoint in its --kv-events-config), e.g. 127.0.0.1:8100=tcp://127.0.0.1:5600")
-
-
-def parse_replay(value: dict[str, str] | Sequence[str]) -> dict[str, str]:
-    """``--kv-replay`` (``HOST:PORT=ENDPOINT`` items, or a mapping) keyed by canonical instance
-    key; one ``ConfigError`` naming the field and every bad item."""
-    items = list(value.items()) if isinstance(value, dict) else [tuple(v.split("=", 1)) if "=" in v else (v, "")
-                                                                  for v in value]
-    out: dict[str, str] = {}
-    problems: list[ConfigProblem] = []
-    for inst, ep in items:
-        if not str(ep).startswith(("tcp://", "ipc://")) or str(ep).endswith(":"):
-            problems.append(ConfigProblem("--kv-replay", f"{inst}={ep}: the endpoint is not tcp://HOST:PORT or "
-                                          "ipc://PATH", _REPLAY_FIX))
-            continue
-        try:
-            out[parse_endpoint(str(inst), field_name="--kv-replay").key] = str(ep)
-        except ConfigError as exc:
-            problems += [ConfigProblem("--kv-replay", f"{inst}={ep}: {p.problem}", _REPLAY_FIX) for p in exc.problems]
-    if problems:
-        raise ConfigError("--kv-replay", problems)
-    return out
 
 
 def attach(server: ProxyServer) -> KvRouter | None:

@@ -21,6 +21,12 @@ decayed by ``exp(-tokens / horizon)``; the wall time of intervals without a fini
 waits and joins the tokens that end it (a prefill's seconds are counted when it ends).
 The engine's totals before the first poll are a baseline only: they carry no wall time.
 
+:class:`Backlog`: the prefill work routed to each instance and not at its first token yet,
+less what its engine computed of it since, at its measured rate: a request that waits
+behind a long recompute waits for what is left of it, not for all of it until its first
+token (issue 29: a hit on a holder that had started a 2k-token recompute read as queued
+behind all of it, and a recompute on another instance looked sooner).
+
 :meth:`SpeedTracker.relative` gives each candidate's speed over the fleet's (geometric) mean,
 within ``[1/clamp, clamp]``; an instance that computed nothing for a while drifts back to the
 mean (half of its deviation every ``drift_half_life`` seconds), so one measured slow is tried
@@ -31,10 +37,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["SpeedTracker"]
+__all__ = ["Backlog", "SpeedTracker"]
 
 log = logging.getLogger(__name__)
 
@@ -129,3 +137,44 @@ class SpeedTracker:
         out += [f'mooncake_proxy_kv_aware_prefill_rate{{instance="{k}"}} {r:.1f}'
                 for k in sorted(self._engines) if (r := self.rate(k)) is not None]
         return out
+
+
+class Backlog:
+    """Per instance: prefill work routed there and not settled (``work``, recomputed-token
+    units), and the part of it its engine has computed since, at its measured rate (none
+    while unmeasured). ``left`` is what a new request there waits for."""
+
+    def __init__(self, speeds: SpeedTracker, clock: Callable[[], float] = time.monotonic) -> None:
+        self.speeds = speeds
+        self.clock = clock
+        self.work: defaultdict[str, float] = defaultdict(float)
+        self._done: dict[str, float] = {}
+        self._at: dict[str, float] = {}
+
+    def _drain(self, key: str) -> float:
+        now = self.clock()
+        at, self._at[key] = self._at.get(key, now), now
+        work, rate = self.work.get(key, 0.0), self.speeds.rate(key)
+        done = self._done.get(key, 0.0)
+        if work > 0 and rate is not None:
+            done = self._done[key] = min(work, done + rate * max(0.0, now - at))
+        return done
+
+    def left(self, key: str) -> float:
+        """Work ahead of a new request on ``key``: routed there, not settled, not computed yet."""
+        return max(0.0, self.work.get(key, 0.0) - self._drain(key))
+
+    def add(self, key: str, work: float) -> None:
+        self._drain(key)
+        self.work[key] += work
+
+    def remove(self, key: str, work: float) -> None:
+        """A request's first token came: its work leaves the backlog (first in, first computed)."""
+        done = self._drain(key)
+        left = self.work.get(key, 0.0) - work
+        if left > 1e-6:
+            self.work[key] = left
+            self._done[key] = min(left, max(0.0, done - work))
+        else:
+            self.work.pop(key, None)
+            self._done.pop(key, None)

@@ -119,6 +119,8 @@ class Router(Protocol):
 
     def routed(self, inst: Instance, key: Any) -> None: ...
 
+    def holder(self, candidates: Sequence[Instance], key: Any) -> Instance | None: ...
+
 
 def under_bound(candidates: Sequence[Instance], balance: float) -> list[Instance]:
     """The candidates that can take one more request and stay within ``balance`` x the mean
@@ -168,7 +170,15 @@ class KvAwarePolicy(SchedulingPolicy):
 
     ``queue_cap`` (``--kv-queue-cap``, 0 = none): an instance holding that many requests
     (``Instance.load``) takes no more while another has room (counted as ``capped``); when
-    none has, all are candidates (the proxy has no queue of its own).
+    none has, all are candidates (the proxy has no queue of its own). The cap never moves a
+    session's next turn: an instance at the cap still takes a prompt that continues one routed
+    there before and whose longest prefix it alone holds, half the prompt or more
+    (:meth:`Router.holder`, counted as ``cap_held``); the cost model weighs it against the others
+    as without the cap. Moving such a turn recomputed its whole conversation elsewhere (2.5-6 s
+    on the CPU bench, bench_routing 2026-12-05-conc) for one turn's gain. A new prompt that
+    only shares a document with others still goes where there is room: it pays one recompute
+    and has its session ahead of it there (holding those too kept 6 conversations of 3
+    documents on one instance for 30 s, its hits 0.7-3.9 s: 2026-12-05-capheld).
     """
 
     name = "kv_aware"
@@ -192,9 +202,14 @@ class KvAwarePolicy(SchedulingPolicy):
         if self.queue_cap:
             room = [c for c in candidates if c.load < self.queue_cap]
             if room and len(room) < len(candidates):
-                candidates = room
-                if router is not None:
-                    router.counters[("capped", self.kind)] += 1
+                held = router.holder(candidates, prefix) if router is not None else None
+                if router is not None and held is not None and held not in room:
+                    room = [c for c in candidates if c in room or c is held]
+                    router.counters[("cap_held", self.kind)] += 1
+                if len(room) < len(candidates):
+                    if router is not None:
+                        router.counters[("capped", self.kind)] += 1
+                    candidates = room
         bounded = under_bound(candidates, self.balance)
         if router is None:
             return self._fallback.select(bounded, raw)
