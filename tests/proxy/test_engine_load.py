@@ -28,7 +28,7 @@ vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.5
 def test_parse_sums_label_sets_and_ignores_the_rest() -> None:
     assert parse(VLLM_TEXT) == {"running": 3.0, "waiting": 4.0, "kv_usage": 0.25, "prompt_tokens": 1000.0,
                                 "hbm_hit_tokens": 600.0, "pool_hit_tokens": 300.0,
-                                "prefill_tokens": 400.0, "prefill_seconds": 0.5}
+                                "prefill_tokens": 400.0, "prefill_seconds": 0.5, "prefill_requests": 2.0}
     assert parse("# nothing\nother_metric 1\n") == {}
 
 

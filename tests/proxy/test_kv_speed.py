@@ -238,3 +238,25 @@ def test_an_unmeasured_engine_drains_nothing_and_settling_a_slow_head_keeps_the_
     clock.now = 65.0  # 500 of the first computed
     backlog.remove("a", 2000.0)
     assert backlog.left("a") == pytest.approx(500.0)
+
+
+def test_hits_last_tokens_are_not_what_a_recompute_costs() -> None:
+    """bench_routing 2026-12-05-sessions: an instance serving a tail of hits (each computing
+    its last ~100 tokens in one short step) read 2026-8672 tokens/s where its recomputes ran at
+    250-600, and drew more work for it. Intervals whose finished prefills computed fewer than
+    min_prefill tokens each on average are not samples, their busy time neither."""
+    t = SpeedTracker(min_tokens=1000.0)
+    t.update("a", 0.0, 0.0, 0.0, requests=0.0)
+    t.update("a", 2000.0, 4.0, 4.0, running=1.0, requests=1.0)  # a 2k recompute: 500 tokens/s
+    assert t.rate("a") == pytest.approx(500.0)
+    now, tokens, seconds, requests = 4.0, 2000.0, 4.0, 1.0
+    for _ in range(20):  # a hit a second: 100 tokens in 0.02 s each (5000 tokens/s)
+        now, tokens, seconds, requests = now + 1.0, tokens + 100.0, seconds + 0.02, requests + 1.0
+        t.update("a", tokens, seconds, now, running=0.0, requests=requests)
+    assert t.rate("a") == pytest.approx(500.0)
+    # an engine whose /metrics has no request count is measured as before
+    u = SpeedTracker(min_tokens=1000.0)
+    u.update("b", 0.0, 0.0, 0.0)
+    u.update("b", 2000.0, 4.0, 4.0, running=1.0)
+    u.update("b", 2100.0, 4.02, 5.0)
+    assert u.rate("b") == pytest.approx(2100.0 / 4.02, rel=0.01)

@@ -36,6 +36,7 @@ VLLM_METRICS: dict[str, str] = {
     # histogram sums: kv_aware's measured prefill rate (proxy.kv_speed)
     "prefill_tokens": "vllm:request_prefill_kv_computed_tokens_sum",
     "prefill_seconds": "vllm:request_prefill_time_seconds_sum",
+    "prefill_requests": "vllm:request_prefill_kv_computed_tokens_count",
 }
 _ANSWER_LIMIT = 4 << 20
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)", re.M)
@@ -72,6 +73,7 @@ class EngineLoad:
     pool_hit_tokens: float = 0.0
     prefill_tokens: float = 0.0  # computed (not cached) prompt tokens, summed over requests
     prefill_seconds: float = 0.0  # seconds requests spent in prefill, summed
+    prefill_requests: float = 0.0  # finished prefills those sums are over (0 if it does not say)
     #: this proxy's requests in flight on the instance when the answer came
     ours: int = 0
 

@@ -379,7 +379,8 @@ class KvRouter:
         with self._lock:
             for i in instances:
                 if (e := i.engine) is not None:
-                    self.speeds.update(i.key, e.prefill_tokens, e.prefill_seconds, e.at, e.running)
+                    self.speeds.update(i.key, e.prefill_tokens, e.prefill_seconds, e.at, e.running,
+                                       requests=e.prefill_requests)
         if not engines:
             return
         got = sum(e.pool_hit_tokens for e in engines)

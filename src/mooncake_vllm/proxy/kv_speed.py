@@ -20,6 +20,11 @@ never more than the truth, so the rate is never above the engine's (decoding req
 decayed by ``exp(-tokens / horizon)``; the wall time of intervals without a finished prefill
 waits and joins the tokens that end it (a prefill's seconds are counted when it ends).
 The engine's totals before the first poll are a baseline only: they carry no wall time.
+Only prefills of some length are samples: an interval whose finished requests computed fewer
+than ``min_prefill`` tokens each on average (HBM or pool hits computing their last few
+tokens) is left out, its busy time too — such a step costs far less per token than a
+recompute (issue 29: on the CPU bench an instance serving a tail of hits read 2026–8672
+tokens/s where its recomputes ran at 250–600, and drew more work for it).
 
 :class:`Backlog`: the prefill work routed to each instance and not at its first token yet,
 less what its engine computed of it since, at its measured rate: a request that waits
@@ -55,6 +60,7 @@ class _Engine:
     seconds: float
     at: float  # that poll's time
     running: float
+    requests: float  # finished prefills the sums are over, at the last poll
     sum_tokens: float = 0.0  # decayed: prefill tokens, summed request seconds, busy wall seconds
     sum_seconds: float = 0.0
     sum_busy: float = 0.0
@@ -66,30 +72,37 @@ class SpeedTracker:
     """Per-instance prefill throughput (tokens/s) and each candidate's speed relative to the others."""
 
     def __init__(self, horizon: float = 16384.0, min_tokens: float = 2048.0, clamp: float = 2.0,
-                 drift_half_life: float = 30.0) -> None:
+                 drift_half_life: float = 30.0, min_prefill: float = 512.0) -> None:
         self.horizon = horizon
+        self.min_prefill = min_prefill  # mean computed tokens per finished prefill of a sample
         self.min_tokens = min_tokens  # fewer measured tokens than this: the rate is not trusted yet
         self.clamp = clamp  # a relative speed stays within [1/clamp, clamp]
         self.drift_half_life = drift_half_life  # seconds without prefill that halve a deviation
         self._engines: dict[str, _Engine] = {}
         self._now = -math.inf  # the latest poll's time
 
-    def update(self, key: str, tokens: float, seconds: float, at: float, running: float = 0.0) -> None:
+    def update(self, key: str, tokens: float, seconds: float, at: float, running: float = 0.0,
+               requests: float = 0.0) -> None:
         """One poll of ``key``'s engine at ``at`` (monotonic seconds): its prefill tokens and
-        request seconds since it started, and the requests it reported running."""
+        request seconds since it started, the requests it reported running and how many
+        finished prefills those sums are over (0 where the engine does not say)."""
         self._now = max(self._now, at)
         e = self._engines.get(key)
         if e is None or tokens < e.tokens or seconds < e.seconds:  # first answer, or a restarted engine
-            self._engines[key] = _Engine(tokens, seconds, at, running)
+            self._engines[key] = _Engine(tokens, seconds, at, running, requests)
             return
         dt = at - e.at
         if dt <= 0:
             return  # the same answer again (a failed scrape keeps the last one)
         d_tokens, d_seconds = tokens - e.tokens, seconds - e.seconds
+        d_requests = requests - e.requests
         if d_tokens > 0 or d_seconds > 0 or running > 0 or e.running > 0:
             e.busy_pending += dt
-        e.tokens, e.seconds, e.at, e.running = tokens, seconds, at, running
+        e.tokens, e.seconds, e.at, e.running, e.requests = tokens, seconds, at, running, requests
         if d_tokens <= 0 or d_seconds <= 0:
+            return
+        if d_requests > 0 and d_tokens / d_requests < self.min_prefill:
+            e.busy_pending = 0.0  # hits' last tokens: not what a recompute costs
             return
         keep = math.exp(-d_tokens / self.horizon)
         e.sum_tokens = keep * e.sum_tokens + d_tokens
