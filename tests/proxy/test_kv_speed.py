@@ -241,10 +241,9 @@ def test_an_unmeasured_engine_drains_nothing_and_settling_a_slow_head_keeps_the_
 
 
 def test_hits_last_tokens_are_not_what_a_recompute_costs() -> None:
-    """bench_routing 2026-12-05-sessions: an instance serving a tail of hits (each computing
-    its last ~100 tokens in one short step) read 2026-8672 tokens/s where its recomputes ran at
-    250-600, and drew more work for it. Intervals whose finished prefills computed fewer than
-    min_prefill tokens each on average are not samples, their busy time neither."""
+    """A hit computes its last ~100 tokens in one short step, far cheaper per token than a
+    recompute: intervals whose finished prefills computed fewer than min_prefill tokens each
+    on average are not samples of the rate, their busy time neither."""
     t = SpeedTracker(min_tokens=1000.0)
     t.update("a", 0.0, 0.0, 0.0, requests=0.0)
     t.update("a", 2000.0, 4.0, 4.0, running=1.0, requests=1.0)  # a 2k recompute: 500 tokens/s

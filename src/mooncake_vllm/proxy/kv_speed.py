@@ -22,9 +22,10 @@ waits and joins the tokens that end it (a prefill's seconds are counted when it 
 The engine's totals before the first poll are a baseline only: they carry no wall time.
 Only prefills of some length are samples: an interval whose finished requests computed fewer
 than ``min_prefill`` tokens each on average (HBM or pool hits computing their last few
-tokens) is left out, its busy time too — such a step costs far less per token than a
-recompute (issue 29: on the CPU bench an instance serving a tail of hits read 2026–8672
-tokens/s where its recomputes ran at 250–600, and drew more work for it).
+tokens) is left out, its busy time too: such a step costs far less per token than a
+recompute. (That was not why the CPU bench read instances at 2026–19568 tokens/s where their
+recomputes ran at 250–900: those readings stayed with this rule, bench_routing
+2026-12-05-ratefix; their cause is not found yet.)
 
 :class:`Backlog`: the prefill work routed to each instance and not at its first token yet,
 less what its engine computed of it since, at its measured rate: a request that waits
