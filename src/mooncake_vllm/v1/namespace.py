@@ -34,6 +34,7 @@ __all__ = [
     "RankNamespaces",
     "check_layout",
     "expected_layout",
+    "leading",
     "rank_namespaces",
     "request_extras",
     "tp_shared",
@@ -205,8 +206,12 @@ class RankNamespaces:
 
     def prefix_hits(self, present: Sequence[bool], num_chunks: int) -> int:
         """Leading chunks present for EVERY rank, from :meth:`keys_for` order."""
-        return next((j for j, here in enumerate(self.chunks_present(present, num_chunks)) if not here),
-                    num_chunks)
+        return leading(self.chunks_present(present, num_chunks))
+
+
+def leading(found: Sequence[bool]) -> int:
+    """How many leading chunks of per-chunk presence (:meth:`RankNamespaces.chunks_present`) are there."""
+    return next((j for j, here in enumerate(found) if not here), len(found))
 
 
 def rank_namespaces(vllm_config: Any, settings: ConnectorSettings, *, tenant: str = "",

@@ -113,10 +113,10 @@ class PoolRefills:
         self._recent_loads: deque[set[int]] = deque(maxlen=4)
         self._jobs = 0
 
-    def looked_up(self, digests: Sequence[str], present: Sequence[bool]) -> None:
-        """A scheduler lookup's answer (not the sweep's own)."""
-        found = self.namespaces.chunks_present(present, len(digests))
-        self.counters["pool_vanished_chunks"] += self.losses.looked_up(digests, found, any(present))
+    def looked_up(self, digests: Sequence[str], found: Sequence[bool], reached: bool) -> None:
+        """A scheduler lookup's answer (not the sweep's own): per chunk, every rank's key there
+        (:meth:`~.namespace.RankNamespaces.chunks_present`); ``reached``: any key found."""
+        self.counters["pool_vanished_chunks"] += self.losses.looked_up(digests, found, reached)
 
     def step(self, meta: MooncakeConnectorMetadata, ready: bool,
              pool_ready: Callable[[], bool]) -> None:

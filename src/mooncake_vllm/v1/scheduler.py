@@ -54,7 +54,7 @@ from mooncake_vllm.v1.claims import DECLINE_REASONS, ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
 from mooncake_vllm.v1.inflight import InflightLoads
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
-from mooncake_vllm.v1.namespace import RankNamespaces, request_extras
+from mooncake_vllm.v1.namespace import RankNamespaces, leading, request_extras
 from mooncake_vllm.v1.perf import step_work
 from mooncake_vllm.v1.pool_loss import PoolRefills
 from mooncake_vllm.v1.refill import HbmRefill, PoolAudit
@@ -208,8 +208,9 @@ class SchedulerLogic:
             return 0, False
         self.counters["lookups"] += 1
         present = self.lookup(self.namespaces.keys_for(wanted))
-        self.refills.looked_up(wanted, present)
-        hits = self.namespaces.prefix_hits(present, len(wanted))
+        found = self.namespaces.chunks_present(present, len(wanted))
+        self.refills.looked_up(wanted, found, any(present))
+        hits = leading(found)
         self.handoffs.after_lookup(st.req_id, start + hits)
         if hits == 0:
             return 0, False
@@ -322,8 +323,9 @@ class SchedulerLogic:
         chunks = st.digests[due:local]
         self.counters["pool_audits"] += 1
         present = self.lookup(self.namespaces.keys_for(chunks))
-        self.refills.looked_up(chunks, present)
-        found = self.namespaces.prefix_hits(present, len(chunks))
+        per_chunk = self.namespaces.chunks_present(present, len(chunks))
+        self.refills.looked_up(chunks, per_chunk, any(present))
+        found = leading(per_chunk)
         self.audit.found(chunks[:found])
         if found < len(chunks):
             st.pool_gap = st.local_upto = due + found
