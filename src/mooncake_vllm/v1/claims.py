@@ -109,7 +109,7 @@ class ClaimAdvisor:
         self.prefill = PrefillModel(rules.half_life)
         self.loads = LoadModel(rules.half_life)
         self._last_explore = -math.inf
-        #: when a hit was last declined (``slow_pool``): a background probe is wanted after it
+        #: when a hit worth exploring was last declined (``slow_pool``): a probe is wanted after it
         self._declined_at = -math.inf
         #: the workers measure the pool with throw-away loads when asked (:meth:`take_probe`),
         #: so a declining policy explores without claiming part of a request's hit
@@ -226,14 +226,13 @@ class ClaimAdvisor:
         """Whether the workers should measure the pool now with a background probe (and, if
         so, it is counted as done): ``auto`` has declined a hit worth exploring (one whose
         recompute costs :data:`EXPLORE_STEPS` engine steps: a short span never pays, however
-        fast the pool) since the last probe or load, and ``explore_every`` s have passed. Where the workers can probe
-        (:attr:`probes_available`), this replaces the quarter-hit ``explore``, which made
-        the request it explored with slower than its recompute (the H100, 2026-12-05: an
-        8k hit whose quarter was claimed took 259 ms against 211 to recompute)."""
+        fast the pool) since the last probe or load, and ``explore_every`` s have passed.
+        Where the workers can probe (:attr:`probes_available`), this replaces the quarter-hit
+        ``explore``, which made the request it explored with slower than its recompute (the
+        H100, 2026-12-05: an 8k hit whose quarter was claimed took 259 ms against 211)."""
         now = self.clock()
-        last = max(self._last_explore, self.loads.last_sample)
         if (self.rules.policy != "auto" or not self.probes_available
-                or self._declined_at <= last or now - last < self.rules.explore_every):
+                or self._declined_at <= self._last_measured() or not self._exploring_due(now)):
             return False
         self._last_explore = now
         self.counts["background_probe"] = self.counts.get("background_probe", 0) + 1
@@ -255,9 +254,16 @@ class ClaimAdvisor:
         return backlog > 0 or (self.counts.get("unmeasured", 0) >= MEASURE_AFTER
                                and now - self._last_measure >= self.rules.explore_every)
 
+    def _last_measured(self) -> float:
+        """When the pool was last measured: an explore or probe asked for, or a load's sample."""
+        return max(self._last_explore, self.loads.last_sample)
+
+    def _exploring_due(self, now: float) -> bool:
+        """``explore_every`` s have passed since the pool was last measured."""
+        return now - self._last_measured() >= self.rules.explore_every
+
     def _explore_due(self, now: float, start: int, hit: int) -> bool:
-        return (not self.probes_available
-                and now - max(self._last_explore, self.loads.last_sample) >= self.rules.explore_every
+        return (not self.probes_available and self._exploring_due(now)
                 and self._worth_exploring(now, start, hit))
 
     def _worth_exploring(self, now: float, start: int, hit: int) -> bool:

@@ -146,7 +146,7 @@ class WorkerLogic:
             self.timer.probes = self.load_probe
         self.source.on_connect(lambda client: client.register_layout(
             layout, self.gpu_path, clients=self.store_clients))
-        if self.load_probe and layout.on_cuda:
+        if self.timer.probes:  # CUDA KV with the probe on
             self.source.on_connect(self._probe_loads)
         if self.can_save and self._thread is None:
             self._thread = threading.Thread(target=self._save_loop, name="mcv-save", daemon=True)
