@@ -55,16 +55,16 @@ def test_routed_work_queues_until_settled() -> None:
     router.on_batch(b.key, 0, [_stored([7] * 4)])
     key = _key(DOC + [1, 2, 3, 4])
     assert policy.select([a, b], key) is a  # 40 of 44 tokens local: 4 tokens of work
-    assert router.pending[a.key] == pytest.approx(4.0)
+    assert router.backlog.work[a.key] == pytest.approx(4.0)
     # 20 cold prompts' worth of work queued on a: a cold prompt is sooner on b
-    router.pending[a.key] += 20 * 44
+    router.backlog.work[a.key] += 20 * 44
     cold = _key(list(range(500, 544)))
     assert policy.select([a, b], cold) is b
     router.settle("decode", key)
     router.settle("decode", key)  # idempotent
-    assert router.pending[a.key] == pytest.approx(20 * 44)
+    assert router.backlog.work[a.key] == pytest.approx(20 * 44)
     router.settle("decode", cold)
-    assert b.key not in router.pending
+    assert b.key not in router.backlog.work
 
 
 def test_requests_the_engine_reports_beyond_ours_count_as_queued_work() -> None:
@@ -201,7 +201,7 @@ def test_a_slow_holder_keeps_its_hits_but_not_a_queue_worth_a_recompute_elsewher
     router.on_batch(a.key, 0, [_stored(DOC)])
     router.on_batch(b.key, 0, [])
     assert policy.select([a, b], _key(DOC + [1, 2, 3, 4])) is a  # 4 tokens there against 44 recomputed
-    router.pending[a.key] += 100  # 100 tokens queued on a: at a quarter of b's speed, b recomputes sooner
+    router.backlog.work[a.key] += 100  # 100 tokens queued on a: at a quarter of b's speed, b recomputes sooner
     assert policy.select([a, b], _key(DOC + [5, 6, 7, 8])) is b
 
 
@@ -221,7 +221,7 @@ def test_a_holder_whose_queued_recompute_is_nearly_computed_keeps_its_hit() -> N
     assert policy.select([a, b], _key(DOC + [5, 6, 7, 8])) is b
     router.backlog.remove(b.key, router.backlog.work[b.key])
     clock.now = 0.4
-    assert router.queued(a) == 0.0 and router.pending[a.key] == pytest.approx(100.0)
+    assert router.queued(a) == 0.0 and router.backlog.work[a.key] == pytest.approx(100.0)
     assert policy.select([a, b], _key(DOC + [1, 2, 3, 4])) is a
 
 
@@ -242,7 +242,7 @@ def test_an_instance_at_the_queue_cap_takes_no_more_while_another_has_room() -> 
     a.in_flight, b.in_flight, c.in_flight = 0, 1, 1
     assert policy.select([a, b, c], _key(cold)) is a  # the least queued: nothing cached anywhere
     router.settle("decode", _key(cold))
-    router.pending.clear()
+    router.backlog.work.clear()
     a.in_flight = 3
     assert policy.select([a, b, c], _key(cold + [1, 2, 3, 4])) is not a
     a.in_flight = 1  # and 2 more of other clients, from its engine's last answer

@@ -93,7 +93,6 @@ class KvRouter:
         self.pool_realized = 1.0
         self.speeds = SpeedTracker()  # each instance's measured prefill rate (its engine's counters)
         self.backlog = Backlog(self.speeds, clock)  # routed prefill work not at its first token, drained
-        self.pending = self.backlog.work  # instance -> routed prefill work not yet settled
         self.sessions = SessionTails()  # the prompts routed to each instance, for holder()
         self._pool_predicted = 0  # pool tokens predicted for routed requests, ever
         self._pool_base: tuple[int, float] | None = None  # (predicted, the engines' pool hits) last time
