@@ -78,8 +78,7 @@ COUNTERS = CounterNames(
              "declined_tokens", "claims_declined_slow_pool", "claims_declined_never",
              "claims_declined_reach_probe", "claims_declined_measure_probe",
              "lookups_skipped_slow_pool", "claim_probes", "pool_probes", "waits_for_shared_load",
-             "pool_audits",
-             "pool_refill_chunks", "pool_refill_hbm_chunks", "pool_vanished_chunks",
+             "pool_audits", "pool_refill_chunks", "pool_refill_hbm_chunks", "pool_vanished_chunks",
              "pool_loss_refills", "pool_loss_refill_chunks"),
     later=frozenset({"failed_loads_not_retried", "perf_reports"}), families=(r"handoff_[a-z_]+",))
 
