@@ -25,9 +25,10 @@ client would see. Phases, each on prompts no earlier phase of that process used:
 1. interference: a stream decoding 256 tokens alone, then another stream with an
    8k-token prompt (a pool hit) arriving mid-way; the stream's ITL p50/p99/max
    while that prompt is being served vs the stream alone. Target ours p99 <= 1.5x.
-2. hit TTFT at 1k/4k/8k (token ids compared with ``none``) and the floor: the
-   engine's step for the same prompt once it is in vLLM's local prefix cache +
-   the hit's bytes / the raw store's get throughput measured in this run.
+2. hit TTFT at 1k/4k/8k (``hit_reps`` prompts each, medians; token ids compared with
+   ``none``) and the floor: the engine's step for the same prompt once it is in
+   vLLM's local prefix cache + the hit's bytes / the raw store's get throughput
+   measured in this run.
 3. mixed serving: 16 closed-loop clients, one of 8 shared 2k-token documents + a
    unique 100-token question each, 64 output tokens: throughput, TTFT p50/p99,
    ITL p99. Target ours >= intree on throughput and on TTFT p99.
@@ -60,10 +61,10 @@ __all__ = ["main"]
 MODES = ("none", "intree", "ours", "ours-sync")
 FULL = {"stream_tokens": 256, "load_len": 8000, "lengths": [1000, 4000, 8000], "docs": 8,
         "doc_len": 2048, "question_len": 100, "clients": 16, "requests": 32, "out_tokens": 64,
-        "misses": 12, "miss_len": 1000}
+        "misses": 12, "miss_len": 1000, "hit_reps": 3}
 QUICK = {"stream_tokens": 64, "load_len": 2000, "lengths": [1000, 2000], "docs": 4,
          "doc_len": 512, "question_len": 32, "clients": 4, "requests": 8, "out_tokens": 16,
-         "misses": 2, "miss_len": 500}
+         "misses": 2, "miss_len": 500, "hit_reps": 1}
 INJECT_AFTER = 16  #: stream tokens before the interfering prompt arrives
 
 
@@ -95,14 +96,21 @@ def _phases(engine: Any, p: dict[str, Any], prompts: dict[str, Any]) -> dict[str
         return out
 
     def hits() -> dict[str, Any]:
-        # the same prompt again is a local prefix-cache hit: the engine's own step
+        # the same prompt again is a local prefix-cache hit: the engine's own step;
+        # ``hit_reps`` prompts per length, their medians reported (one sample swings ~10 %)
         out = {}
-        for n, prompt in zip(p["lengths"], prompts["hits"]):
-            first, again = req(prompt, 8), req(prompt, 1)
-            serve(engine, [first])
-            serve(engine, [again])
-            out[str(n)] = {"ttft_s": first.ttft(), "local_ttft_s": again.ttft(),
-                           "tokens": first.tokens}
+        for n, group in zip(p["lengths"], prompts["hits"]):
+            firsts, agains = [], []
+            for prompt in group:
+                first, again = req(prompt, 8), req(prompt, 1)
+                serve(engine, [first])
+                serve(engine, [again])
+                firsts.append(first)
+                agains.append(again)
+            out[str(n)] = {"ttft_s": statistics.median(r.ttft() for r in firsts),
+                           "local_ttft_s": statistics.median(r.ttft() for r in agains),
+                           "samples_s": [r.ttft() for r in firsts],
+                           "tokens": [r.tokens for r in firsts]}
         return out
 
     def misses() -> dict[str, Any]:
@@ -152,7 +160,8 @@ def _prompts(p: dict[str, Any], seed: int = 7) -> dict[str, Any]:
     docs = [toks(p["doc_len"]) for _ in range(p["docs"])]
     return {"warmup": [toks(16), toks(256)], "stream_alone": toks(64), "stream_loaded": toks(64),
             "stream_hbm": toks(64),
-            "load": toks(p["load_len"]), "hits": [toks(n) for n in p["lengths"]],
+            "load": toks(p["load_len"]),
+            "hits": [[toks(n) for _ in range(p.get("hit_reps", 1))] for n in p["lengths"]],
             "misses": [toks(p["miss_len"]) for _ in range(p["misses"])], "docs": docs,
             "mixed": [docs[i % len(docs)] + toks(p["question_len"]) for i in range(p["requests"])]}
 
@@ -192,7 +201,8 @@ def _run_modes(modes: list[str], base: dict[str, Any], prompts: dict[str, Any], 
             try:
                 if kv_cfg is not None:  # the writer: put the reader's hit prompts into the pool
                     print(f"[bench] {mode}: writer", flush=True)
-                    run_instance(base["model"], [prompts["load"], *prompts["hits"], *prompts["docs"]],
+                    run_instance(base["model"], [prompts["load"], *(q for g in prompts["hits"] for q in g),
+                                                  *prompts["docs"]],
                                  work, name=f"{mode}-writer", env=mode_env, kv_config=kv_cfg,
                                  max_tokens=1, ttft_only=True, block_size=base["block_size"],
                                  kv_bytes=base["kv_bytes"], max_model_len=base["max_model_len"],
@@ -378,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a subset of the reader's phases, in this order (warmup first)")
     parser.add_argument("--from-work", help="report from a cut-short run's work folder (no floor)")
     parser.add_argument("--prev-site", default="", help="mode ours-prev: where the other build is installed")
+    parser.add_argument("--hit-reps", type=int, help="prompts per hit length (medians; full default 3)")
     parser.add_argument("--reader", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reader:
@@ -388,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         _report(base, runs, None, args, ("unknown",) * 3, Path(args.out))
         return 0
     params = QUICK if args.quick else FULL
+    if args.hit_reps is not None:
+        if args.hit_reps < 1:
+            parser.error("--hit-reps: give 1 or more prompts per hit length")
+        params = {**params, "hit_reps": args.hit_reps}
     max_len = max(params["load_len"], *params["lengths"], params["doc_len"] + params["question_len"])
     base = {"model": str(_model()), "block_size": args.block_size, "params": params,
             "max_model_len": max_len + 256, "kv_bytes": (512 << 20) if args.quick else (1 << 30),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
+from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules, Decision
 from tests.v1.claim_samples import BS, Clock, loads, prefill_steps
 
 
@@ -243,7 +243,9 @@ def test_an_engine_that_only_hits_measures_a_prefill_now_and_then() -> None:
         assert a.decide(0, 2048, BS).reason == "unmeasured"
     assert (a.decide(2048, 96, BS).tokens, a.counts["unmeasured"]) == (96, MEASURE_AFTER + 1)
     d = a.decide(0, 2048, BS)
-    assert (d.tokens, d.reason) == (0, "measure_probe")
+    # the rest of the hit is claimed: vLLM computes its last MIN_FIT tokens, one prefill sample
+    assert (d.tokens, d.reason) == ((2048 - MIN_FIT) // BS * BS, "measure_probe")
+    assert 2048 - d.tokens >= MIN_FIT
     assert a.decide(0, 2048, BS).reason == "unmeasured"  # one per explore_every
     assert a.decide(0, MIN_FIT - BS, BS).reason == "unmeasured"  # too short to be a sample
     clock.now += 5.0
@@ -252,6 +254,29 @@ def test_an_engine_that_only_hits_measures_a_prefill_now_and_then() -> None:
     clock.now += 5.0
     assert a.decide(0, 2048, BS).reason in ("claimed", "slow_pool", "explore")
     assert a.decide(2048, 96, BS).reason in ("slow_pool", "claimed")
+
+
+def test_a_measure_probe_recomputes_only_a_tail_unless_loads_are_synchronous() -> None:
+    """Dev box, 2026-12-05: an engine that only hit the pool recomputed its ninth hit, 8k
+    tokens, in 7.3 s where its load took 0.24 s. A measure probe claims all but the last
+    MIN_FIT tokens (whole chunks); a hit too short to keep any chunk, or synchronous loads
+    (the step computing the tail would time the load too), recompute the whole hit."""
+    from mooncake_vllm.v1.claims import MEASURE_AFTER, MIN_FIT
+
+    for background, want in ((True, 8000 - MIN_FIT), (False, 0)):
+        clock = Clock()
+        a = ClaimAdvisor(ClaimRules(), clock=clock, background=background)
+        a.observe(loads=loads(rate=100_000.0))
+        for _ in range(MEASURE_AFTER):
+            a.decide(0, 8000, 16)
+        d = a.decide(0, 8000, 16)
+        assert (d.tokens, d.reason) == (want, "measure_probe")
+    clock.now += 10.0
+    a = advisor(clock)
+    a.observe(loads=loads(rate=100_000.0))
+    for _ in range(MEASURE_AFTER):
+        a.decide(0, 2048, BS)
+    assert a.decide(0, MIN_FIT, BS) == Decision(0, "measure_probe")  # no whole chunk left to claim
 
 
 def test_no_measure_probe_before_the_loads_are_measured() -> None:
