@@ -39,8 +39,10 @@ from mooncake_vllm.demo.run import kv_transfer_config, run_instance
 from mooncake_vllm.demo.tiny_model import build_tiny_model, default_cache_dir, tiny_model_params
 from mooncake_vllm.services import LocalStack
 
+#: 16384 positions: bench_serving's 8k prompts stay inside them (vLLM's CPU RoPE reads its
+#: table unchecked, so prompts past 4096 made the 8k hits' tokens undefined in every mode)
 MODEL = {"num_layers": 12, "hidden_size": 512, "intermediate_size": 1536, "num_heads": 8,
-         "num_kv_heads": 4, "head_dim": 64}
+         "num_kv_heads": 4, "head_dim": 64, "max_positions": 16384}
 BYTES_PER_TOKEN = MODEL["num_layers"] * 2 * MODEL["num_kv_heads"] * MODEL["head_dim"] * 4
 
 

@@ -63,11 +63,25 @@ def test_build_is_idempotent_and_keyed_by_parameters(tiny_model: Path, tmp_path:
 
 
 @pytest.mark.parametrize(("field", "value"), [("num_layers", 0), ("num_kv_heads", 3), ("dtype", "int8"),
-                                              ("head_dim", "32")])
+                                              ("head_dim", "32"), ("max_positions", 0)])
 def test_bad_parameters_name_the_field(tmp_path: Path, field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"^{field}: got"):
         build_tiny_model(tmp_path / "m", **{field: value})
     assert not (tmp_path / "m").exists()
+
+
+def test_max_positions_is_keyed_only_when_not_the_default(tmp_path: Path) -> None:
+    """vLLM's CPU RoPE reads its table unchecked: a bench whose prompts pass 4096 positions
+    builds a model that declares them (and earlier builds keep their keys)."""
+    from mooncake_vllm.demo.tiny_model import MAX_POSITIONS
+
+    assert tiny_model_params(max_positions=MAX_POSITIONS) == tiny_model_params()
+    assert tiny_model_params(max_positions=16384)["max_positions"] == 16384
+    with pytest.raises(TypeError, match="max_positions"):
+        tiny_model_params(max_position=16384)
+    built = build_tiny_model(tmp_path / "long", num_layers=1, hidden_size=32, intermediate_size=64,
+                             num_heads=2, num_kv_heads=1, head_dim=16, max_positions=16384)
+    assert json.loads((built / "config.json").read_text())["max_position_embeddings"] == 16384
 
 
 def test_tokenizer_config_loads_under_transformers_4_and_5(tiny_model: Path, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "MAX_POSITIONS",
     "STAMP_NAME",
     "build_tiny_model",
     "cached_tiny_model",
@@ -36,6 +37,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 _DTYPES = ("float32", "bfloat16", "float16")
+#: positions the model declares (``max_positions``); vLLM's CPU RoPE reads its table unchecked,
+#: so a prompt past them (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``) computes from memory beyond it
+MAX_POSITIONS = 4096
 
 
 def default_cache_dir() -> Path:
@@ -50,10 +54,13 @@ def tiny_model_params(**overrides: Any) -> dict[str, Any]:
         "num_layers": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 4,
         "num_kv_heads": 2, "head_dim": 32, "dtype": "float32", "seed": 0,
     }
-    unknown = set(overrides) - set(params)
+    known = set(params) | {"max_positions"}
+    unknown = set(overrides) - known
     if unknown:
-        raise TypeError(f"unknown tiny-model parameter(s) {sorted(unknown)}; known: {sorted(params)}")
+        raise TypeError(f"unknown tiny-model parameter(s) {sorted(unknown)}; known: {sorted(known)}")
     params.update(overrides)
+    if params.get("max_positions") == MAX_POSITIONS:  # the default: earlier builds' keys stay
+        del params["max_positions"]
     params["python"] = f"{sys.version_info[0]}.{sys.version_info[1]}"  # the tokenizer's training corpus
     params["vocab_size"] = VOCAB_SIZE
     return params
@@ -70,6 +77,9 @@ def _validate(p: dict[str, Any]) -> None:
         raise ValueError(f"dtype: got {p['dtype']!r}, expected one of {_DTYPES}")
     if not isinstance(p["seed"], int):
         raise ValueError(f"seed: got {p['seed']!r}, expected an int")
+    positions = p.get("max_positions", MAX_POSITIONS)
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions <= 0:
+        raise ValueError(f"max_positions: got {positions!r}, expected a positive int")
 
 
 def _train_tokenizer() -> Any:
@@ -110,7 +120,8 @@ def _build(out: Path, p: dict[str, Any]) -> None:
     cfg = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=p["hidden_size"], intermediate_size=p["intermediate_size"],
         num_hidden_layers=p["num_layers"], num_attention_heads=p["num_heads"],
-        num_key_value_heads=p["num_kv_heads"], head_dim=p["head_dim"], max_position_embeddings=4096,
+        num_key_value_heads=p["num_kv_heads"], head_dim=p["head_dim"],
+        max_position_embeddings=p.get("max_positions", MAX_POSITIONS),
         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
@@ -158,6 +169,7 @@ def build_tiny_model(
     head_dim: int = 32,
     dtype: str = "float32",
     seed: int = 0,
+    max_positions: int = MAX_POSITIONS,
 ) -> Path:
     """Build (or reuse) the tiny Llama + tokenizer in ``path``; return ``path``.
 
@@ -168,6 +180,7 @@ def build_tiny_model(
     params = tiny_model_params(
         num_layers=num_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, seed=seed,
+        max_positions=max_positions,
     )
     _validate(params)
     path = Path(path)
