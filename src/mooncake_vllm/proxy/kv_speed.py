@@ -15,7 +15,7 @@ starved that instance). So each poll interval (``update``, the proxy's clock) co
 time as busy when the engine held a running request at either end or its counters moved, and
 the busy prefill time is taken as the smaller of the busy wall time and the summed request
 seconds: exact for one prefill at a time and for an engine saturated by concurrent ones,
-never more than the truth, so the rate is never above the engine's (decoding requests, which
+never less than the time it spent, so the rate is never above the engine's (decoding requests, which
 ``num_requests_running`` also counts, cannot make a loaded instance look fast). Sums are
 decayed by ``exp(-tokens / horizon)``; the wall time of intervals without a finished prefill
 waits and joins the tokens that end it. vLLM (0.32) observes a request's computed tokens (its
@@ -26,10 +26,12 @@ without a new tail (issue 29).
 The engine's totals before the first poll are a baseline only: they carry no wall time; so are
 counters that went back (a restarted engine), unless a later answer has them back where they
 were: the answers between were cut or wrong and are skipped. (Issue 29: the CPU bench read
-instances at 2026–19568 tokens/s where their recomputes ran at 250–900. The proxy parsed
-``/metrics`` answers cut after their first read, fixed in :func:`.engine_load.read_body`; one
-without the prefill histograms read as a restarted engine, and the next whole answer brought
-the engine's whole history, 10^4–10^5 tokens, as one poll's prefill: ~14000 tokens/s in the test.)
+instances at 2026–19568 tokens/s where their recomputes ran at 250–900. Likely cause: the proxy
+could parse a ``/metrics`` answer cut after its first read (read whole since,
+:func:`.engine_load.read_body`; a local 100 KB answer came cut once in 500 reads); one without
+the prefill histograms read as a restarted engine, and the next whole answer brought the
+engine's whole history, 10^4–10^5 tokens, as one poll's prefill: ~14000 tokens/s in the test,
+decaying over the next minute.)
 Only prefills of some length are samples: an interval whose finished requests computed fewer
 than ``min_prefill`` tokens each on average (HBM or pool hits computing their last few
 tokens) adds neither their tokens nor their seconds, a short step's cost per token being
