@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
-from mooncake_vllm.proxy.engine_load import EngineLoad, parse
+import aiohttp
+import pytest
+from aiohttp import web
+
+from mooncake_vllm.proxy.engine_load import EngineLoad, parse, read_body, scrape
 from mooncake_vllm.proxy.instances import Instance, parse_endpoint
 
 from ._helpers import proxy, run, stubs, wait_for
@@ -64,5 +69,47 @@ def test_proxy_metrics_repeat_each_instances_counters() -> None:
             assert f'mooncake_proxy_instance_cached_tokens_total{{kind="decode",instance="{inst}",source="hbm"}} 32' \
                 in text
             assert "mooncake_proxy_instance_prompt_tokens_total" in text
+
+    run(go)
+
+
+def test_a_metrics_answer_that_arrives_in_two_parts_is_read_whole() -> None:
+    """vLLM's /metrics (~100 KB, the prefill histograms in its last 15 %) may come in more than one
+    read; the scrape parsed the first part alone, and an engine whose prefill counters read 0 was
+    taken for a restarted one (issue 29: the next whole answer then brought its whole history as
+    one poll's prefill). An answer over the limit is a failed read, not a parsed part."""
+    body = VLLM_TEXT.encode()
+    cut = body.index(b"vllm:request_prefill_kv_computed_tokens_sum")
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        await resp.write(body[:cut])
+        await asyncio.sleep(0.3)
+        await resp.write(body[cut:])
+        await resp.write_eof()
+        return resp
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        inst = Instance("decode", parse_endpoint(f"127.0.0.1:{port}"))
+        try:
+            async with aiohttp.ClientSession() as session:
+                assert await scrape(session, inst, timeout=5.0, max_age=3.0)
+                assert inst.engine is not None
+                got = inst.engine.prefill_tokens, inst.engine.prefill_seconds, inst.engine.prefill_requests
+                assert got == (400.0, 0.5, 2.0)
+                async with session.get(f"{inst.url}/metrics") as up:
+                    with pytest.raises(ValueError, match="over 100 bytes"):
+                        await read_body(up, 100)
+        finally:
+            await runner.cleanup()
 
     run(go)

@@ -190,6 +190,71 @@ def test_nothing_to_measure_yet_a_restart_and_forgetting() -> None:
     assert s.rate("a") is None
 
 
+def _recomputes(t: SpeedTracker, now: float, totals: list[float], n: int) -> float:
+    """``n`` 2000-token recomputes one after another at 500 tokens/s (4 s each, then a poll with the
+    engine idle), polled each second; ``totals`` (tokens, seconds, requests) are bumped in place."""
+    for _ in range(n):
+        for k in range(5):
+            now += 1.0
+            if k == 4:
+                totals[0], totals[1], totals[2] = totals[0] + 2000.0, totals[1] + 4.0, totals[2] + 1.0
+            t.update("a", totals[0], totals[1], now, running=1.0 if k < 4 else 0.0, requests=totals[2])
+    return now
+
+
+def test_an_answer_whose_counters_went_back_and_came_back_is_skipped_not_a_restart() -> None:
+    """A /metrics answer cut before the prefill histograms reads 0 tokens and 0 seconds. Taken for
+    a restarted engine, the next whole answer brought the engine's whole history (60000 tokens of
+    the runs before) as one poll's prefill: ~60000 tokens/s, decaying over the next minute (issue
+    29: the CPU bench read 2026-19568 where recomputes ran at 250-900). Counters back where they
+    were are the same engine, the answer between is skipped; a restarted engine's stay low."""
+    t = SpeedTracker(min_tokens=1000.0)
+    totals = [60_000.0, 300.0, 80.0]  # the engine's history when this proxy starts: a baseline
+    t.update("a", totals[0], totals[1], at=0.0, requests=totals[2])
+    now = _recomputes(t, 0.0, totals, 4)
+    assert t.rate("a") == pytest.approx(500.0, rel=0.02)
+    t.update("a", 0.0, 0.0, now + 0.5, running=1.0)  # a cut answer
+    now = _recomputes(t, now, totals, 1)
+    assert t.rate("a") == pytest.approx(500.0, rel=0.02)
+    t.update("a", 0.0, 0.0, now + 0.5, running=1.0)  # two cut answers in a row
+    t.update("a", 0.0, 0.0, now + 0.8, running=1.0)
+    now = _recomputes(t, now, totals, 1)
+    assert t.rate("a") == pytest.approx(500.0, rel=0.02)
+    totals = [0.0, 0.0, 0.0]  # a restarted engine: a new baseline, measured on its own counters
+    t.update("a", 0.0, 0.0, now + 1.0)
+    assert t.rate("a") is None
+    _recomputes(t, now + 1.0, totals, 2)
+    assert t.rate("a") == pytest.approx(500.0, rel=0.02)
+
+
+def test_hits_that_finish_during_a_recompute_leave_it_its_busy_time() -> None:
+    """Hits finishing while a recompute runs are no samples, but the wall time before them was the
+    recompute's too: dropping it with them left the recompute the time since the last hit, and
+    read a 500 tokens/s engine at 2000 (issue 29). Wall time of hits alone between recomputes
+    does not slow the rate: the recomputes' own seconds bound it."""
+    t = SpeedTracker(min_tokens=1000.0)
+    t.update("a", 0.0, 0.0, 0.0)
+    tokens = seconds = requests = now = 0.0
+    for _ in range(4):  # a 2000-token recompute at 500 tokens/s; a hit finishes in each of its first 3 s
+        for k in range(1, 5):
+            now += 1.0
+            if k < 4:
+                tokens, seconds, requests = tokens + 100.0, seconds + 0.2, requests + 1.0
+            else:
+                tokens, seconds, requests = tokens + 2000.0, seconds + 4.0, requests + 1.0
+            t.update("a", tokens, seconds, now, running=1.0 if k < 4 else 0.0, requests=requests)
+    assert t.rate("a") == pytest.approx(500.0, rel=0.02)
+    for _ in range(20):  # 20 s of hits alone, then a recompute alone
+        now, tokens, seconds, requests = now + 1.0, tokens + 100.0, seconds + 0.2, requests + 1.0
+        t.update("a", tokens, seconds, now, requests=requests)
+    for k in range(1, 5):
+        now += 1.0
+        if k == 4:
+            tokens, seconds, requests = tokens + 2000.0, seconds + 4.0, requests + 1.0
+        t.update("a", tokens, seconds, now, running=1.0 if k < 4 else 0.0, requests=requests)
+    assert t.rate("a") == pytest.approx(500.0, rel=0.02)
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0

