@@ -9,7 +9,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from mooncake_vllm.proxy.engine_load import EngineLoad, parse, read_body, scrape
+from mooncake_vllm.httpsafe import read_answer
+from mooncake_vllm.proxy.engine_load import EngineLoad, parse, scrape
 from mooncake_vllm.proxy.instances import Instance, parse_endpoint
 
 from ._helpers import proxy, run, stubs, wait_for
@@ -108,7 +109,7 @@ def test_a_metrics_answer_that_arrives_in_two_parts_is_read_whole() -> None:
                 assert got == (400.0, 0.5, 2.0)
                 async with session.get(f"{inst.url}/metrics") as up:
                     with pytest.raises(ValueError, match="over 100 bytes"):
-                        await read_body(up, 100)
+                        await read_answer(up, 100)
         finally:
             await runner.cleanup()
 

@@ -21,7 +21,9 @@ from typing import Any, Protocol
 
 import aiohttp
 
-__all__ = ["VLLM_METRICS", "EngineLoad", "parse", "poll_loop", "read_body", "render", "scrape"]
+from mooncake_vllm.httpsafe import read_answer
+
+__all__ = ["VLLM_METRICS", "EngineLoad", "parse", "poll_loop", "render", "scrape"]
 
 log = logging.getLogger(__name__)
 
@@ -113,26 +115,13 @@ class _Server(Protocol):
     kv: Any  # kv_aware's router (it calibrates the pool's cost from the answers), or None
 
 
-async def read_body(up: aiohttp.ClientResponse, limit: int) -> bytes:
-    """All of ``up``'s body, at most ``limit`` bytes (ValueError beyond). ``content.read(n)``
-    alone returns what has arrived so far: vLLM 0.32's ``/metrics`` is ~100 KB with the prefill
-    histograms in its last 15 %, and a cut answer read as an engine whose counters went back to 0
-    (issue 29: the next whole one then brought its whole history as one poll's prefill)."""
-    body = bytearray()
-    while chunk := await up.content.read(limit + 1 - len(body)):
-        body += chunk
-        if len(body) > limit:
-            raise ValueError(f"answer over {limit} bytes")
-    return bytes(body)
-
-
 async def scrape(session: aiohttp.ClientSession, inst: _Target, timeout: float, max_age: float) -> bool:
     """Read one instance's ``/metrics`` into ``inst.engine``; False (counted) on any failure."""
     try:
         async with session.get(inst.url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as up:
             if up.status != 200:
                 raise ValueError(f"HTTP {up.status}")
-            text = (await read_body(up, _ANSWER_LIMIT)).decode("utf-8", "replace")
+            text = (await read_answer(up, _ANSWER_LIMIT)).decode("utf-8", "replace")
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         inst.engine_failures += 1
         if inst.engine_failures == 1:

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
+from mooncake_vllm.httpsafe import read_answer
 from mooncake_vllm.proxy.kv_policy import KvRouter, PromptKey, ProxyServer
 
 __all__ = ["LocalTokenizer", "prompt_key", "resolve_version"]
@@ -90,7 +91,7 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
                                        headers={"Content-Type": "application/json"}, timeout=timeout) as up:
             if up.status != 200:
                 raise ValueError(f"HTTP {up.status}")
-            answer = json.loads(await up.content.read(server.config.max_upstream_bytes))
+            answer = json.loads(await read_answer(up, server.config.max_upstream_bytes))
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(tokens, list):
             raise ValueError("no tokens in the answer")
@@ -113,7 +114,7 @@ async def resolve_version(server: ProxyServer, router: KvRouter) -> None:
         try:
             timeout = aiohttp.ClientTimeout(total=server.config.kv_tokenize_timeout)
             async with server.session.get(insts[0].url + "/version", timeout=timeout) as up:
-                doc = json.loads(await up.content.read(1 << 16)) if up.status == 200 else None
+                doc = json.loads(await read_answer(up, 1 << 16)) if up.status == 200 else None
             version = doc.get("version") if isinstance(doc, dict) else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             version = None

@@ -28,7 +28,7 @@ counters that went back (a restarted engine), unless a later answer has them bac
 were: the answers between were cut or wrong and are skipped. (Issue 29: the CPU bench read
 instances at 2026–19568 tokens/s where their recomputes ran at 250–900. Likely cause: the proxy
 could parse a ``/metrics`` answer cut after its first read (read whole since,
-:func:`.engine_load.read_body`; a local 100 KB answer came cut once in 500 reads); one without
+:func:`~mooncake_vllm.httpsafe.read_answer`; a local 100 KB answer came cut once in 500 reads); one without
 the prefill histograms read as a restarted engine, and the next whole answer brought the
 engine's whole history, 10^4–10^5 tokens, as one poll's prefill: ~14000 tokens/s in the test,
 decaying over the next minute.)
