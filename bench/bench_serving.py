@@ -421,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     load_before = os.getloadavg()
-    with LocalStack(work / "stack", segment_size=(2 << 30) if args.quick else (5 << 30),
+    # each connector mode's writer puts ~1.5 GB (three prompts per hit length): a pool short of
+    # room evicts an earlier mode's prompts, and its reader recomputes them (three modes in 5 GiB did)
+    pooled = sum(m != "none" for m in args.modes.split(","))
+    segment = (2 << 30) if args.quick else max(5 << 30, (2 << 30) * pooled + (1 << 30))
+    with LocalStack(work / "stack", segment_size=segment,
                     local_buffer_size=256 << 20) as stack:
         cfg_path = work / "mooncake_config.json"  # ours ignores "mode"; the in-tree one needs it
         cfg_path.write_text(json.dumps({**stack.config(), "mode": "standalone-store"}))
