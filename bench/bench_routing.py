@@ -349,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-mib", type=int, help="each instance's KV cache, MiB (the preset's otherwise): below "
                     "the documents' total, round_robin cannot keep every document on every instance")
     ap.add_argument("--docs", type=int, help="shared documents (the preset's otherwise)")
+    ap.add_argument("--instances", type=int, help="vLLM instances (the preset's otherwise; on the 2-core box "
+                    "2 gives each its own core, 3 puts two on one)")
     ap.add_argument("--remote-tokenize", action="store_true",
                     help="kv_aware asks an instance's /tokenize per request (default: --tokenizer, the model's)")
     ap.add_argument("--kv-queue-cap", type=int, default=0,
@@ -368,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         p["kv_bytes"] = args.kv_mib << 20
     if args.docs:
         p["docs"] = args.docs
+    if args.instances is not None:
+        if args.instances < 2:
+            ap.error("--instances: give 2 or more (routing needs a choice)")
+        p["instances"] = args.instances
     args.out.mkdir(parents=True, exist_ok=True)
     report = asyncio.run(_main(p, args.out, args.smoke, lambda m: print(f"[bench] {m}", file=sys.stderr)))
     name = ("bench_routing_smoke" if args.smoke else "bench_routing_dev" if args.dev else "bench_routing") + args.tag
