@@ -15,7 +15,7 @@ from mooncake_vllm.keys import KeyNamespace, RequestExtras, chunk_keys
 from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.metadata import BlockJob
 from mooncake_vllm.v1.metrics import PoolStats
-from mooncake_vllm.v1.namespace import RankNamespaces
+from mooncake_vllm.v1.namespace import RankNamespaces, leading
 from mooncake_vllm.v1.perf import step_work
 from mooncake_vllm.v1.scheduler import MAX_SHARED_WAIT, SchedulerLogic
 from mooncake_vllm.v1.telemetry import Telemetry
@@ -209,9 +209,9 @@ def test_prompt_embeds_are_ignored() -> None:
 
 @pytest.mark.parametrize("present,expected", [([True] * 6, 3), ([True, True, False] + [True] * 3, 2),
                                                ([True] * 3 + [True, False, True], 1)])
-def test_prefix_hits_is_the_minimum_over_ranks(present: list[bool], expected: int) -> None:
+def test_leading_chunks_are_the_minimum_over_ranks(present: list[bool], expected: int) -> None:
     ranks = RankNamespaces((_ns(0, 2), _ns(1, 2)))
-    assert ranks.prefix_hits(present, 3) == expected
+    assert leading(ranks.chunks_present(present, 3)) == expected
 
 
 def test_a_chunk_is_present_only_where_every_ranks_key_is() -> None:

@@ -204,10 +204,6 @@ class RankNamespaces:
         ranks = len(self.namespaces)
         return [all(present[r * num_chunks + j] for r in range(ranks)) for j in range(num_chunks)]
 
-    def prefix_hits(self, present: Sequence[bool], num_chunks: int) -> int:
-        """Leading chunks present for EVERY rank, from :meth:`keys_for` order."""
-        return leading(self.chunks_present(present, num_chunks))
-
 
 def leading(found: Sequence[bool]) -> int:
     """How many leading chunks of per-chunk presence (:meth:`RankNamespaces.chunks_present`) are there."""

@@ -206,10 +206,7 @@ class SchedulerLogic:
         if self._unprofitable(st, start, len(wanted)):
             return 0, False
         self.counters["lookups"] += 1
-        present = self.lookup(self.namespaces.keys_for(wanted))
-        found = self.namespaces.chunks_present(present, len(wanted))
-        self.refills.looked_up(wanted, found, any(present))
-        hits = leading(found)
+        hits = leading(self._present(wanted))
         self.handoffs.after_lookup(st.req_id, start + hits)
         if hits == 0:
             return 0, False
@@ -321,15 +318,20 @@ class SchedulerLogic:
             return
         chunks = st.digests[due:local]
         self.counters["pool_audits"] += 1
-        present = self.lookup(self.namespaces.keys_for(chunks))
-        per_chunk = self.namespaces.chunks_present(present, len(chunks))
-        self.refills.looked_up(chunks, per_chunk, any(present))
-        found = leading(per_chunk)
+        found = leading(self._present(chunks))
         self.audit.found(chunks[:found])
         if found < len(chunks):
             st.pool_gap = st.local_upto = due + found
             st.present_upto = min(st.present_upto, st.pool_gap)
             self.counters["pool_refill_chunks"] += len(chunks) - found
+
+    def _present(self, digests: Sequence[str]) -> list[bool]:
+        """Per chunk of ``digests``, whether the pool holds every rank's key (one lookup; the
+        loss watch is told what it found)."""
+        present = self.lookup(self.namespaces.keys_for(digests))
+        found = self.namespaces.chunks_present(present, len(digests))
+        self.refills.looked_up(digests, found, any(present))
+        return found
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Turn an accepted lookup into a load job for the blocks vLLM allocated."""
