@@ -170,7 +170,7 @@ def _prompts(p: dict[str, Any], seed: int = 7) -> dict[str, Any]:
             "stream_alone": toks(64), "stream_loaded": toks(64),
             "stream_hbm": toks(64),
             "load": toks(p["load_len"]),
-            "hits": [[toks(n) for _ in range(p.get("hit_reps", 1))] for n in p["lengths"]],
+            "hits": [[toks(n) for _ in range(p["hit_reps"])] for n in p["lengths"]],
             "misses": [toks(p["miss_len"]) for _ in range(p["misses"])], "docs": docs,
             "mixed": [docs[i % len(docs)] + toks(p["question_len"]) for i in range(p["requests"])]}
 
@@ -423,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     # each connector mode's writer puts ~1.5 GB (three prompts per hit length): a pool short of
     # room evicts an earlier mode's prompts, and its reader recomputes them (three modes in 5 GiB did)
-    pooled = sum(m != "none" for m in args.modes.split(","))
+    modes = args.modes.split(",")
+    pooled = sum(m != "none" for m in modes)
     segment = (2 << 30) if args.quick else max(5 << 30, (2 << 30) * pooled + (1 << 30))
     with LocalStack(work / "stack", segment_size=segment,
                     local_buffer_size=256 << 20) as stack:
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**stack.env(), "MOONCAKE_CONFIG_PATH": str(cfg_path),
                "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"}
         phases = tuple(p for p in PHASES if p in args.phases.split(","))
-        runs, ceiling = _run_modes(args.modes.split(","), base, prompts, work, env, stack, phases)
+        runs, ceiling = _run_modes(modes, base, prompts, work, env, stack, phases)
     _report(base, runs, ceiling, args, load_before, out)
     return 0
 
