@@ -23,29 +23,10 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
     hbm = hbm if hbm and "error" not in hbm else None
     table: dict[str, Any] = {}
     for mode, r in runs.items():
-        m = r.get("measure")
-        if not m or "error" in m:
-            continue
-        a, d = m["alone"], m["during_load"]
-        if a["p50"] is None:  # a stream shorter than its warm-up tokens (a dry run)
-            continue
-        row: dict[str, Any] = {
-            "alone_ms": [a["p50"] * 1e3, a["p99"] * 1e3, a["max"] * 1e3],
-            "during_ms": [d["p50"] * 1e3, d["p99"] * 1e3, d["max"] * 1e3] if d["n"] else None,
-            "p99_ratio": d["p99"] / a["p99"] if d["n"] else None, "during_n": d["n"],
-            "load_ttft_ms": m["load"]["ttft_s"] * 1e3, "load_cached": m["load"]["cached"],
-            "load_tokens_equal_recompute": (m["load"]["tokens"] == ref["load"]) if ref else None}
-        for n, reps in m["hits"].items():
-            row[f"hit{n}_ttft_ms"] = [x["ttft_s"] * 1e3 for x in reps]
-            row[f"hit{n}_cached"] = [x["cached"] for x in reps]
-            if ref:
-                row[f"hit{n}_tokens_equal_recompute"] = [x["tokens"] == y
-                                                         for x, y in zip(reps, ref["hits"][n])]
-            if hbm:  # the same prompt recomputed, then an in-HBM prefix hit: the same compute path
-                row[f"hit{n}_tokens_equal_inhbm_hit"] = [x["tokens"] == y["again_tokens"]
-                                                         for x, y in zip(reps, hbm["hits"][n])]
-        _serving_columns(row, r)
-        table[mode] = row
+        row = _measure_columns(r.get("measure"), ref, hbm)
+        _serving_columns(row, r)  # a mixed phase run alone has no measure columns
+        if row:
+            table[mode] = row
     _serving_ratios(table)
     toks = [report["writers"].get(w, {}).get("write", {}).get("tokens") for w in ("ours", "intree")]
     if all(toks):
@@ -55,6 +36,33 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
             n: sum(table["ours"][f"hit{n}_ttft_ms"]) / sum(table["ours-sync"][f"hit{n}_ttft_ms"])
             for n in runs["ours"]["measure"]["hits"]}
     return table
+
+
+def _measure_columns(m: dict[str, Any] | None, ref: dict[str, Any] | None,
+                     hbm: dict[str, Any] | None) -> dict[str, Any]:
+    """The measure phase's columns: a decode stream's ITL alone / during a load, hit TTFTs and
+    whether their tokens equal the recompute's and the in-HBM hit's ({} without the phase)."""
+    if not m or "error" in m:
+        return {}
+    a, d = m["alone"], m["during_load"]
+    if a["p50"] is None:  # a stream shorter than its warm-up tokens (a dry run)
+        return {}
+    row: dict[str, Any] = {
+        "alone_ms": [a["p50"] * 1e3, a["p99"] * 1e3, a["max"] * 1e3],
+        "during_ms": [d["p50"] * 1e3, d["p99"] * 1e3, d["max"] * 1e3] if d["n"] else None,
+        "p99_ratio": d["p99"] / a["p99"] if d["n"] else None, "during_n": d["n"],
+        "load_ttft_ms": m["load"]["ttft_s"] * 1e3, "load_cached": m["load"]["cached"],
+        "load_tokens_equal_recompute": (m["load"]["tokens"] == ref["load"]) if ref else None}
+    for n, reps in m["hits"].items():
+        row[f"hit{n}_ttft_ms"] = [x["ttft_s"] * 1e3 for x in reps]
+        row[f"hit{n}_cached"] = [x["cached"] for x in reps]
+        if ref:
+            row[f"hit{n}_tokens_equal_recompute"] = [x["tokens"] == y
+                                                     for x, y in zip(reps, ref["hits"][n])]
+        if hbm:  # the same prompt recomputed, then an in-HBM prefix hit: the same compute path
+            row[f"hit{n}_tokens_equal_inhbm_hit"] = [x["tokens"] == y["again_tokens"]
+                                                     for x, y in zip(reps, hbm["hits"][n])]
+    return row
 
 
 def _serving_columns(row: dict[str, Any], run: dict[str, Any]) -> None:

@@ -1,0 +1,38 @@
+"""bench/interference_table.py: the summary of bench_gpu_interference.py's raw runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("interference_table", ROOT / "bench" / "interference_table.py")
+assert _spec is not None and _spec.loader is not None
+table_mod = importlib.util.module_from_spec(_spec)
+sys.modules["interference_table"] = table_mod
+_spec.loader.exec_module(table_mod)
+
+
+def _rep(tok_s: float, wall: float, p99: float) -> dict[str, Any]:
+    return {"throughput_tok_s": tok_s, "wall_s": wall, "ttft_p50_s": 0.05, "ttft_p99_s": p99,
+            "itl_p99_s": 0.02, "steps": {"n": 100, "sum_s": 2.0, "p50_s": 0.02, "p99_s": 0.1}}
+
+
+def test_a_mixed_phase_run_alone_still_makes_its_table() -> None:
+    """A mixed-only run (no measure phase) gave an empty table: every ratio was lost."""
+    report = {"writers": {}, "runs": {
+        "none": {"ready": {}, "mixed_reps": [_rep(1000.0, 4.0, 0.40), _rep(1000.0, 4.0, 0.44)]},
+        "ours": {"ready": {}, "mixed_reps": [_rep(900.0, 4.0, 0.44), _rep(1100.0, 4.0, 0.48),
+                                             {**_rep(10.0, 9.0, 9.0), "profiled": True}]}}}
+    table = table_mod.derive(report)
+    assert table["none"]["mixed"]["throughput_tok_s"] == 1000.0
+    assert table["ours"]["mixed"]["reps"] == 2  # the py-spy rep left out
+    assert table["pool_ratios"]["ours"] == {"mixed_throughput_vs_none": 1.0,
+                                            "mixed_ttft_p99_vs_none": round(0.46 / 0.42, 3)}
+
+
+def test_a_mode_without_any_phase_has_no_row() -> None:
+    report = {"writers": {}, "runs": {"none": {"ready": {}}, "ours": {"ready": {}, "measure": {"error": "x"}}}}
+    assert table_mod.derive(report) == {}
