@@ -186,6 +186,22 @@ def test_a_first_time_shape_is_left_out_of_the_recompute_fit() -> None:
     assert a.prefill.outliers <= 3 and len(a.prefill.samples) >= 4
 
 
+def test_a_first_time_shape_is_left_out_before_any_decode_is_measured() -> None:
+    """The H200 reader of 2026-12-05 12:00: its warm-up misses came before any decode (no fixed
+    step cost yet): 1k 26.7 ms, 2k 49 ms, 4k **298 ms** (2.98x what the first two predicted),
+    1k 24.8 ms; fitted as is, an 8k recompute cost 0.75 s (truth ~0.2 s) and an 8k hit whose load
+    took 0.21 s was claimed."""
+    clock = Clock()
+    a = advisor(clock)
+    a.observe(loads=[(256.0, 0.043), (512.0, 0.036), (1008.0, 0.022)])  # its load probe
+    a.observe(steps=[(1024.0, 524288.0, 1024.0, 0.0267), (2048.0, 2097152.0, 2048.0, 0.049),
+                     (4096.0, 8388608.0, 4096.0, 0.2977), (1024.0, 524288.0, 1024.0, 0.0248)])
+    assert a.prefill.outliers == 1
+    a.observe(steps=[(1.0, 100.0, 100.0, 0.014)] * 9)  # decodes since
+    d = a.decide(0, 7984, BS)
+    assert d.tokens == 0 and d.predicted_recompute < 0.3  # truth on the H200: ~0.2 s
+
+
 def test_short_hits_are_not_explored_long_ones_are() -> None:
     """H200, run R of 2026-12-04: the second 2k hit (49 ms to recompute, 2.4 engine steps of
     21 ms) was spent on an exploring quarter-hit load, 102 ms."""
