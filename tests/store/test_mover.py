@@ -96,3 +96,34 @@ def test_a_thread_waiting_for_our_copies_sleeps_instead_of_spinning(wait: str) -
     wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
     assert wall > 0.15, f"the copy did not queue behind the GPU work ({wall:.3f} s)"
     assert cpu < 0.3 * wall, f"the waiting thread spun: {cpu:.3f} s CPU in {wall:.3f} s"
+
+
+def test_row_sums_are_the_payloads_wsum64() -> None:
+    """What the GPU writes into a CUDA snapshot's headers (``gather(sums=...)``) is the
+    checksum a reader verifies: the same arithmetic on host rows, against the codec."""
+    from mooncake_vllm import codec
+
+    layout = BlockLayout.from_kv_caches([torch.zeros((2, 4, 16, 2, 8))])
+    rows = torch.randint(0, 256, (11, HEADER_SIZE + layout.block_nbytes), dtype=torch.uint8)
+    got = [int(v) & codec.MASK64 for v in BlockMover(layout).row_sums(rows)]
+    want = [codec.checksum_bytes(r[HEADER_SIZE:].numpy().tobytes(), codec.WSUM64) for r in rows]
+    assert got == want and len(set(got)) == 11
+
+
+@pytest.mark.gpu
+def test_a_cuda_snapshot_is_checksummed_on_the_gpu_as_the_host_would() -> None:
+    from mooncake_vllm import codec
+
+    gen = torch.Generator().manual_seed(3)
+    kv = [torch.randn((2, NB, 16, 8, 128), generator=gen).to(torch.float16).cuda() for _ in range(2)]
+    layout = BlockLayout.from_kv_caches(kv)
+    pool = SlotPool(HEADER_SIZE + layout.block_nbytes, 8, pinned=True, register=lambda p, n: 0)
+    ids = [5, 6, 7, 2, 19]
+    runs = pool.take(len(ids))
+    sums = torch.empty(len(ids), dtype=torch.int64, pin_memory=True)
+    done, _ = BlockMover(layout).gather(pool, runs, ids, sums=sums)
+    done.synchronize()
+    from mooncake_vllm.store.slots import slots_of
+
+    want = [codec.checksum_bytes(pool.view(s)[HEADER_SIZE:], codec.WSUM64) for s in slots_of(runs)]
+    assert [int(v) & codec.MASK64 for v in sums] == want

@@ -36,7 +36,7 @@ from typing import Any
 from mooncake_vllm import codec
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.settings import GPU_PATHS
-from mooncake_vllm.store.mover import BlockMover, CopyFence
+from mooncake_vllm.store.mover import BlockMover, CopyFence, checksums_on_device
 from mooncake_vllm.store.slots import Run, SlotPool, slots_of
 
 __all__ = ["COALESCE_BELOW", "GPU_PATHS", "LayoutPaths", "SaveTicket", "StagingSizes",
@@ -101,7 +101,9 @@ class SaveTicket:
     layout: BlockLayout
     snapshot: bool  #: bytes are in slots: the blocks may be reused right away
     checksums: list[int] = field(default_factory=list)  #: zero-copy: taken at capture
-    sums: Any = None  #: GPU zero-copy: pinned checksums, valid once ``ready`` completes
+    #: pinned checksums computed on the GPU, valid once ``ready`` completes: of the blocks
+    #: (GPU zero-copy) or of the staged slots (a CUDA snapshot)
+    sums: Any = None
     runs: list[Run] = field(default_factory=list)  #: snapshot: slots, ``keys`` order
     ready: Any = None  #: snapshot on CUDA: event completing when slots hold the bytes
     #: CUDA snapshot captured with ``defer_fence``: order it before vLLM reuses the blocks
@@ -167,10 +169,21 @@ class LayoutPaths:
         assert pool is not None
         runs = pool.take(len(keys))
         n = len(slots_of(runs))
-        ready, fence = (self.mover.gather(pool, runs, block_ids[:n], defer_fence=defer_fence)
+        sums = self._device_sums_buffer(n)
+        ready, fence = (self.mover.gather(pool, runs, block_ids[:n], defer_fence=defer_fence,
+                                          sums=sums)
                         if n else (None, None))
         return SaveTicket(keys[:n], block_ids[:n], self.layout, snapshot=True, runs=runs,
-                          ready=ready, fence=fence, dropped=len(keys) - n, pool=pool)
+                          ready=ready, fence=fence, dropped=len(keys) - n, pool=pool, sums=sums)
+
+    def _device_sums_buffer(self, n: int) -> Any:
+        """A pinned tensor for the GPU to checksum ``n`` staged slots into, or None where
+        the host checksums them (host KV, or CUDA KV not in whole 8-byte words)."""
+        if not n or not checksums_on_device(self.layout):
+            return None
+        import torch
+
+        return torch.empty(n, dtype=torch.int64, pin_memory=True)
 
     def frame_snapshot(self, ticket: SaveTicket, keep: Sequence[int]) -> tuple[list[int], list[int]]:
         """Checksum the slots at ``keep`` (positions) and write their headers.
@@ -182,14 +195,16 @@ class LayoutPaths:
             ticket.ready.synchronize()  # this thread waits, never vLLM's stream
         pool = ticket.pool
         slots = slots_of(ticket.runs)
+        on_gpu = None if ticket.sums is None else [v & codec.MASK64 for v in ticket.sums.tolist()]
         ptrs, sizes = [], []
         for pos in keep:
             slot = slots[pos]
             raw = pool.view(slot)
             payload = raw[codec.HEADER_SIZE:]
+            checksum = on_gpu[pos] if on_gpu is not None else codec.checksum_bytes(payload, self.checksum_kind)
             raw[:codec.HEADER_SIZE] = codec.pack_header(
-                len(payload), codec.checksum_bytes(payload, self.checksum_kind),
-                self.layout_digest, codec.digest16(ticket.keys[pos]), self.checksum_kind)
+                len(payload), checksum, self.layout_digest, codec.digest16(ticket.keys[pos]),
+                self.checksum_kind)
             ptrs.append(pool.address(slot))
             sizes.append(self.slot_nbytes)
         return ptrs, sizes
