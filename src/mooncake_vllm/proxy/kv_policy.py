@@ -462,6 +462,7 @@ _LABELS: dict[str, tuple[str, ...]] = {
     "predicted_local_tokens": ("kind",), "predicted_pool_tokens": ("kind",), "prompt_tokens": ("kind",),
     "got_cached_tokens": ("kind",), "observed_predicted_tokens": ("kind",), "observed": ("kind",),
     "replays": ("outcome",), "bounded": ("kind",), "capped": ("kind",), "cap_held": ("kind",),
+    "select_microseconds": ("kind",),
 }
 
 

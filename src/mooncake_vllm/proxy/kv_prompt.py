@@ -77,8 +77,11 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
         return PromptKey(prefix, None)
     local = getattr(server, "tokenizer", None)
     if local is not None and "prompt" in req:
+        t0 = time.perf_counter()
         tokens = await asyncio.to_thread(local.encode, req["prompt"], req.get("add_special_tokens", True))
         router.counters[("tokenizations_local",)] += 1
+        # its wall time, the thread hop included: what kv_aware adds to the request's time to first token
+        router.counters[("tokenize_local_microseconds",)] += int((time.perf_counter() - t0) * 1e6)
         return PromptKey(prefix, tokens)
     insts = server.pool.available("decode") or server.pool.available("prefill")
     if not insts or server.session is None:
