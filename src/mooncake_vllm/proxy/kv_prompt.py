@@ -5,6 +5,11 @@ template; a round trip that adds to every request's time to first token: 75-170 
 request on the 2-core dev box, issue 29's bench) or, for completion prompts, from the
 model's tokenizer loaded by the proxy itself (``--tokenizer``: no round trip). A wrong
 token only costs a worse route, never wrong KV: the instances key their blocks themselves.
+
+The proxy's tokenizer runs on the event loop's own thread for prompts up to
+:data:`INLINE_CHARS` (:func:`encode`): handing it to a worker thread cost 16-19 ms of wall time
+per request on the loaded 2-core box (issue 29's bench, ``tokenize_local_microseconds``: the
+worker's wake-up and two GIL hand-offs) for ~1 ms of work, every request's time to first token.
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.httpsafe import read_answer
 from mooncake_vllm.proxy.kv_policy import KvRouter, PromptKey, ProxyServer
 
-__all__ = ["LocalTokenizer", "prompt_key", "resolve_version"]
+__all__ = ["INLINE_CHARS", "LocalTokenizer", "encode", "prompt_key", "resolve_version"]
 
 log = logging.getLogger(__name__)
+
+#: prompts up to this many characters are tokenized on the event loop's thread (~0.3 ms per KB
+#: on the dev box: at most ~5 ms of other requests' relaying held up); longer ones on a worker
+INLINE_CHARS = 16 << 10
 
 #: request fields that change vLLM's block hashes (extra keys) or the tokens in ways we do not predict
 _UNPREDICTABLE = ("cache_salt", "multi_modal_data", "prompt_embeds", "mm_processor_kwargs")
@@ -55,6 +64,13 @@ class LocalTokenizer:
         return list(self._tok(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
 
+async def encode(local: LocalTokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """``local.encode`` on this thread for a prompt up to :data:`INLINE_CHARS`, else on a worker."""
+    if len(prompt) <= INLINE_CHARS:
+        return local.encode(prompt, add_special_tokens)
+    return await asyncio.to_thread(local.encode, prompt, add_special_tokens)
+
+
 async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, prefix: bytes) -> PromptKey:
     """The request's routing key: its tokens from the proxy's own tokenizer (``--tokenizer``,
     completions) or else from an instance's ``/tokenize`` (time-boxed)."""
@@ -78,9 +94,9 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
     local = getattr(server, "tokenizer", None)
     if local is not None and "prompt" in req:
         t0 = time.perf_counter()
-        tokens = await asyncio.to_thread(local.encode, req["prompt"], req.get("add_special_tokens", True))
+        tokens = await encode(local, req["prompt"], req.get("add_special_tokens", True))
         router.counters[("tokenizations_local",)] += 1
-        # its wall time, the thread hop included: what kv_aware adds to the request's time to first token
+        # its wall time (a worker's thread hop included): what kv_aware adds to the request's time to first token
         router.counters[("tokenize_local_microseconds",)] += int((time.perf_counter() - t0) * 1e6)
         return PromptKey(prefix, tokens)
     insts = server.pool.available("decode") or server.pool.available("prefill")
