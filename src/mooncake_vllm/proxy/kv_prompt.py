@@ -6,10 +6,12 @@ request on the 2-core dev box, issue 29's bench) or, for completion prompts, fro
 model's tokenizer loaded by the proxy itself (``--tokenizer``: no round trip). A wrong
 token only costs a worse route, never wrong KV: the instances key their blocks themselves.
 
-The proxy's tokenizer runs on the event loop's own thread for prompts up to
-:data:`INLINE_CHARS` (:func:`encode`): handing it to a worker thread cost 16-19 ms of wall time
-per request on the loaded 2-core box (issue 29's bench, ``tokenize_local_microseconds``: the
-worker's wake-up and two GIL hand-offs) for ~1 ms of work, every request's time to first token.
+The proxy's tokenizer encodes through its Rust backend's single ``encode``, which keeps the
+GIL for its ~1.4 ms, on the event loop's thread: Hugging Face's ``tokenizer(text)`` goes through
+``encode_batch``, which releases the GIL and must win it back from the proxy's other threads (the
+KV event subscriber, the replay thread), up to a switch interval (5 ms) each time: 6.8 ms beside
+one busy Python thread on the idle dev box, 15-19 ms per request in issue 29's bench (counted as
+``tokenize_local_microseconds``), on a worker thread or not, added to every request's time to first token.
 """
 
 from __future__ import annotations
@@ -27,13 +29,9 @@ from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.httpsafe import read_answer
 from mooncake_vllm.proxy.kv_policy import KvRouter, PromptKey, ProxyServer
 
-__all__ = ["INLINE_CHARS", "LocalTokenizer", "encode", "prompt_key", "resolve_version"]
+__all__ = ["LocalTokenizer", "prompt_key", "resolve_version"]
 
 log = logging.getLogger(__name__)
-
-#: prompts up to this many characters are tokenized on the event loop's thread (~0.3 ms per KB
-#: on the dev box: at most ~5 ms of other requests' relaying held up); longer ones on a worker
-INLINE_CHARS = 16 << 10
 
 #: request fields that change vLLM's block hashes (extra keys) or the tokens in ways we do not predict
 _UNPREDICTABLE = ("cache_salt", "multi_modal_data", "prompt_embeds", "mm_processor_kwargs")
@@ -60,15 +58,13 @@ class LocalTokenizer:
                 fix)]) from exc
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        """The prompt's tokens as vLLM's completion endpoint makes them."""
+        """The prompt's tokens as vLLM's completion endpoint makes them: through the fast tokenizer's
+        backend (one ``encode``, the GIL kept) unless it truncates or pads, which Hugging Face's call
+        turns off per call."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is not None and backend.truncation is None and backend.padding is None:
+            return list(backend.encode(prompt, add_special_tokens=add_special_tokens).ids)
         return list(self._tok(prompt, add_special_tokens=add_special_tokens)["input_ids"])
-
-
-async def encode(local: LocalTokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
-    """``local.encode`` on this thread for a prompt up to :data:`INLINE_CHARS`, else on a worker."""
-    if len(prompt) <= INLINE_CHARS:
-        return local.encode(prompt, add_special_tokens)
-    return await asyncio.to_thread(local.encode, prompt, add_special_tokens)
 
 
 async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, prefix: bytes) -> PromptKey:
@@ -94,9 +90,9 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
     local = getattr(server, "tokenizer", None)
     if local is not None and "prompt" in req:
         t0 = time.perf_counter()
-        tokens = await encode(local, req["prompt"], req.get("add_special_tokens", True))
+        tokens = local.encode(req["prompt"], req.get("add_special_tokens", True))  # keeps the GIL: no hop
         router.counters[("tokenizations_local",)] += 1
-        # its wall time (a worker's thread hop included): what kv_aware adds to the request's time to first token
+        # its wall time: what kv_aware adds to the request's time to first token
         router.counters[("tokenize_local_microseconds",)] += int((time.perf_counter() - t0) * 1e6)
         return PromptKey(prefix, tokens)
     insts = server.pool.available("decode") or server.pool.available("prefill")
