@@ -78,6 +78,7 @@ def test_a_local_tokenizer_routes_without_asking_an_instance(tmp_path: Path) -> 
                 assert _metric(text, "mooncake_proxy_kv_aware_tokenizations_local_total") == 3
                 assert _metric(text, "mooncake_proxy_kv_aware_tokenizations_total") == 0
                 assert _metric(text, "mooncake_proxy_kv_aware_tokenize_local_microseconds_total") > 0
+                assert _metric(text, "mooncake_proxy_kv_aware_tokenizations_reused_total") == 2  # the same prompt
                 assert _metric(text, 'mooncake_proxy_kv_aware_select_microseconds_total{kind="decode"}') > 0
             finally:
                 pub.close()

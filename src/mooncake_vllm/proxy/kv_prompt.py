@@ -12,6 +12,7 @@ GIL for its ~1.4 ms, on the event loop's thread: Hugging Face's ``tokenizer(text
 KV event subscriber, the replay thread), up to a switch interval (5 ms) each time: 6.8 ms beside
 one busy Python thread on the idle dev box, 15-19 ms per request in issue 29's bench (counted as
 ``tokenize_local_microseconds``), on a worker thread or not, added to every request's time to first token.
+A prompt that extends a recent one (a conversation's next turn) has only its tail encoded (:mod:`.kv_tokens`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import aiohttp
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.httpsafe import read_answer
 from mooncake_vllm.proxy.kv_policy import KvRouter, PromptKey, ProxyServer
+from mooncake_vllm.proxy.kv_tokens import Encoding, PrefixEncodings
 
 __all__ = ["LocalTokenizer", "prompt_key", "resolve_version"]
 
@@ -56,15 +58,23 @@ class LocalTokenizer:
             raise ConfigError("--tokenizer", [ConfigProblem(
                 "--tokenizer", f"{path!r}: no tokenizer loads from it ({type(exc).__name__}: {exc})",
                 fix)]) from exc
+        self.prefixes = PrefixEncodings(self._whole)  # a conversation's next turn: only its tail encoded
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """The prompt's tokens as vLLM's completion endpoint makes them: through the fast tokenizer's
         backend (one ``encode``, the GIL kept) unless it truncates or pads, which Hugging Face's call
         turns off per call."""
-        backend = getattr(self._tok, "backend_tokenizer", None)
-        if backend is not None and backend.truncation is None and backend.padding is None:
-            return list(backend.encode(prompt, add_special_tokens=add_special_tokens).ids)
+        if self._backend() is not None:
+            return self.prefixes.encode(prompt, add_special_tokens)
         return list(self._tok(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _backend(self) -> Any:
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        return backend if backend is not None and backend.truncation is None and backend.padding is None else None
+
+    def _whole(self, text: str, add_special_tokens: bool) -> Encoding:
+        enc = self._backend().encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids, enc.offsets
 
 
 async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, prefix: bytes) -> PromptKey:
@@ -90,8 +100,10 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
     local = getattr(server, "tokenizer", None)
     if local is not None and "prompt" in req:
         t0 = time.perf_counter()
+        reused = local.prefixes.reused
         tokens = local.encode(req["prompt"], req.get("add_special_tokens", True))  # keeps the GIL: no hop
         router.counters[("tokenizations_local",)] += 1
+        router.counters[("tokenizations_reused",)] += local.prefixes.reused - reused
         # its wall time: what kv_aware adds to the request's time to first token
         router.counters[("tokenize_local_microseconds",)] += int((time.perf_counter() - t0) * 1e6)
         return PromptKey(prefix, tokens)
