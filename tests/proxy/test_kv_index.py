@@ -97,3 +97,18 @@ def test_cost_is_over_each_candidates_measured_speed() -> None:
     # a hit on the slow one still beats a recompute on the fast one
     assert choose(1000, [900, 0], 0, [0, 0], speeds=[0.5, 2.0]).index == 0
     assert choose(100, [0, 0, 0], 0, [0, 0, 0], start=1).index == 1
+
+
+def test_a_recompute_costs_the_delay_it_imposes_on_the_requests_in_flight() -> None:
+    # a cold prompt: the instance with less queued work but 3 requests in flight stalls all 3 for it
+    assert choose(2000, [0, 0], 0, [0, 1000]).index == 0  # without in-flight counts: least queued
+    c = choose(2000, [0, 0], 0, [0, 1000], inflight=[3, 0])
+    assert c.index == 1 and c.cost == 2500  # 2000 + 0.5 * 1000; on 0: 2000 * (1 + 3)
+    assert c.work == 2000  # the request's own work (queued there) is not the social cost
+    # a hit's few tokens cost little wherever it lands: the busy holder keeps it
+    assert choose(2100, [2000, 0], 0, [0, 0], inflight=[3, 0]).index == 0  # 100 * 4 < 2100
+    # the multiplier weighs the prompt's work there, then the speed divides it all
+    assert choose(1000, [0, 0], 0, [0, 0], speeds=[1.0, 2.0]).index == 1
+    assert choose(1000, [0, 0], 0, [0, 0], speeds=[1.0, 2.0], inflight=[0, 2]).index == 0  # 1000 < 3000 / 2
+    assert choose(1000, [0, 0], 0, [0, 0], weights=CostWeights(social=0.0), inflight=[0, 2]).index == 0  # tie
+    assert choose(1000, [0, 0], 0, [0, 0], weights=CostWeights(social=0.0), inflight=[2, 0]).index == 0

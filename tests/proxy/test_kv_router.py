@@ -81,6 +81,24 @@ def test_requests_the_engine_reports_beyond_ours_count_as_queued_work() -> None:
     assert policy.select([a, b], _key(DOC)) is b
 
 
+def test_a_cold_prompt_goes_where_it_stalls_fewer_requests_in_flight() -> None:
+    """a: 3 requests in flight, nothing queued (decoding); b: 1 in flight and 40 tokens of
+    prefill queued. The cold prompt waits less on a, but its 44 tokens would stall a's 3."""
+    router, policy = _router()
+    a, b = _fleet(2)
+    router.on_batch(a.key, 0, [_stored([7] * 4)])
+    router.on_batch(b.key, 0, [_stored([8] * 4)])
+    first = _key(list(range(900, 944)))
+    policy.select([a, b], first)  # the mean prompt: 44 tokens
+    router.settle("decode", first)
+    for _ in range(3):
+        a.acquire()
+    b.acquire()
+    router.backlog.add(b.key, 40.0)
+    assert router.queued(a) < router.queued(b)
+    assert policy.select([a, b], _key(list(range(500, 544)))) is b
+
+
 def test_an_instance_that_publishes_nothing_turns_routing_to_prefix(caplog: pytest.LogCaptureFixture) -> None:
     router, policy = _router()
     a, b = _fleet(2)

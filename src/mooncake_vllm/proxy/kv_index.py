@@ -152,12 +152,22 @@ class CostWeights:
     so a token recomputed elsewhere costs twice what a token queued costs; an idle fleet
     has no queue, and load does not matter. (At 1, a hot document's holder with one cold
     prompt queued sent the next turn elsewhere to be recomputed.)
+
+    ``social``: the delay a placement imposes on the requests already in flight on the
+    instance: its prefill work ``W`` stalls each of their next steps (a decode step, or a
+    queued prefill) about as long as it runs, so ``W`` costs ``W * (1 + social * k)`` there
+    with ``k`` requests in flight. A hit's few tokens cost little wherever it lands; a
+    recompute (a cold document, a conversation moved off its holder) is kept away from an
+    instance serving many. (Issue 29's bench: a hit waited 0.18-0.31 s with nothing else
+    prefilling on its instance, 0.35-0.48 s behind one prefill, 0.55-0.75 s behind two, and
+    seconds behind a recompute; each request decoding there added ~0.03 s.)
     """
 
     pool: float = 0.3
     local: float = 0.0
     load: float = 0.5
     per_request: float = 0.1
+    social: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -172,15 +182,17 @@ class Choice:
 
 
 def choose(prompt_tokens: int, local_hits: Sequence[int], pool_hit: int, loads: Sequence[float],
-           weights: CostWeights = CostWeights(), start: int = 0, speeds: Sequence[float] | None = None) -> Choice:
-    """The candidate of least expected cost (its prefill work plus the work queued before it,
-    over its relative speed: an instance twice as fast does both in half the time); ties go to
-    the first from ``start`` on.
+           weights: CostWeights = CostWeights(), start: int = 0, speeds: Sequence[float] | None = None,
+           inflight: Sequence[float] | None = None) -> Choice:
+    """The candidate of least expected cost (its prefill work, times the delay it imposes on the
+    requests in flight there, plus the work queued before it, over its relative speed: an
+    instance twice as fast does all of it in half the time); ties go to the first from ``start`` on.
 
     ``local_hits[i]``: prompt tokens in candidate i's own cache; ``pool_hit``: prompt
     tokens in the pool (the same for every candidate); ``loads[i]``: candidate i's queued
-    work in recomputed-token units (:meth:`CostWeights.load` weighs it); ``speeds[i]``: candidate
-    i's measured speed relative to the others (:mod:`.kv_speed`; all 1.0 if None).
+    work in recomputed-token units (:attr:`CostWeights.load` weighs it); ``speeds[i]``: candidate
+    i's measured speed relative to the others (:mod:`.kv_speed`; all 1.0 if None); ``inflight[i]``:
+    requests in flight on candidate i (:attr:`CostWeights.social` weighs them; none if None).
     """
     n = len(local_hits)
     best: Choice | None = None
@@ -190,7 +202,8 @@ def choose(prompt_tokens: int, local_hits: Sequence[int], pool_hit: int, loads: 
         pooled = max(0, min(pool_hit, prompt_tokens) - local)
         computed = prompt_tokens - local - pooled
         work = computed + weights.pool * pooled + weights.local * local
-        cost = (work + weights.load * loads[i]) / (speeds[i] if speeds else 1.0)
+        social = 1.0 + weights.social * (inflight[i] if inflight else 0.0)
+        cost = (work * social + weights.load * loads[i]) / (speeds[i] if speeds else 1.0)
         if best is None or cost < best.cost:
             best = Choice(i, local, pooled, cost, work)
     assert best is not None, "choose() needs at least one candidate"

@@ -7,7 +7,8 @@ blocks like vLLM (:mod:`.kv_hashes`), and asks every instance's index
 (:mod:`.kv_index`, fed by :mod:`.kv_events`) how long a prefix it holds in its own
 cache; the pool's (medium ``MOONCAKE``) counts the same for all, at the cost the
 instances' own counters show it has (:meth:`KvRouter.calibrate`: a declined load is
-a recompute). The least prefill work plus the work queued before it wins
+a recompute). The least prefill work (times the delay it imposes on the requests in flight
+there, :attr:`.kv_index.CostWeights.social`) plus the work queued before it wins
 (:meth:`KvRouter.queued`: work routed there, not at its first token nor computed since at
 the instance's measured rate, decode
 shares, requests its engine reports beyond ours via :mod:`.engine_load`), each over the
@@ -318,7 +319,8 @@ class KvRouter:
         n = len(key.tokens)
         self.mean_prompt = n if not self.mean_prompt else 0.9 * self.mean_prompt + 0.1 * n
         self.settle(kind, key)  # a retry: the first pick's work is not queued there any more
-        pick = choose(n, local, pool, [self.queued(c) for c in candidates], self.effective_weights(), start, speeds)
+        pick = choose(n, local, pool, [self.queued(c) for c in candidates], self.effective_weights(), start, speeds,
+                      [c.load for c in candidates])
         chosen = candidates[pick.index]
         self.mean_work = pick.work if not self.mean_work else 0.9 * self.mean_work + 0.1 * pick.work
         self.backlog.add(chosen.key, pick.work)
@@ -460,6 +462,7 @@ _LABELS: dict[str, tuple[str, ...]] = {
     "predicted_local_tokens": ("kind",), "predicted_pool_tokens": ("kind",), "prompt_tokens": ("kind",),
     "got_cached_tokens": ("kind",), "observed_predicted_tokens": ("kind",), "observed": ("kind",),
     "replays": ("outcome",), "bounded": ("kind",), "capped": ("kind",), "cap_held": ("kind",),
+    "select_microseconds": ("kind",),
 }
 
 

@@ -5,6 +5,14 @@ template; a round trip that adds to every request's time to first token: 75-170 
 request on the 2-core dev box, issue 29's bench) or, for completion prompts, from the
 model's tokenizer loaded by the proxy itself (``--tokenizer``: no round trip). A wrong
 token only costs a worse route, never wrong KV: the instances key their blocks themselves.
+
+The proxy's tokenizer encodes through its Rust backend's single ``encode``, which keeps the
+GIL for its ~1.4 ms, on the event loop's thread: Hugging Face's ``tokenizer(text)`` goes through
+``encode_batch``, which releases the GIL and must win it back from the proxy's other threads (the
+KV event subscriber, the replay thread), up to a switch interval (5 ms) each time: 6.8 ms beside
+one busy Python thread on the idle dev box, 15-19 ms per request in issue 29's bench (counted as
+``tokenize_local_microseconds``), on a worker thread or not, added to every request's time to first token.
+A prompt that extends a recent one (a conversation's next turn) has only its tail encoded (:mod:`.kv_tokens`).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import aiohttp
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.httpsafe import read_answer
 from mooncake_vllm.proxy.kv_policy import KvRouter, PromptKey, ProxyServer
+from mooncake_vllm.proxy.kv_tokens import Encoding, PrefixEncodings
 
 __all__ = ["LocalTokenizer", "prompt_key", "resolve_version"]
 
@@ -49,10 +58,23 @@ class LocalTokenizer:
             raise ConfigError("--tokenizer", [ConfigProblem(
                 "--tokenizer", f"{path!r}: no tokenizer loads from it ({type(exc).__name__}: {exc})",
                 fix)]) from exc
+        self.prefixes = PrefixEncodings(self._whole)  # a conversation's next turn: only its tail encoded
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        """The prompt's tokens as vLLM's completion endpoint makes them."""
+        """The prompt's tokens as vLLM's completion endpoint makes them: through the fast tokenizer's
+        backend (one ``encode``, the GIL kept) unless it truncates or pads, which Hugging Face's call
+        turns off per call."""
+        if self._backend() is not None:
+            return self.prefixes.encode(prompt, add_special_tokens)
         return list(self._tok(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _backend(self) -> Any:
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        return backend if backend is not None and backend.truncation is None and backend.padding is None else None
+
+    def _whole(self, text: str, add_special_tokens: bool) -> Encoding:
+        enc = self._backend().encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids, enc.offsets
 
 
 async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, prefix: bytes) -> PromptKey:
@@ -77,8 +99,13 @@ async def prompt_key(server: ProxyServer, body: dict[str, Any], route: str, pref
         return PromptKey(prefix, None)
     local = getattr(server, "tokenizer", None)
     if local is not None and "prompt" in req:
-        tokens = await asyncio.to_thread(local.encode, req["prompt"], req.get("add_special_tokens", True))
+        t0 = time.perf_counter()
+        reused = local.prefixes.reused
+        tokens = local.encode(req["prompt"], req.get("add_special_tokens", True))  # keeps the GIL: no hop
         router.counters[("tokenizations_local",)] += 1
+        router.counters[("tokenizations_reused",)] += local.prefixes.reused - reused
+        # its wall time: what kv_aware adds to the request's time to first token
+        router.counters[("tokenize_local_microseconds",)] += int((time.perf_counter() - t0) * 1e6)
         return PromptKey(prefix, tokens)
     insts = server.pool.available("decode") or server.pool.available("prefill")
     if not insts or server.session is None:
