@@ -205,7 +205,7 @@ class BlockMover:
         whole words: a pinned int64 host tensor, one per block): filled with each
         slot's payload wsum64, computed on the GPU from the staged copy — the bytes the
         slot will hold — and valid once ``done`` completes; the host then checksums
-        nothing (on the H200 its numpy wsum64 ran at ~1-2 GB/s per put thread).
+        nothing (its numpy wsum64 ran at ~0.6 GB/s per put thread on the 2-core dev box).
         """
         if not self.cuda:
             for start, k, pos in self._pieces(runs, pool.count):
