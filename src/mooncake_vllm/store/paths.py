@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +40,13 @@ from mooncake_vllm.settings import GPU_PATHS
 from mooncake_vllm.store.mover import BlockMover, CopyFence, checksums_on_device
 from mooncake_vllm.store.slots import Run, SlotPool, slots_of
 
-__all__ = ["COALESCE_BELOW", "GPU_PATHS", "LayoutPaths", "SaveTicket", "StagingSizes",
-           "choose_gpu_path"]
+__all__ = ["COALESCE_BELOW", "GPU_PATHS", "VERIFY_GPU_SUMS", "LayoutPaths", "SaveTicket",
+           "StagingSizes", "choose_gpu_path"]
+
+log = logging.getLogger(__name__)
+
+#: CUDA snapshots whose GPU checksums are compared with the host's before they are trusted
+VERIFY_GPU_SUMS = 8
 
 #: per-layer pieces up to this size are copied into one slice per block: one
 #: transfer slice per small piece costs more than the copy (bench/bench_store.py)
@@ -145,6 +151,9 @@ class LayoutPaths:
             self.save_pool = SlotPool(self.slot_nbytes, budget // self.slot_nbytes or 4,
                                       pinned=pinned, register=register)
         self.header_pool = SlotPool(codec.HEADER_SIZE, 1024, pinned=False, register=register)
+        #: CUDA snapshots are checksummed on the GPU (until one disagrees with the host)
+        self.gpu_snapshot_sums = checksums_on_device(layout)
+        self._gpu_sums_checked = 0
 
     @property
     def registered(self) -> bool:
@@ -179,7 +188,7 @@ class LayoutPaths:
     def _device_sums_buffer(self, n: int) -> Any:
         """A pinned tensor for the GPU to checksum ``n`` staged slots into, or None where
         the host checksums them (host KV, or CUDA KV not in whole 8-byte words)."""
-        if not n or not checksums_on_device(self.layout):
+        if not n or not self.gpu_snapshot_sums:
             return None
         import torch
 
@@ -195,7 +204,7 @@ class LayoutPaths:
             ticket.ready.synchronize()  # this thread waits, never vLLM's stream
         pool = ticket.pool
         slots = slots_of(ticket.runs)
-        on_gpu = None if ticket.sums is None else [v & codec.MASK64 for v in ticket.sums.tolist()]
+        on_gpu = self._trusted_sums(ticket, slots)
         ptrs, sizes = [], []
         for pos in keep:
             slot = slots[pos]
@@ -208,6 +217,26 @@ class LayoutPaths:
             ptrs.append(pool.address(slot))
             sizes.append(self.slot_nbytes)
         return ptrs, sizes
+
+    def _trusted_sums(self, ticket: SaveTicket, slots: Sequence[int]) -> list[int] | None:
+        """The GPU's checksums of a snapshot's slots (None: the host computes them). The
+        first :data:`VERIFY_GPU_SUMS` snapshots are checked against the host's; one mismatch
+        turns GPU checksums off for good (logged): a wrong one would only turn loads into
+        counted misses, but every one of them."""
+        if ticket.sums is None or not self.gpu_snapshot_sums:
+            return None
+        sums = [v & codec.MASK64 for v in ticket.sums.tolist()]
+        if self._gpu_sums_checked < VERIFY_GPU_SUMS:  # put threads may race here: a check more
+            self._gpu_sums_checked += 1
+            assert ticket.pool is not None
+            host = [codec.checksum_bytes(ticket.pool.view(slot)[codec.HEADER_SIZE:], self.checksum_kind)
+                    for slot in slots[:len(sums)]]
+            if host != sums:
+                self.gpu_snapshot_sums = False
+                log.warning("mooncake-vllm: a CUDA snapshot's checksums computed on the GPU differ from "
+                            "the host's; the host computes them from now on")
+                return None
+        return sums
 
     def frame_zero_copy(self, ticket: SaveTicket, keep: Sequence[int],
                         header_runs: list[Run]) -> tuple[list[list[int]], list[list[int]]]:
