@@ -48,6 +48,12 @@ log = logging.getLogger(__name__)
 #: CUDA snapshots whose GPU checksums are compared with the host's before they are trusted
 VERIFY_GPU_SUMS = 8
 
+
+def _unsigned(sums: Any) -> list[int]:
+    """GPU checksums from their int64 host tensor, as the codec's unsigned 64-bit values."""
+    return [v & codec.MASK64 for v in sums.tolist()]
+
+
 #: per-layer pieces up to this size are copied into one slice per block: one
 #: transfer slice per small piece costs more than the copy (bench/bench_store.py)
 COALESCE_BELOW = 256 << 10
@@ -225,7 +231,7 @@ class LayoutPaths:
         counted misses, but every one of them."""
         if ticket.sums is None or not self.gpu_snapshot_sums:
             return None
-        sums = [v & codec.MASK64 for v in ticket.sums.tolist()]
+        sums = _unsigned(ticket.sums)
         if self._gpu_sums_checked < VERIFY_GPU_SUMS:  # put threads may race here: a check more
             self._gpu_sums_checked += 1
             assert ticket.pool is not None
@@ -257,7 +263,7 @@ class LayoutPaths:
         """GPU checksums → ``ticket.checksums`` (this thread waits for them, never vLLM's)."""
         if ticket.sums is not None and not ticket.checksums:
             ticket.ready.synchronize()
-            ticket.checksums = [v & codec.MASK64 for v in ticket.sums.tolist()]
+            ticket.checksums = _unsigned(ticket.sums)
 
     def device_sums(self, block_ids: Sequence[int], *, after: Any = None,
                     writers_done: bool = False) -> list[int]:
@@ -265,7 +271,7 @@ class LayoutPaths:
         host, done = self.mover.checksums(list(block_ids), after=after,
                                           writers_done=writers_done)
         done.synchronize()
-        return [v & codec.MASK64 for v in host.tolist()]
+        return _unsigned(host)
 
     def block_sums(self, block_ids: Sequence[int], kinds: Sequence[int]) -> list[int]:
         """Checksums of blocks as they are now, where they are: CUDA blocks on the GPU
