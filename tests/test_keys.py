@@ -12,10 +12,12 @@ import pytest
 
 from mooncake_vllm.keys import (
     REGISTRY_PREFIX,
+    DigestMemo,
     KeyNamespace,
     RequestExtras,
     block_key_digest,
     chunk_digests,
+    chunk_hex_digests,
     chunk_keys,
     parse_registry_key,
 )
@@ -64,6 +66,30 @@ def test_extras_change_keys() -> None:
     mm = chunk_keys(NS, TOKENS, RequestExtras(mm_hashes=((40, 10, "img"),)))
     assert mm[0] == plain[0] and mm[1] != plain[1]  # only chunks from the item on change
     assert chunk_keys(NS, TOKENS, RequestExtras()) == plain
+
+
+def test_a_memo_gives_the_same_digests_and_hashes_a_shared_prefix_once() -> None:
+    memo = DigestMemo()
+    plain = [d.hex() for d in chunk_digests(TOKENS, 32)]
+    assert chunk_hex_digests(TOKENS, 32, memo=memo) == plain
+    assert len(memo) == 4
+    other = TOKENS[:64] + [9] * 64  # shares two chunks, then differs
+    assert chunk_hex_digests(other, 32, memo=memo) == [d.hex() for d in chunk_digests(other, 32)]
+    assert len(memo) == 6  # only the two new chunks were hashed
+    salted = RequestExtras(cache_salt="s")  # the same tokens under another root: new entries
+    assert chunk_hex_digests(TOKENS, 32, salted, memo) == [
+        d.hex() for d in chunk_digests(TOKENS, 32, salted)] != plain
+    mm = RequestExtras(mm_hashes=((40, 10, "img"),))
+    assert chunk_hex_digests(TOKENS, 32, mm, memo) == [d.hex() for d in chunk_digests(TOKENS, 32, mm)]
+
+
+def test_a_full_memo_forgets_its_oldest_and_stays_exact() -> None:
+    memo = DigestMemo(capacity=3)
+    assert chunk_hex_digests(TOKENS, 32, memo=memo) == [d.hex() for d in chunk_digests(TOKENS, 32)]
+    assert len(memo) == 3
+    assert chunk_hex_digests(TOKENS, 32, memo=memo) == [d.hex() for d in chunk_digests(TOKENS, 32)]
+    with pytest.raises(ValueError, match="capacity"):
+        DigestMemo(capacity=0)
 
 
 def test_bad_namespaces_rejected() -> None:

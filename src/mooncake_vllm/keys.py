@@ -42,8 +42,10 @@ __all__ = [
     "REGISTRY_PREFIX",
     "KeyNamespace",
     "RequestExtras",
+    "DigestMemo",
     "block_key_digest",
     "chunk_digests",
+    "chunk_hex_digests",
     "chunk_keys",
     "model_id",
     "parse_registry_key",
@@ -203,24 +205,81 @@ def _chunk_extras(extras: RequestExtras | None, start: int, end: int) -> bytes:
     return b"\x00mm=" + b",".join(parts) if parts else b""
 
 
-def chunk_digests(
-    token_ids: Sequence[int], block_size: int, extras: RequestExtras | None = None
-) -> list[bytes]:
-    """Chained digests of every full chunk of ``token_ids`` (the tail is left out)."""
+class DigestMemo:
+    """Recent chunk digests by their exact inputs (parent digest, extras, token bytes).
+
+    Prompts that share a prefix (a document, a system prompt, a conversation's earlier
+    turns) hash it once per process: a hit is a dict lookup on the very bytes the digest
+    would hash (keys compare by equality, so a hit is never a collision). Bounded: past
+    ``capacity`` entries the oldest are forgotten. Not thread-safe (one per scheduler).
+    """
+
+    __slots__ = ("capacity", "_entries")
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, found {capacity}")
+        self.capacity = capacity
+        #: inputs -> (digest, its hex)
+        self._entries: dict[tuple[bytes, bytes, bytes], tuple[bytes, str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, inputs: tuple[bytes, bytes, bytes]) -> tuple[bytes, str] | None:
+        """``(digest, hex)`` of these inputs, if computed recently."""
+        return self._entries.get(inputs)
+
+    def put(self, inputs: tuple[bytes, bytes, bytes], digest: bytes) -> tuple[bytes, str]:
+        """Remember ``digest`` of ``inputs``; the entry ``(digest, hex)``."""
+        entries = self._entries
+        if len(entries) >= self.capacity:
+            del entries[next(iter(entries))]  # the oldest (dicts keep insertion order)
+        entry = entries[inputs] = (digest, digest.hex())
+        return entry
+
+
+def _chain(token_ids: Sequence[int], block_size: int, extras: RequestExtras | None,
+           memo: DigestMemo) -> list[tuple[bytes, str]]:
+    """``(digest, hex)`` of every full chunk of ``token_ids``, chained (see the module)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, found {block_size}")
     full = len(token_ids) // block_size
     data = _token_bytes(token_ids[: full * block_size])
     parent = _root(extras)
     width = 8 * block_size
-    digests: list[bytes] = []
+    multimodal = extras is not None and bool(extras.mm_hashes)
+    recall, remember = memo._entries.get, memo.put  # the dict's own get: no call between
+    entries: list[tuple[bytes, str]] = []
     for i in range(full):
-        h = hashlib.blake2b(parent, digest_size=_DIGEST_SIZE)
-        h.update(_chunk_extras(extras, i * block_size, (i + 1) * block_size))
-        h.update(data[i * width:(i + 1) * width])
-        parent = h.digest()
-        digests.append(parent)
-    return digests
+        chunk_extras = (_chunk_extras(extras, i * block_size, (i + 1) * block_size)
+                        if multimodal else b"")
+        inputs = (parent, chunk_extras, data[i * width:(i + 1) * width])
+        entry = recall(inputs)
+        if entry is None:
+            h = hashlib.blake2b(parent, digest_size=_DIGEST_SIZE)
+            h.update(chunk_extras)
+            h.update(inputs[2])
+            entry = remember(inputs, h.digest())
+        parent = entry[0]
+        entries.append(entry)
+    return entries
+
+
+def chunk_digests(
+    token_ids: Sequence[int], block_size: int, extras: RequestExtras | None = None
+) -> list[bytes]:
+    """Chained digests of every full chunk of ``token_ids`` (the tail is left out)."""
+    return [digest for digest, _ in _chain(token_ids, block_size, extras, DigestMemo())]
+
+
+def chunk_hex_digests(token_ids: Sequence[int], block_size: int,
+                      extras: RequestExtras | None = None,
+                      memo: DigestMemo | None = None) -> list[str]:
+    """:func:`chunk_digests` as hex strings (what a key names); ``memo``: recent ones
+    reused (the same values, computed once per process)."""
+    return [text for _, text in _chain(token_ids, block_size, extras,
+                                          memo if memo is not None else DigestMemo())]
 
 
 def chunk_keys(
@@ -228,4 +287,4 @@ def chunk_keys(
 ) -> list[str]:
     """The store key of every full chunk of ``token_ids`` in namespace ``ns``."""
     prefix = ns.prefix()
-    return [f"{prefix}/{d.hex()}" for d in chunk_digests(token_ids, ns.block_size, extras)]
+    return [f"{prefix}/{d}" for d in chunk_hex_digests(token_ids, ns.block_size, extras)]

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_vllm.keys import RequestExtras, chunk_digests
+from mooncake_vllm.keys import DigestMemo, RequestExtras, chunk_hex_digests
 from mooncake_vllm.stats import CounterNames, Counters
 from mooncake_vllm.store.health import FailureLog
 from mooncake_vllm.v1.claims import DECLINE_REASONS, ClaimAdvisor, ClaimRules
@@ -140,6 +140,9 @@ class SchedulerLogic:
         self.can_defer = can_defer
         self.skip_lookup_upto = skip_lookup_upto
         self._clock = clock
+        #: a shared prefix is hashed once per process, not once per request (on vLLM's
+        #: thread: a 2k-token prompt's digests took 0.2 ms on the dev box, 0.06 from the memo)
+        self._digests = DigestMemo()
         self._pool_ready = pool_ready
         self.audit = PoolAudit(clock=clock)
         self.refill = HbmRefill(clock=clock)
@@ -165,7 +168,7 @@ class SchedulerLogic:
         if tokens is None:  # prompt embeddings: nothing to key by
             return None
         extras: RequestExtras = request_extras(request)
-        digests = [d.hex() for d in chunk_digests(tokens, self.block_size, extras)]
+        digests = chunk_hex_digests(tokens, self.block_size, extras, self._digests)
         st = RequestState(req_id=req_id, prompt_len=len(tokens), digests=digests, request=request)
         self.requests[req_id] = st
         if self.can_save:
