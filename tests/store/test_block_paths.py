@@ -98,6 +98,9 @@ def test_round_trip_is_byte_exact_into_other_blocks(client: StoreClient, name: s
     client.register_layout(a)
     client.register_layout(b)
     keys = _keys(a, 4)
+    ticket = client.prepare_save(keys, a, [7, 2, 9, 0])  # what the worker asks first
+    assert ticket.snapshot == client.saves_snapshot(a)
+    client.discard(ticket)
     assert client.put_blocks(keys, a, [7, 2, 9, 0]) == 4
     missing = _keys(a, 1)
     assert client.get_blocks(keys + missing, b, [1, 3, 5, 11, 4]) == [True] * 4 + [False]

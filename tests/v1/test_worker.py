@@ -64,13 +64,18 @@ class _GatedClient:
         self.discarded: list[list[str]] = []
         self.fences: list[_Fence] = []
         self.deferred: list[bool] = []
+        self.captures: list[list[str]] = []
 
     def register_layout(self, layout: Any, gpu_path: str = "auto", clients: int = 1) -> None:
         pass
 
+    def saves_snapshot(self, layout: Any) -> bool:
+        return self.snapshot
+
     def prepare_save(self, keys: list[str], layout: Any, block_ids: list[int], *,
                      defer_fence: bool = False) -> SaveTicket:
         self.deferred.append(defer_fence)
+        self.captures.append(list(keys))
         fence = None
         if self.copy_running is not None and defer_fence:
             fence = _Fence(self.copy_running)
@@ -191,6 +196,39 @@ def _fences_ordered_on_free_and_preemption(w: WorkerLogic, client: _GatedClient)
     w.start_load_kv(_fenced_meta("h", [], preempted={"g"}))  # already ordered: not again
     assert g.orders == 1
     assert w.counters["copy_fences"] == 2 and w.counters["copy_fences_waited"] == 2
+
+
+def test_a_steps_snapshot_saves_are_one_capture_and_one_put(workers: Any) -> None:
+    """Snapshots: one capture per step, whatever the requests (a CUDA capture costs vLLM's
+    thread its launches and events per call); the shared copy fences every request."""
+    with _fenced_worker("batch", workers, copy_running=True) as (w, client):
+        meta = _fenced_meta("a", [1, 2])
+        meta.saves.append(BlockJob("b", [f"{3:032x}"], [3]))
+        w.wait_for_save(meta)
+        assert client.captures == [[f"{w.prefix}/{b:032x}" for b in (1, 2, 3)]]
+        (fence,) = client.fences
+        assert w.counters["save_jobs"] == 2 and w.counters["copy_fences"] == 1
+        assert w.get_finished({"a"})[0] == {"a"} and fence.orders == 1  # the first free orders it
+        assert w.get_finished({"b"})[0] == {"b"}  # ordered again: a no-op, not a second wait
+        assert w.counters["copy_fences_waited"] == 1
+        client.gate.set()
+        _wait_idle(w)
+        assert client.puts == [[f"{w.prefix}/{b:032x}" for b in (1, 2, 3)]]
+
+
+def test_held_saves_are_captured_per_request(workers: Any) -> None:
+    """Checksums of blocks kept until the put: each request's hold ends with its own put."""
+    client = _GatedClient(snapshot=False)
+    w = WorkerLogic(_ns("per-req"), EXPECTED, _Source(client), can_load=True, can_save=True)
+    workers(w)
+    w.register_kv_caches(_cache(0))
+    meta = _save_meta("a", [1])
+    meta.saves.append(BlockJob("b", [f"{2:032x}"], [2]))
+    w.wait_for_save(meta)
+    assert len(client.captures) == 2
+    client.gate.set()
+    _wait_idle(w)
+    assert w.get_finished({"a", "b"})[0] == {"a", "b"}
 
 
 def test_without_reported_preemptions_the_copy_is_fenced_at_capture(workers: Any) -> None:

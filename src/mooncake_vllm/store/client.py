@@ -239,6 +239,11 @@ class StoreClient:
         return self._paths[id(layout)]
 
     # ------------------------------------------------------------------ saves
+    def saves_snapshot(self, layout: BlockLayout) -> bool:
+        """Whether a save of ``layout`` is a snapshot (its bytes copied out at capture: the
+        blocks are free at once), not checksums of blocks kept until the put."""
+        return not self._paths_for(layout).zero_copy_save
+
     def prepare_save(self, keys: Sequence[str], layout: BlockLayout,
                      block_ids: Sequence[int], *, defer_fence: bool = False) -> SaveTicket:
         """Capture a save now (no pool call): a snapshot, or checksums of the blocks.
