@@ -89,7 +89,8 @@ def _mixed_row(reps: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_p50_ms": statistics.median(m["ttft_p50_s"] for m in reps) * 1e3,
         "ttft_p99_ms": statistics.median(m["ttft_p99_s"] for m in reps) * 1e3,
         "itl_p99_ms": statistics.median(m["itl_p99_s"] for m in reps) * 1e3,
-        "reps": len(reps), "throughput_per_rep": [round(m["throughput_tok_s"], 1) for m in reps]}
+        "reps": len(reps), "throughput_per_rep": [round(m["throughput_tok_s"], 1) for m in reps],
+        "throughput_by_rep": {str(m["rep"]): m["throughput_tok_s"] for m in reps if "rep" in m}}
     delta: dict[str, int] = {}
     for m in reps:
         for name, value in (m.get("connector_delta") or {}).items():
@@ -129,7 +130,23 @@ def _pool_ratios(table: dict[str, Any]) -> None:
                 row["mixed"]["throughput_tok_s"] / none["mixed"]["throughput_tok_s"], 3)
             ratios["mixed_ttft_p99_vs_none"] = round(
                 row["mixed"]["ttft_p99_ms"] / none["mixed"]["ttft_p99_ms"], 3)
+            ratios.update(_paired(row["mixed"], none["mixed"]))
         table.setdefault("pool_ratios", {})[mode] = ratios
+
+
+def _paired(mode: dict[str, Any], none: dict[str, Any]) -> dict[str, float]:
+    """Throughput / none's in the same rep (the reps interleave modes: a paired ratio cancels
+    what drifts over the run), median over the reps both ran and over reps 1+ (rep 0 is each
+    process's first burst)."""
+    a, b = mode.get("throughput_by_rep") or {}, none.get("throughput_by_rep") or {}
+    pairs = {int(rep): a[rep] / b[rep] for rep in a if rep in b and b[rep]}
+    out: dict[str, float] = {}
+    if pairs:
+        out["mixed_paired_median_vs_none"] = round(statistics.median(pairs.values()), 3)
+    steady = [ratio for rep, ratio in pairs.items() if rep > 0]
+    if steady:
+        out["mixed_paired_median_vs_none_reps1"] = round(statistics.median(steady), 3)
+    return out
 
 
 def _serving_ratios(table: dict[str, Any]) -> None:

@@ -36,3 +36,16 @@ def test_a_mixed_phase_run_alone_still_makes_its_table() -> None:
 def test_a_mode_without_any_phase_has_no_row() -> None:
     report = {"writers": {}, "runs": {"none": {"ready": {}}, "ours": {"ready": {}, "measure": {"error": "x"}}}}
     assert table_mod.derive(report) == {}
+
+
+def test_mixed_reps_are_also_compared_pairwise_by_rep() -> None:
+    """Interleaved reps drift together: each rep's ratio against none's same rep, medians."""
+    def reps(*tok_s: float) -> list[dict[str, Any]]:
+        return [{**_rep(t, 4.0, 0.4), "rep": i} for i, t in enumerate(tok_s)]
+
+    report = {"writers": {}, "runs": {
+        "none": {"ready": {}, "mixed_reps": reps(1000.0, 800.0, 1200.0, 900.0)},
+        "ours": {"ready": {}, "mixed_reps": reps(500.0, 760.0, 1200.0, 990.0)}}}
+    ratios = table_mod.derive(report)["pool_ratios"]["ours"]
+    assert ratios["mixed_paired_median_vs_none"] == round((0.95 + 1.0) / 2, 3)  # 0.5, .95, 1, 1.1
+    assert ratios["mixed_paired_median_vs_none_reps1"] == 1.0  # 0.95, 1.0, 1.1
