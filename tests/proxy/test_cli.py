@@ -90,19 +90,55 @@ def test_vllm_p2p_proxy_prefill_form_is_accepted() -> None:
                                            "h:1@5", "7"]
 
 
-def test_kv_aware_asked_for_without_its_packages_is_refused_naming_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from mooncake_vllm.errors import ConfigError
-    from mooncake_vllm.proxy import server
+def test_kv_aware_without_its_packages_routes_round_robin_said_once_and_counted(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from mooncake_vllm.proxy import kv_fallback
+    from mooncake_vllm.proxy.scheduling import KvAwarePolicy, RoundRobinPolicy
 
-    monkeypatch.setattr(server, "missing_modules", lambda: ["msgspec"])
-    with pytest.raises(ConfigError) as err:
-        server.ProxyServer(server.ProxyConfig(model=MODEL, decode=["127.0.0.1:8200"],
-                                              scheduling="kv_aware"))
-    assert "--scheduling" in str(err.value) and "pip install msgspec" in str(err.value)
-    monkeypatch.setattr(server, "missing_modules", lambda: [])
-    server.ProxyServer(server.ProxyConfig(model=MODEL, decode=["127.0.0.1:8200"],
-                                          scheduling="round_robin"))  # other policies need neither
+    from ._helpers import proxy
+
+    monkeypatch.setattr(kv_fallback, "missing_modules", lambda: ["msgspec"])
+
+    async def scenario() -> None:
+        async with stubs(2) as ups, proxy([], ups, flow="kv_both", scheduling="kv_aware", kv_queue_cap=4,
+                                          health_interval=60) as (server, url, client):
+            assert server.kv is None and server.config.scheduling == "round_robin"
+            assert all(isinstance(p, RoundRobinPolicy) for p in server.policies.values())
+            for _ in range(4):
+                async with client.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}) as r:
+                    assert r.status == 200
+            assert sorted(len(u.received) for u in ups) == [2, 2]
+            async with client.get(url + "/metrics") as r:
+                text = await r.text()
+            assert ('mooncake_proxy_scheduling_fallback_total{wanted="kv_aware",using="round_robin",'
+                    'reason="missing_msgspec"} 4') in text
+
+    with caplog.at_level("WARNING", logger="mooncake_vllm.proxy.kv_fallback"):
+        run(scenario)
+    warned = [r.getMessage() for r in caplog.records if r.name == "mooncake_vllm.proxy.kv_fallback"]
+    assert len(warned) == 1 and "pip install msgspec" in warned[0]
+    monkeypatch.setattr(kv_fallback, "missing_modules", lambda: [])
+    from mooncake_vllm.proxy.server import ProxyConfig, ProxyServer
+
+    full = ProxyServer(ProxyConfig(model=MODEL, decode=["127.0.0.1:8200"], scheduling="kv_aware"))
+    assert full.fallback is None and isinstance(full.policies["decode"], KvAwarePolicy)
+
+
+def test_kv_aware_with_a_tokenizer_but_no_transformers_routes_round_robin(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import importlib.util
+
+    from mooncake_vllm.proxy import kv_fallback
+    from mooncake_vllm.proxy import server as server_mod
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(kv_fallback, "missing_modules", lambda: [])
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    s = server_mod.ProxyServer(server_mod.ProxyConfig(model=MODEL, decode=["127.0.0.1:8200"], scheduling="kv_aware",
+                                                      tokenizer=str(tmp_path)))
+    assert s.fallback is not None and s.fallback.reason == "missing_transformers"
+    assert s.tokenizer is None and s.kv is None and s.config.tokenizer is None
 
 
 def test_a_bad_kv_queue_cap_stops_the_cli_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,10 +31,9 @@ from mooncake_vllm.httpsafe import (
     read_body,
     redact,
 )
-from mooncake_vllm.proxy import admin, engine_load, flows, kv_policy, kv_prompt
+from mooncake_vllm.proxy import admin, engine_load, flows, kv_fallback, kv_policy, kv_prompt
 from mooncake_vllm.proxy.config import ProxyConfig, config_from_env
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
-from mooncake_vllm.proxy.kv_events import missing_modules
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.scheduling import make_policy
 
@@ -67,13 +66,11 @@ class ProxyServer:
     """One proxy: the instance pool, policies, metrics, the shared client session."""
 
     def __init__(self, config: ProxyConfig) -> None:
+        # kv_aware without its packages routes round robin (warned once, counted)
+        config, self.fallback = kv_fallback.check(config)
         self.config = config
         self.pool = InstancePool()
         self.metrics = ProxyMetrics()
-        if config.scheduling == "kv_aware" and (missing := missing_modules()):
-            raise ConfigError("--scheduling", [ConfigProblem(
-                "--scheduling", f"kv_aware reads vLLM's KV events, which needs {' and '.join(missing)}",
-                f"pip install {' '.join(missing)}, or choose --scheduling prefix")])
         self.policies = {k: make_policy(config.scheduling) for k in ("prefill", "decode")}
         self._use_prefix = config.scheduling in ("prefix", "kv_aware")
         if config.kv_replay:
@@ -187,6 +184,8 @@ class ProxyServer:
         candidates = self.pool.available(kind)
         if not candidates:
             raise ProxyError(503, self.pool.unavailable_reason(kind), "service_unavailable", reason=f"no_{kind}")
+        if self.fallback is not None:
+            self.fallback.picks += 1
         return self.policies[kind].select(candidates, prefix)
 
     def _headers(self, request: web.Request, request_id: str) -> dict[str, str]:
@@ -470,7 +469,8 @@ class ProxyServer:
 
     async def handle_metrics(self, _request: web.Request) -> web.Response:
         text = (self.metrics.render(self.pool) + engine_load.render(self.pool)
-                + (self.kv.render() if self.kv is not None else ""))
+                + (self.kv.render() if self.kv is not None else "")
+                + (self.fallback.render() if self.fallback is not None else ""))
         return web.Response(text=text, content_type="text/plain",
                             headers={"X-Content-Type-Options": "nosniff"})
 
