@@ -90,6 +90,8 @@ def test_a_full_memo_forgets_its_oldest_and_stays_exact() -> None:
     assert chunk_hex_digests(TOKENS, 32, memo=memo) == [d.hex() for d in chunk_digests(TOKENS, 32)]
     with pytest.raises(ValueError, match="capacity"):
         DigestMemo(capacity=0)
+    assert DigestMemo.for_block_size(16).capacity == 1 << 16  # small chunks: the entry cap
+    assert DigestMemo.for_block_size(128).capacity == (32 << 20) // (8 * 128 + 320)  # 32 MiB
 
 
 def test_bad_namespaces_rejected() -> None:

@@ -216,6 +216,15 @@ class DigestMemo:
 
     __slots__ = ("capacity", "_entries")
 
+    #: Python's own bytes per entry beside the chunk's token bytes (tuples, the digest, its hex)
+    ENTRY_OVERHEAD = 320
+
+    @classmethod
+    def for_block_size(cls, block_size: int, budget: int = 32 << 20) -> DigestMemo:
+        """A memo of at most ``budget`` bytes (entries hold a chunk's 8 bytes per token), and
+        at most 65536 entries (a million tokens of prefixes at block size 16)."""
+        return cls(max(1, min(1 << 16, budget // (8 * block_size + cls.ENTRY_OVERHEAD))))
+
     def __init__(self, capacity: int = 1 << 16) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, found {capacity}")

@@ -142,7 +142,7 @@ class SchedulerLogic:
         self._clock = clock
         #: a shared prefix is hashed once per process, not once per request (on vLLM's
         #: thread: a 2k-token prompt's digests took 0.2 ms on the dev box, 0.06 from the memo)
-        self._digests = DigestMemo()
+        self._digests = DigestMemo.for_block_size(block_size)
         self._pool_ready = pool_ready
         self.audit = PoolAudit(clock=clock)
         self.refill = HbmRefill(clock=clock)
