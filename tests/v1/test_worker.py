@@ -65,6 +65,7 @@ class _GatedClient:
         self.fences: list[_Fence] = []
         self.deferred: list[bool] = []
         self.captures: list[list[str]] = []
+        self.captured_blocks: list[list[int]] = []
 
     def register_layout(self, layout: Any, gpu_path: str = "auto", clients: int = 1) -> None:
         pass
@@ -76,6 +77,7 @@ class _GatedClient:
                      defer_fence: bool = False) -> SaveTicket:
         self.deferred.append(defer_fence)
         self.captures.append(list(keys))
+        self.captured_blocks.append(list(block_ids))
         fence = None
         if self.copy_running is not None and defer_fence:
             fence = _Fence(self.copy_running)
@@ -214,6 +216,16 @@ def test_a_steps_snapshot_saves_are_one_capture_and_one_put(workers: Any) -> Non
         client.gate.set()
         _wait_idle(w)
         assert client.puts == [[f"{w.prefix}/{b:032x}" for b in (1, 2, 3)]]
+
+
+def test_a_key_two_requests_of_a_step_computed_is_captured_once(workers: Any) -> None:
+    """One prompt twice in a burst: both requests computed its chunks; one copy is put."""
+    with _fenced_worker("dup", workers, copy_running=False) as (w, client):
+        meta = _fenced_meta("a", [1, 2])
+        meta.saves.append(BlockJob("b", [f"{1:032x}", f"{7:032x}"], [5, 7]))  # chunk 1 again
+        w.wait_for_save(meta)
+        assert client.captures == [[f"{w.prefix}/{d:032x}" for d in (1, 2, 7)]]
+        assert client.captured_blocks == [[1, 2, 7]]  # chunk 1 from its first request's block
 
 
 def test_held_saves_are_captured_per_request(workers: Any) -> None:

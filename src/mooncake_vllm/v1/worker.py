@@ -298,11 +298,9 @@ class WorkerLogic:
             self._capture(group, client, defer_fences=defer_fences)
 
     def _capture_groups(self, saves: list[BlockJob], client: Any) -> list[list[BlockJob]]:
-        """The step's saves in one capture where they are snapshots (a CUDA capture's
-        launches and events cost vLLM's thread the same for one block as for a hundred:
-        ~0.6 ms each on the H200, so a burst of 16 prefills paid ~10 ms); one per request
-        where its blocks are held until its own put. Refills of vLLM's prefix cache (no
-        request holds their blocks: their copy is fenced at capture) go apart."""
+        """Snapshots: the step's saves in one capture (a CUDA capture costs vLLM's thread
+        ~0.6 ms of launches and events, one block or a hundred), refills of vLLM's prefix
+        cache (fenced at capture) apart; held saves: one per request (its own put frees it)."""
         if len(saves) > 1 and client.saves_snapshot(self.layout):
             held = [job for job in saves if not job.unheld]
             unheld = [job for job in saves if job.unheld]
@@ -310,9 +308,13 @@ class WorkerLogic:
         return [[job] for job in saves]
 
     def _capture(self, jobs: list[BlockJob], client: Any, *, defer_fences: bool) -> None:
-        """Capture ``jobs``' blocks as one save and queue it (or drop it: the queue is full)."""
-        keys = [key for job in jobs for key in self.keys(job.digests)]
-        block_ids = [b for job in jobs for b in job.block_ids]
+        """Capture ``jobs``' blocks as one save and queue it (or drop it: the queue is full).
+        A key two requests of the step computed (one prompt twice in a burst) is taken once."""
+        first: dict[str, int] = {}  # key -> its first block (dicts keep insertion order)
+        for job in jobs:
+            for key, block in zip(self.keys(job.digests), job.block_ids):
+                first.setdefault(key, block)
+        keys, block_ids = list(first), list(first.values())
         try:
             # a refill of vLLM's prefix cache has no free to wait for: its fence is ordered now
             ticket = client.prepare_save(
