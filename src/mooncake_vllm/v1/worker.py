@@ -19,13 +19,8 @@
   checksum: the reader refuses it and the writer removes it.
 * **Hand-off markers** (:mod:`~mooncake_vllm.v1.handoff`): a hand-off declared
   in a step's metadata is queued behind that request's saves on the same save
-  thread; once they are committed the thread checks which of its chunks are
-  present and publishes the marker the decode instance waits for. A marker is
-  due ``marker_due`` seconds after its declaration (half of ``handoff_timeout``):
-  if the saves before it are still running then (a put may take its whole time
-  box, longer than the decode waits), a second thread publishes it at once with
-  the chunks present so far, so the decode stops waiting and recomputes the
-  rest instead of waiting out ``handoff_timeout`` with nothing (issue 27).
+  thread (:mod:`~mooncake_vllm.v1.save_thread`), published once they are committed
+  or when due (``marker_due``, half of ``handoff_timeout``), whichever comes first.
 * **Preemption** never waits for the pool: queued zero-copy saves of a
   preempted request are cancelled, one in flight gets ``preempt_wait`` seconds.
 * **CUDA snapshots never stall the forward pass**: where the release reports
@@ -39,23 +34,19 @@
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from mooncake_vllm.handoff_protocol import handoff_key, marker_value
 from mooncake_vllm.keys import KeyNamespace
 from mooncake_vllm.layout import BlockLayout
 from mooncake_vllm.stats import CounterNames, Counters
-from mooncake_vllm.store.health import FailureLog
 from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
-from mooncake_vllm.v1.markers import DueMarkers, Marker
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import ExpectedLayout, check_layout
 from mooncake_vllm.v1.perf import StepTimer
-from mooncake_vllm.v1.placement import off_compute_cores
+from mooncake_vllm.v1.save_thread import SaveThread
 
 if TYPE_CHECKING:
     from mooncake_vllm.v1.client import ClientSource
@@ -64,7 +55,6 @@ __all__ = ["COUNTERS", "WorkerLogic"]
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
 #: longest wait in ``get_finished`` of a step that scheduled nothing while a background
 #: load runs: the engine thread would otherwise spin through empty steps holding the
 #: GIL and starve the loader thread (a 1k-token CPU hit took ~0.9 s instead of ~0.2 s)
@@ -106,9 +96,6 @@ class WorkerLogic:
         self._save_deadline = save_deadline
         self._preempt_wait = preempt_wait
         self._clock = clock
-        # unbounded so a marker always finds room; save jobs stop at queue_size
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._queue_size = queue_size
         self._cond = threading.Condition()
         self._pending: dict[str, int] = {}  # req_id -> zero-copy saves not yet finished
         self._held_since: dict[str, float] = {}  # req_id -> first hold still pending
@@ -124,10 +111,9 @@ class WorkerLogic:
         self._fences: dict[str, list[Any]] = {}  # req_id -> CopyFences not yet ordered
         #: read freely; counted only through :meth:`_count` (engine and save threads)
         self.counters = Counters(COUNTERS)
-        self._thread: threading.Thread | None = None
-        #: a hand-off marker is published at the latest ``marker_due`` s after its declaration
-        self._markers = DueMarkers(self._publish_due, due_after=marker_due, clock=clock)
-        self._due_log = FailureLog()
+        self._saves = SaveThread(client_source, self.prefix, self.keys, self._count,
+                                 cancelled=self._any_cancelled, job_done=self._job_done,
+                                 queue_size=queue_size, marker_due=marker_due, clock=clock)
 
     def _count(self, name: str, amount: int = 1) -> None:
         """Add to a counter (under the lock: the engine and save threads both count)."""
@@ -148,10 +134,8 @@ class WorkerLogic:
             layout, self.gpu_path, clients=self.store_clients))
         if self.timer.probes:  # CUDA KV with the probe on
             self.source.on_connect(self._probe_loads)
-        if self.can_save and self._thread is None:
-            self._thread = threading.Thread(target=self._save_loop, name="mcv-save", daemon=True)
-            self._thread.start()
-            self._markers.start()
+        if self.can_save:
+            self._saves.start()
 
     def _probe_loads(self, client: Any, *, again: bool = False) -> None:
         """Seed the claim policy's load model before the first hit, or measure the pool again
@@ -281,9 +265,9 @@ class WorkerLogic:
         client = self.source.get() if self.can_save and self.layout is not None else None
         # vLLM tells the workers of preemptions: a CUDA copy's fence may wait until the free
         self._queue_saves(meta.saves, client, defer_fences=meta.preemptions_reported)
-        if self.can_save and self._thread is not None:
+        if self.can_save and self._saves.running:
             for req_id, (handoff_id, digests) in meta.handoffs.items():
-                self._queue.put_nowait(self._markers.declare(req_id, handoff_id, digests))
+                self._saves.declare(req_id, handoff_id, digests)
 
     def _queue_saves(self, saves: list[BlockJob], client: Any, *, defer_fences: bool) -> None:
         for job in saves:
@@ -334,8 +318,7 @@ class WorkerLogic:
         if not ticket.snapshot:
             for job in jobs:
                 self._hold(job.req_id)
-        if self._queue.qsize() < self._queue_size:
-            self._queue.put_nowait((jobs, ticket, client))
+        if self._saves.offer(jobs, ticket, client):
             self._count("save_jobs", len(jobs))
             return
         self._count("dropped_jobs", len(jobs))
@@ -350,64 +333,10 @@ class WorkerLogic:
             self._pending[req_id] = self._pending.get(req_id, 0) + 1
             self._held_since.setdefault(req_id, self._clock())
 
-    def _save_loop(self) -> None:
-        off_compute_cores()
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                self._queue.task_done()
-                return
-            if isinstance(item, Marker):
-                try:
-                    if self._markers.take(item):
-                        self._publish(item)
-                finally:
-                    self._queue.task_done()
-                continue
-            jobs, ticket, client = item
-            try:
-                with self._cond:
-                    cancelled = not ticket.snapshot and any(
-                        job.req_id in self._cancelled for job in jobs)
-                if cancelled:  # its blocks may hold another request's KV by now
-                    self._count("cancelled_jobs", len(jobs))
-                    self._count("dropped_blocks", len(ticket.keys))
-                    client.discard(ticket)
-                else:
-                    self._count("saved_blocks", client.commit_save(ticket))
-            except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
-                log.warning("mooncake-vllm: saving %d blocks failed: %s", len(ticket.keys), exc)
-            finally:
-                if not ticket.snapshot:
-                    for job in jobs:
-                        self._job_done(job.req_id)
-                self._queue.task_done()
-
-    def _publish_due(self, marker: Marker) -> None:
-        """Its due time passed before the save thread reached it: publish what is present."""
-        late = self._clock() - marker.declared
-        self._publish(marker)
-        self._count("handoff_markers_due")
-        self._due_log.warn("due", (
-            f"mooncake-vllm: hand-off marker of request {marker.req_id} published "
-            f"{late:.1f} s after its declaration, before its saves finished (the pool "
-            "puts were slower than half of handoff_timeout): the decode instance "
-            "loads what is present and recomputes the rest (counter "
-            "worker_handoff_markers_due)"))
-
-    def _publish(self, marker: Marker) -> None:
-        """The request's saves are committed (or its marker is due): say how many leading
-        chunks are present."""
-        client = self.source.get()
-        ok = False
-        if client is not None:
-            try:
-                ok = client.publish_marker(
-                    handoff_key(self.prefix, marker.handoff_id), self.keys(marker.digests),
-                    lambda present: marker_value(len(marker.digests), present))
-            except Exception as exc:  # noqa: BLE001 - the decode waits its bound, then recomputes
-                log.warning("mooncake-vllm: publishing hand-off marker failed: %s", exc)
-        self._count("handoff_markers" if ok else "handoff_markers_failed")
+    def _any_cancelled(self, jobs: list[BlockJob]) -> bool:
+        """A request of ``jobs`` was preempted since its capture (the save thread asks)."""
+        with self._cond:
+            return any(job.req_id in self._cancelled for job in jobs)
 
     def _order_fences(self, req_ids: Iterable[str]) -> None:
         """vLLM may reuse these requests' blocks: its stream waits for our copies of them."""
@@ -484,17 +413,11 @@ class WorkerLogic:
     def idle(self) -> bool:
         """No save queued or running (tests and shutdown)."""
         with self._cond:
-            return (not self._pending and not self._loading
-                    and self._queue.unfinished_tasks == 0)
+            return not self._pending and not self._loading and not self._saves.busy()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Let queued saves finish (bounded), then stop the save and load threads."""
         loads, self._loads = self._loads, None
         if loads is not None:
             loads.shutdown(timeout)
-        self._markers.stop()
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._queue.put(_STOP)
-        thread.join(timeout)
+        self._saves.stop(timeout)
