@@ -184,7 +184,8 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
     return {
         "requests": len(results), "wall_s": wall, "requests_per_s": len(results) / wall,
         "output_tokens_per_s": sum((r["usage"] or {}).get("completion_tokens", 0) for r in results) / wall,
-        "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "ttft_p50_s": statistics.median(ttfts), "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "ttft_p50_first_turn_s": _median([r["ttft"] for r in results if r["turn"] == 0]),
         "ttft_p50_later_turns_s": _median([r["ttft"] for r in results if r["turn"] > 0]),
         "prompt_tokens": prompt,
@@ -243,7 +244,17 @@ def _placement(results: list[dict[str, Any]], picks: list[dict[str, Any]], order
     t0 = min((e["sent_s"] for e in log), default=0.0)
     for e in log:
         e["sent_s"] = round(e["sent_s"] - t0, 3)
+    by_load: dict[str, list[float]] = {}
+    for e in log:
+        if e["turn"] > 0 and e["instance"] is not None and e["ttft_s"] is not None:
+            n = e["loads"][e["instance"]] or 0
+            by_load.setdefault(str(min(n, 4)), []).append(e["ttft_s"])
     return {"turns_moved": moved,
+            # a later turn's TTFT by the requests already in flight on its instance when it
+            # was picked ("4" = 4 or more): [turns, median s]; a closed loop's p50 rewards a
+            # policy that leaves some instances idle while others queue (issue 29's runs)
+            "later_turns_by_load_at_pick": {n: [len(v), statistics.median(v)]
+                                            for n, v in sorted(by_load.items())},
             "ttft_p50_later_turns_by_instance": [_median([e["ttft_s"] for e in log if e["instance"] == i
                                                           and e["turn"] > 0]) for i in range(len(order))],
             "request_log": log}
@@ -328,10 +339,10 @@ def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for name, r in runs.items():
         groups.setdefault(name.split("#")[0], []).append(r)
-    keys = ("ttft_p50_s", "ttft_p99_s", "requests_per_s", "fraction_hbm", "fraction_pool", "fraction_recomputed",
-            "max_over_mean_load")
-    medians = {name: {"repeats": len(rs), **{k: statistics.median(r[k] for r in rs if r[k] is not None)
-                                              for k in keys if any(r[k] is not None for r in rs)}}
+    keys = ("ttft_p50_s", "ttft_mean_s", "ttft_p99_s", "requests_per_s", "fraction_hbm", "fraction_pool",
+            "fraction_recomputed", "max_over_mean_load")
+    medians = {name: {"repeats": len(rs), **{k: statistics.median(r[k] for r in rs if r.get(k) is not None)
+                                              for k in keys if any(r.get(k) is not None for r in rs)}}
                for name, rs in groups.items()}
     rr = medians.get("round_robin")
     derived = {n: {"ttft_p50_vs_rr": m["ttft_p50_s"] / rr["ttft_p50_s"],

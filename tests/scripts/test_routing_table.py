@@ -1,0 +1,53 @@
+"""bench/routing_table.py: two routing policies compared over many bench_routing.py runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("routing_table", ROOT / "bench" / "routing_table.py")
+assert _spec is not None and _spec.loader is not None
+table_mod = importlib.util.module_from_spec(_spec)
+sys.modules["routing_table"] = table_mod
+_spec.loader.exec_module(table_mod)
+
+
+def _run(ttfts: list[float], per_s: float, loads: list[int] | None = None) -> dict[str, Any]:
+    loads = loads or [0] * len(ttfts)
+    return {"requests_per_s": per_s, "request_log": [
+        {"turn": i % 2, "ttft_s": t, "instance": 0, "loads": [n, 9]} for i, (t, n) in enumerate(zip(ttfts, loads))]}
+
+
+def test_a_policy_that_starves_a_few_wins_the_p50_and_loses_the_mean() -> None:
+    report = {"runs": {
+        "prefix": _run([0.1, 0.1, 0.1, 9.0], 1.0), "prefix#2": _run([0.1, 0.2, 0.1, 7.0], 1.2),
+        "kv_aware": _run([0.3, 0.3, 0.3, 0.4], 1.5), "round_robin": _run([5.0], 0.5)}}
+    row = table_mod.per_run(report, ("prefix", "kv_aware"))
+    assert row["prefix"][0] == pytest.approx((0.1 + 0.15) / 2) and row["kv_aware"][0] == pytest.approx(0.3)
+    assert row["prefix"][1] == pytest.approx((2.325 + 1.85) / 2)  # the medians of the repeats' means
+    assert row["kv_aware"][1] == pytest.approx(0.325) and row["kv_aware"][2] == 1.5
+    assert table_mod.per_run(report, ("prefix", "least_loaded")) is None
+
+
+def test_later_turns_are_grouped_by_the_load_of_their_instance_at_pick() -> None:
+    reports = [{"runs": {"kv_aware": _run([1.0, 0.2, 1.0, 0.4, 1.0, 3.0, 1.0, 5.0], 1.0,
+                                          loads=[0, 0, 0, 1, 0, 4, 0, 7]),
+                         "prefix": _run([1.0, 9.0], 1.0)}}]
+    # turn 0 (even indexes) is left out; 4 and 7 in flight are both "4 or more"
+    assert table_mod.by_load_at_pick(reports, "kv_aware") == {0: (1, 0.2), 1: (1, 0.4), 4: (2, 4.0)}
+
+
+def test_main_prints_a_row_per_run_and_the_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bench_routing-x.json"
+    path.write_text(json.dumps({"runs": {"prefix": _run([0.1, 0.1, 9.0], 1.0),
+                                         "kv_aware": _run([0.3, 0.3, 0.4], 1.5)}}))
+    assert table_mod.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "bench_routing-x" in out
+    assert "kv_aware better than prefix in 1 runs: TTFT p50 0, TTFT mean 1, requests/s 1" in out
