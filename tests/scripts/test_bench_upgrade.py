@@ -3,16 +3,13 @@ in it follows from that run's raw numbers (bench/bench_upgrade.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
+from tests.scripts._load import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_upgrade", ROOT / "bench" / "bench_upgrade.py")
-bu = importlib.util.module_from_spec(_spec)
-sys.modules["bench_upgrade"] = bu
-_spec.loader.exec_module(bu)
+bu = load_script("bench/bench_upgrade.py")
 
 DATA = json.loads(bu.JSON_PATH.read_text())
 

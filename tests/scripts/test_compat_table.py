@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,12 +12,10 @@ import pytest
 
 from mooncake_vllm.compat.facts_table import KNOWN_VLLM_RELEASES
 from mooncake_vllm.compat.versions import vllm_facts
+from tests.scripts._load import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("compat_table", ROOT / "scripts" / "compat_table.py")
-ct = importlib.util.module_from_spec(_spec)
-sys.modules["compat_table"] = ct
-_spec.loader.exec_module(ct)  # puts scripts/ on sys.path: its neighbours import by name
+ct = load_script("scripts/compat_table.py")  # puts scripts/ on sys.path: its neighbours import by name
 import compat_record as crec  # noqa: E402
 import compat_render as cr  # noqa: E402
 

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from mooncake_vllm.settings import KEYS
+from tests.scripts._load import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("config_doc", ROOT / "scripts" / "config_doc.py")
-doc = importlib.util.module_from_spec(_spec)
-sys.modules["config_doc"] = doc
-_spec.loader.exec_module(doc)
+doc = load_script("scripts/config_doc.py")
 
 
 def test_the_page_is_up_to_date() -> None:

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.scripts._load import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("cxxabi_shim", ROOT / "scripts" / "cxxabi_shim.py")
-shim = importlib.util.module_from_spec(_spec)
-sys.modules["cxxabi_shim"] = shim
-_spec.loader.exec_module(shim)
+shim = load_script("scripts/cxxabi_shim.py")
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
 LIBSTDCXX = Path("/lib/x86_64-linux-gnu/libstdc++.so.6")

@@ -8,7 +8,6 @@ on the JSON its runs write. The GPU sitting itself is recorded in docs/gpu.md.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import json
 import os
@@ -20,22 +19,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts._load import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 TAKE = ROOT / "scripts" / "gpu" / "v0_take.sh"
-
-
-def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 sys.path.insert(0, str(ROOT / "scripts" / "gpu"))  # its worker processes import it by name
 import carry_tool  # noqa: E402
 
-bench = _load("bench_gpu_ttft", ROOT / "bench" / "bench_gpu_ttft.py")
+bench = load_script("bench/bench_gpu_ttft.py")
 
 
 def _archive(tmp_path: Path) -> tuple[bytes, bytes]:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
+from tests.scripts._load import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("interference_table", ROOT / "bench" / "interference_table.py")
-assert _spec is not None and _spec.loader is not None
-table_mod = importlib.util.module_from_spec(_spec)
-sys.modules["interference_table"] = table_mod
-_spec.loader.exec_module(table_mod)
+table_mod = load_script("bench/interference_table.py")
 
 
 def _rep(tok_s: float, wall: float, p99: float) -> dict[str, Any]:

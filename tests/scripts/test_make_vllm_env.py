@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from tests.scripts._load import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("make_vllm_env", ROOT / "scripts" / "make_vllm_env.py")
-mk = importlib.util.module_from_spec(_spec)
-sys.modules["make_vllm_env"] = mk
-_spec.loader.exec_module(mk)
+mk = load_script("scripts/make_vllm_env.py")
 
 
 def _wheel(tmp_path: Path, requires: list[str]) -> Path:

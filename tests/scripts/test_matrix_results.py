@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
+from tests.scripts._load import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("matrix_results", ROOT / "scripts" / "matrix_results.py")
-mr = importlib.util.module_from_spec(_spec)
-sys.modules["matrix_results"] = mr
-_spec.loader.exec_module(mr)
+mr = load_script("scripts/matrix_results.py")
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="vllm-0.10.0" errors="0"
 failures="1" skipped="2" tests="5" time="12.5" timestamp="2026-11-29T22:00:00"><testcase classname="a" name="ok"/>

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.scripts._load import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("routing_table", ROOT / "bench" / "routing_table.py")
-assert _spec is not None and _spec.loader is not None
-table_mod = importlib.util.module_from_spec(_spec)
-sys.modules["routing_table"] = table_mod
-_spec.loader.exec_module(table_mod)
+table_mod = load_script("bench/routing_table.py")
 
 
 def _run(ttfts: list[float], per_s: float, loads: list[int] | None = None) -> dict[str, Any]:

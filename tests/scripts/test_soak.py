@@ -11,19 +11,17 @@ kv_both instances behind the proxy, a 1P1D pair, nine faults, 15 minutes) is the
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.scripts._load import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))  # soak.py's neighbours import each other by name
-_spec = importlib.util.spec_from_file_location("soak", ROOT / "bench" / "soak.py")
-assert _spec is not None and _spec.loader is not None
-soak = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(soak)
+soak = load_script("bench/soak.py")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
