@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -116,6 +117,22 @@ def test_small_values_round_trip_and_detect_damage(client: StoreClient) -> None:
     raw = client.store.get("mcv-test/value")
     client.store.upsert("mcv-test/value", raw[:-1] + b"X")
     assert client.get_value("mcv-test/value") is None
+
+
+def test_an_audits_query_never_waits_for_the_worker_of_vllms_lookups(client: StoreClient) -> None:
+    """The scheduler's audits ask from their own thread on their own time box: a lookup of
+    vLLM's thread that holds the lookup box's one worker does not hold them (nor they it)."""
+    assert client.put_value("mcv-test/audited", b"x")
+    release = threading.Event()
+    busy = client.transport.lookups.submit(release.wait, 5.0)  # the lookup worker, taken
+    try:
+        started = time.monotonic()
+        assert client.audit_exists(["mcv-test/audited", "mcv-test/never"]) == [True, False]
+        assert time.monotonic() - started < 0.9  # under the lookup box's 1 s wait for a worker
+    finally:
+        release.set()
+        client.transport.lookups.result(busy, 5.0)
+    assert client.exists(["mcv-test/audited"]) == [True]
 
 
 def test_prometheus_rendering(client: StoreClient) -> None:

@@ -129,6 +129,11 @@ class StoreClient:
         """Presence of every key, in one batched, time-boxed query; ``False`` on any error."""
         return self._exists(keys, self.transport.lookups)
 
+    def audit_exists(self, keys: Sequence[str]) -> list[bool]:
+        """:meth:`exists` on the audits' own time box (their thread never holds the worker
+        vLLM's lookups need); what it fails to find is not a miss of any request."""
+        return self._exists(keys, self.transport.audit_lookups)
+
     def _exists(self, keys: Sequence[str], box: TimeBox) -> list[bool]:
         if not keys:
             return []

@@ -90,6 +90,8 @@ class Transport:
         # lookup or a load needs, so neither waits behind it (nor is refused for it)
         self.lookups = TimeBox("lookup", 1)
         self.save_lookups = TimeBox("save-lookup", 1, grace=STALL_GRACE)
+        #: the scheduler's audits of vLLM's own hits, from their own thread (v1/audits.py)
+        self.audit_lookups = TimeBox("audit-lookup", 1)
         self.control = TimeBox("control", 1)
         #: hand-off markers, each box with one caller thread (a worker's save thread
         #: publishes, the scheduler's waiter reads), never competing with lookups
@@ -241,7 +243,8 @@ class Transport:
         self.closed = True
         self.health.close()
         self.holders.close()
-        own = [self.lookups, self.save_lookups, self.publish, self.markers, self.control]
+        own = [self.lookups, self.save_lookups, self.audit_lookups, self.publish, self.markers,
+               self.control]
         for box in own:
             box.close()
         for lane in self.lanes:

@@ -40,6 +40,7 @@ from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.logs import follow_vllm_logging
 from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.store.namespaces import clear_namespaces, register_namespaces
+from mooncake_vllm.v1.audits import AuditLane
 from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.client import SharedClient, shared_client
 from mooncake_vllm.v1.handoff import MarkerWaiter, pool_ready, store_probe
@@ -175,7 +176,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                             pool_ready=pool_ready(self.shared),
                                             claims=ClaimAdvisor(ClaimRules(settings.load_policy),
                                                                 background=load_async),
-                                            can_defer=_installed_fact("deferred_lookup"))
+                                            can_defer=_installed_fact("deferred_lookup"),
+                                            audit_lane=AuditLane(
+                                                self.telemetry.timed_lookup(self._audit_lookup)))
             self.telemetry.attach_scheduler(self.scheduler, kv_cache_config)
             self._announce(self.scheduler.namespaces.namespaces[0])
             namespaces = self.scheduler.namespaces.namespaces
@@ -217,6 +220,12 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         if client is None:
             return [False] * len(keys)
         return client.exists(keys)
+
+    def _audit_lookup(self, keys: Any) -> list[bool]:
+        client = self.shared.get()
+        if client is None:
+            return [False] * len(keys)
+        return client.audit_exists(keys)
 
     # ------------------------------------------------------------------ properties
     @property

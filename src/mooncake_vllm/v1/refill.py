@@ -65,6 +65,11 @@ class PoolAudit:
         """Trust nothing seen so far (the pool was away: it may have come back empty)."""
         self._seen.clear()
 
+    def unfound(self, digests: Sequence[str]) -> None:
+        """``digests`` are not known to be in the pool (due at the next check)."""
+        for digest in digests:
+            self._seen.pop(digest, None)
+
     def found(self, digests: Sequence[str]) -> None:
         """``digests`` are in the pool now."""
         now = self._clock()

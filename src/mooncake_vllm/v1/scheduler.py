@@ -22,7 +22,8 @@ query), so it is unit-testable without vLLM or Mooncake.
   finishes (``request_finished`` → True) until the workers report them written.
 * Refill (:mod:`~mooncake_vllm.v1.refill`): chunks vLLM serves from its own prefix
   cache are not saved again, unless the pool lost them (checked at most once per
-  chunk per audit interval): then they are saved again from HBM. Once the pool is
+  chunk per audit interval, off vLLM's thread: :mod:`~mooncake_vllm.v1.audits`): then
+  they are saved again from HBM. Once the pool is
   back after an outage, or lost blocks while it stayed up (a holder's segment dropped:
   :mod:`~mooncake_vllm.v1.pool_loss`), every chunk vLLM's prefix cache still holds is
   re-saved without waiting for a request (``HbmRefill``, a bounded batch per step).
@@ -50,6 +51,7 @@ from typing import Any
 from mooncake_vllm.keys import DigestMemo, RequestExtras, chunk_hex_digests
 from mooncake_vllm.stats import CounterNames, Counters
 from mooncake_vllm.store.health import FailureLog
+from mooncake_vllm.v1.audits import AuditLane, LocalHitAudits
 from mooncake_vllm.v1.claims import DECLINE_REASONS, ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
 from mooncake_vllm.v1.inflight import InflightLoads
@@ -80,7 +82,7 @@ COUNTERS = CounterNames(
              "lookups_skipped_slow_pool", "claim_probes", "pool_probes", "waits_for_shared_load",
              "pool_audits", "pool_refill_chunks", "pool_refill_hbm_chunks", "pool_vanished_chunks",
              "pool_loss_refills", "pool_loss_refill_chunks"),
-    later=frozenset({"failed_loads_not_retried", "perf_reports"}), families=(r"handoff_[a-z_]+",))
+    later=frozenset({"failed_loads_not_retried", "perf_reports", "pool_audits_late"}), families=(r"handoff_[a-z_]+",))
 
 
 @dataclass
@@ -124,6 +126,7 @@ class SchedulerLogic:
                  pool_ready: Callable[[], bool] = lambda: True,
                  claims: ClaimAdvisor | None = None, can_defer: bool = False,
                  skip_lookup_upto: int = SKIP_LOOKUP_TOKENS,
+                 audit_lane: AuditLane | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.namespaces = namespaces
         self.block_size = block_size
@@ -151,6 +154,10 @@ class SchedulerLogic:
         self.workers_up: dict[str, int] = {}
         self.refills = PoolRefills(namespaces, lambda keys: self.lookup(keys), self.counters,
                                    self.audit, self.refill, clock)
+        #: audits of vLLM's own hits (:mod:`.audits`; ``audit_lane`` None: answered at once)
+        self.audits = LocalHitAudits(namespaces, self.audit,
+                                     audit_lane or AuditLane(lambda keys: self.lookup(keys), threaded=False),
+                                     self.counters, self.refills.looked_up, pool_ready)
         self._inflight = InflightLoads(clock, expire_after=4 * MAX_SHARED_WAIT)
         self._declines = FailureLog()
         self.handoffs = Handoffs([ns.prefix() for ns in namespaces.namespaces], block_size,
@@ -185,7 +192,9 @@ class SchedulerLogic:
         if st is None:
             return 0, False
         self._note_local_hits(st, num_computed_tokens)
-        self._audit_local_hits(st)
+        if self.can_save and st.local_upto:
+            self.audits.ask(st.req_id, st.digests, st.local_upto)
+        self.audits.apply(self.requests)
         if not self.can_load:
             return 0, False
         st.pending_load = None
@@ -305,29 +314,6 @@ class SchedulerLogic:
             if st.pool_gap is not None:
                 st.local_upto = min(st.local_upto, st.pool_gap)
 
-    def _audit_local_hits(self, st: RequestState) -> None:
-        """vLLM's own prefix-cache hits the pool has lost (a master restart, a holder's
-        segment dropped) are saved again from HBM: each chunk is checked at most once per
-        :data:`~.refill.AUDIT_INTERVAL`; from the first one missing, they are saved with
-        the request's other chunks (keys still there are skipped by the put)."""
-        local = st.local_upto
-        if not self.can_save or local == 0:
-            return
-        if not self._pool_ready():  # away: a master restarted meanwhile keeps nothing we saw
-            self.audit.forget()
-            return
-        due = self.audit.due_from(st.digests[:local])
-        if due is None:
-            return
-        chunks = st.digests[due:local]
-        self.counters["pool_audits"] += 1
-        found = leading(self._present(chunks))
-        self.audit.found(chunks[:found])
-        if found < len(chunks):
-            st.pool_gap = st.local_upto = due + found
-            st.present_upto = min(st.present_upto, st.pool_gap)
-            self.counters["pool_refill_chunks"] += len(chunks) - found
-
     def _present(self, digests: Sequence[str]) -> list[bool]:
         """Per chunk of ``digests``, whether the pool holds every rank's key (one lookup; the
         loss watch is told what it found)."""
@@ -383,6 +369,7 @@ class SchedulerLogic:
         if not self.can_save:
             return meta
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        self.audits.apply(self.requests)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new.req_id)
@@ -407,6 +394,8 @@ class SchedulerLogic:
             done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._plan_save(meta, st, done, block_state)
             self._declare(meta, st)
+        # vLLM's own hits an audit found lost after their request's first saves (.audits)
+        self.audits.plan(meta, self.requests, lambda st: self._block_ids(st, block_state))
         # after an outage or a loss: what vLLM's prefix cache holds, saved again (.pool_loss)
         self.refills.step(meta, self._pool_ready() and all(self.workers_up.values()),
                           self._pool_ready)
@@ -441,11 +430,7 @@ class SchedulerLogic:
             begin = st.saved_upto = begin + local
         if end <= begin:
             return
-        block_ids: Sequence[int] = st.block_ids
-        if block_state is not None:
-            current = block_state.get_block_ids(st.req_id)
-            if current is not None:
-                block_ids = current[0]
+        block_ids = self._block_ids(st, block_state)
         end = min(end, len(block_ids))
         if end <= begin:
             return
@@ -454,6 +439,15 @@ class SchedulerLogic:
         st.saved_upto = end
         st.has_saves = True
         self.counters["save_jobs"] += 1
+
+    @staticmethod
+    def _block_ids(st: RequestState, block_state: Any) -> Sequence[int]:
+        """The request's blocks now (vLLM's block state where the release passes it)."""
+        if block_state is not None:
+            current = block_state.get_block_ids(st.req_id)
+            if current is not None:
+                return current[0]
+        return st.block_ids
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; keep its blocks while the workers may still use them.
@@ -476,9 +470,10 @@ class SchedulerLogic:
         return bool(st.has_saves or loading), params
 
     def close(self) -> None:
-        """Stop the hand-off waiter's thread."""
+        """Stop the hand-off waiter's and the audits' threads."""
         if self.handoffs.waiter is not None:
             self.handoffs.waiter.close()
+        self.audits.lane.close()
 
 
 def _waiting_for_remote_kvs(request: Any) -> bool:

@@ -1,0 +1,181 @@
+"""Audits of vLLM's own prefix-cache hits against the pool, off vLLM's thread.
+
+A request vLLM serves from its prefix cache is not saved again: this instance saved those
+chunks when it computed them. The pool may have lost them since (a master restart, a holder's
+segment dropped, eviction), and nothing would put them back while they stay hot in HBM, so
+each such chunk is checked at most once per :data:`~.refill.AUDIT_INTERVAL`
+(:class:`~.refill.PoolAudit`). The check is one existence query to the master, a round trip
+that vLLM's thread paid inside its lookup hook (~2.6 ms each on an H100's loopback, 8–16 per
+mixed-serving rep; the whole time box when the master hangs). Here one thread asks
+(:class:`AuditLane`); the answers are read on vLLM's thread at its next hook
+(:meth:`LocalHitAudits.apply`): chunks still present are trusted for another interval; from
+the first one missing, the request's chunks are saved again from its own blocks — with its
+first saves when the answer comes before they were planned, else as a job of the next step
+(its blocks are still its own while it runs). A request that finished, or was preempted,
+before its answer came is counted (``pool_audits_late``): the next request on that prefix
+audits it again, since nothing missing was marked found.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_vllm.stats import Counters
+from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
+from mooncake_vllm.v1.namespace import RankNamespaces, leading
+from mooncake_vllm.v1.refill import PoolAudit
+
+__all__ = ["AuditLane", "LocalHitAudits", "MAX_QUEUED"]
+
+log = logging.getLogger(__name__)
+
+#: audits waiting for the lane's thread; more are not asked (they stay due)
+MAX_QUEUED = 64
+
+
+@dataclass
+class _Audit:
+    req_id: str
+    start: int  #: the request's chunk index of ``digests[0]``
+    digests: list[str]
+    keys: list[str]  #: every rank's key of every chunk (:meth:`RankNamespaces.keys_for`)
+    present: list[bool] | None = field(default=None)  #: per key; None: the query failed
+
+
+class AuditLane:
+    """One daemon thread that runs audits' existence queries; :meth:`take` hands the answers
+    back. ``threaded=False`` answers at :meth:`submit` (tests; a release without threads)."""
+
+    def __init__(self, lookup: Callable[[Sequence[str]], Sequence[bool]], *,
+                 threaded: bool = True, max_queued: int = MAX_QUEUED) -> None:
+        self._lookup = lookup
+        self._threaded = threaded
+        self._asked: queue.Queue[_Audit | None] = queue.Queue(maxsize=max_queued)
+        self._answers: queue.SimpleQueue[_Audit] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, audit: _Audit) -> bool:
+        """Ask; ``False``: too many are waiting (not asked)."""
+        if not self._threaded:
+            self._answer(audit)
+            return True
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mcv-audit", daemon=True)
+                self._thread.start()
+        try:
+            self._asked.put_nowait(audit)
+        except queue.Full:
+            return False
+        return True
+
+    def take(self) -> list[_Audit]:
+        """The answers that came since the last call."""
+        out: list[_Audit] = []
+        while True:
+            try:
+                out.append(self._answers.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._asked.put(None)
+            thread.join(5.0)
+
+    def _run(self) -> None:
+        while True:
+            audit = self._asked.get()
+            if audit is None:
+                return
+            self._answer(audit)
+
+    def _answer(self, audit: _Audit) -> None:
+        try:
+            audit.present = list(self._lookup(audit.keys))
+        except Exception as exc:  # noqa: BLE001 - an unanswered audit is asked again later
+            log.debug("mooncake-vllm: pool audit failed: %s", exc)
+        self._answers.put(audit)
+
+
+class LocalHitAudits:
+    """The scheduler's audits of vLLM's prefix-cache hits: asked on the lane, applied to the
+    requests (and the next step's saves) on vLLM's thread."""
+
+    def __init__(self, namespaces: RankNamespaces, audit: PoolAudit, lane: AuditLane,
+                 counters: Counters, looked_up: Callable[[Sequence[str], Sequence[bool], bool], None],
+                 pool_ready: Callable[[], bool]) -> None:
+        self.namespaces = namespaces
+        self.audit = audit
+        self.lane = lane
+        self.counters = counters
+        self._looked_up = looked_up  #: the loss watch hears every lookup's answer
+        self._pool_ready = pool_ready
+        self._resaves: list[tuple[str, int, int]] = []  # (req_id, first chunk, end) to save again
+
+    def ask(self, req_id: str, digests: Sequence[str], local: int) -> None:
+        """Audit the request's chunks ``[0, local)`` (vLLM's own hits) where due."""
+        if not self._pool_ready():  # away: a master restarted meanwhile keeps nothing we saw
+            self.audit.forget()
+            return
+        due = self.audit.due_from(digests[:local])
+        if due is None:
+            return
+        chunks = list(digests[due:local])
+        if not self.lane.submit(_Audit(req_id, due, chunks, self.namespaces.keys_for(chunks))):
+            return  # the lane is busy: still due, asked again by the next request on them
+        self.counters["pool_audits"] += 1
+        self.audit.found(chunks)  # trusted while asked: other requests do not ask again
+
+    def apply(self, requests: dict[str, Any]) -> None:
+        """Fold the lane's answers in (vLLM's thread): the requests whose hits the pool lost
+        save them again, from the first chunk missing."""
+        for answer in self.lane.take():
+            n = len(answer.digests)
+            if answer.present is None or not (any(answer.present) or self._pool_ready()):
+                self.audit.unfound(answer.digests)  # unanswered: due again
+                continue
+            found = self.namespaces.chunks_present(answer.present, n)
+            self._looked_up(answer.digests, found, any(answer.present))
+            here = leading(found)
+            if here == n:
+                continue
+            self.audit.unfound(answer.digests[here:])
+            self.counters["pool_refill_chunks"] += n - here
+            st = requests.get(answer.req_id)
+            if st is None:
+                self.counters["pool_audits_late"] += 1
+                continue
+            gap = answer.start + here
+            st.pool_gap = gap if st.pool_gap is None else min(st.pool_gap, gap)
+            st.present_upto = min(st.present_upto, gap)
+            if st.saved_upto <= gap:  # not planned this far yet: the first saves start there
+                st.local_upto = min(st.local_upto, gap)
+            else:  # skipped as vLLM's own hits already: saved again with the next step
+                self._resaves.append((st.req_id, gap, min(answer.start + n, st.saved_upto)))
+
+    def plan(self, meta: MooncakeConnectorMetadata, requests: dict[str, Any],
+             block_ids_of: Callable[[Any], Sequence[int]]) -> None:
+        """This step's saves of hits the pool lost, from the requests' own blocks."""
+        resaves, self._resaves = self._resaves, []
+        for req_id, begin, end in resaves:
+            st = requests.get(req_id)
+            blocks = block_ids_of(st) if st is not None else ()
+            if st is None or len(blocks) < end:  # finished or preempted meanwhile
+                self.counters["pool_audits_late"] += 1
+                continue
+            meta.saves.append(BlockJob(req_id, list(st.digests[begin:end]), list(blocks[begin:end])))
+            st.has_saves = True
+            self.counters["save_jobs"] += 1
+
+    def pending(self) -> Iterable[tuple[str, int, int]]:
+        """Saves of lost hits waiting for the next step (tests)."""
+        return tuple(self._resaves)

@@ -1,0 +1,150 @@
+"""Audits of vLLM's own prefix-cache hits on their own thread (v1/audits.py).
+
+The synchronous order (an answer before the request's first saves are planned) is covered
+by test_scheduler.py's audit tests, which run the lane inline; here the lane's thread
+answers late, as the master's round trip does in serving.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from mooncake_vllm.keys import chunk_keys
+from mooncake_vllm.v1.audits import AuditLane
+from mooncake_vllm.v1.namespace import RankNamespaces
+from mooncake_vllm.v1.scheduler import SchedulerLogic
+from tests.v1.test_scheduler import BS, TOKENS, FakePool, _ns, _output, _request
+
+
+class GatedPool(FakePool):
+    """The pool's existence query, held until ``gate`` opens (a slow master)."""
+
+    def __init__(self, keys: set[str], fail: bool = False) -> None:
+        super().__init__(keys)
+        self.gate = threading.Event()
+        self.fail = fail
+
+    def __call__(self, keys):  # noqa: ANN001, ANN204 - the lookup callable
+        assert self.gate.wait(10)
+        if self.fail:
+            raise TimeoutError("the master did not answer")
+        return super().__call__(keys)
+
+
+def _producer(pool: FakePool, lane: AuditLane) -> SchedulerLogic:
+    # a producer: no lookup of its own, so only the audit asks the pool
+    return SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=False, can_save=True,
+                          audit_lane=lane)
+
+
+def _digests(keys: list[str]) -> list[str]:
+    return [k.rsplit("/", 1)[1] for k in keys]
+
+
+def _answered(logic: SchedulerLogic, pool: GatedPool, calls: int = 1) -> None:
+    """Open the gate and wait until the lane has answered ``calls`` queries."""
+    pool.gate.set()
+    deadline = time.monotonic() + 10
+    while len(pool.calls) < calls and not pool.fail:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(0.05)  # the answer is queued right after the call returns
+
+
+def _decode_step(req_id: str, computed: int) -> SimpleNamespace:
+    cached = SimpleNamespace(req_ids=[req_id], resumed_req_ids=set(), new_block_ids=[None],
+                             num_computed_tokens=[computed])
+    return _output(cached=cached, scheduled={req_id: 1})
+
+
+def test_an_audit_never_holds_vllms_thread_and_a_loss_is_saved_with_the_next_step() -> None:
+    keys = chunk_keys(_ns(), TOKENS)
+    pool = GatedPool({keys[0], keys[3]})  # chunks 1 and 2 lost
+    lane = AuditLane(pool)
+    logic = _producer(pool, lane)
+    try:
+        started = time.monotonic()
+        assert logic.get_num_new_matched_tokens(_request("r", TOKENS), 12) == (0, False)
+        assert time.monotonic() - started < 1.0  # the master has not answered yet
+        assert logic.counters["pool_audits"] == 1
+        new = SimpleNamespace(req_id="r", block_ids=([3, 4, 5, 6, 7],), num_computed_tokens=12)
+        meta = logic.build_connector_meta(_output([new], scheduled={"r": 6}))
+        # no answer yet: chunks 0-2 are vLLM's own hits, only the computed chunk 3 is saved
+        assert [(j.digests, j.block_ids) for j in meta.saves] == [(_digests(keys[3:4]), [6])]
+        _answered(logic, pool)
+        meta = logic.build_connector_meta(_decode_step("r", 18))
+        assert [(j.req_id, j.digests, j.block_ids) for j in meta.saves] == \
+            [("r", _digests(keys[1:3]), [4, 5])]  # from the request's own blocks
+        assert logic.counters["pool_refill_chunks"] == 2 and logic.requests["r"].has_saves
+        assert logic.audits.audit.due_from(_digests(keys[:1])) is None  # chunk 0: found
+        assert logic.build_connector_meta(_decode_step("r", 19)).saves == []  # once
+    finally:
+        lane.close()
+
+
+def test_an_answer_that_comes_after_its_request_finished_leaves_the_chunks_due() -> None:
+    keys = chunk_keys(_ns(), TOKENS)
+    pool = GatedPool({keys[0]})
+    lane = AuditLane(pool)
+    logic = _producer(pool, lane)
+    try:
+        logic.get_num_new_matched_tokens(_request("r", TOKENS), 12)
+        logic.request_finished(_request("r", TOKENS))
+        _answered(logic, pool)
+        assert logic.build_connector_meta(_decode_step("x", 1)).saves == []
+        assert logic.counters["pool_audits_late"] == 1
+        logic.get_num_new_matched_tokens(_request("s", TOKENS), 12)
+        assert logic.counters["pool_audits"] == 2  # asked again, from the first lost chunk
+        _answered(logic, pool, calls=2)
+        assert pool.calls[1] == keys[1:3]
+    finally:
+        lane.close()
+
+
+def test_an_unanswered_audit_is_asked_again() -> None:
+    keys = chunk_keys(_ns(), TOKENS)
+    pool = GatedPool(set(keys), fail=True)
+    lane = AuditLane(pool)
+    logic = _producer(pool, lane)
+    try:
+        logic.get_num_new_matched_tokens(_request("r", TOKENS), 12)
+        logic.get_num_new_matched_tokens(_request("s", TOKENS), 12)
+        assert logic.counters["pool_audits"] == 1  # trusted while asked
+        _answered(logic, pool)
+        logic.build_connector_meta(_decode_step("r", 13))
+        logic.get_num_new_matched_tokens(_request("t", TOKENS), 12)
+        assert logic.counters["pool_audits"] == 2 and logic.counters["pool_refill_chunks"] == 0
+    finally:
+        lane.close()
+
+
+def test_a_busy_lane_asks_no_more_and_the_chunks_stay_due() -> None:
+    prompts = [list(range(200 * i, 200 * i + 18)) for i in range(1, 5)]
+    pool = GatedPool(set())
+    lane = AuditLane(pool, max_queued=1)
+    logic = _producer(pool, lane)
+    try:
+        logic.get_num_new_matched_tokens(_request("a", prompts[0]), 12)  # the thread takes it
+        deadline = time.monotonic() + 5
+        while lane._asked.qsize():  # noqa: SLF001 - until the thread holds the first one
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        logic.get_num_new_matched_tokens(_request("b", prompts[1]), 12)  # queued
+        logic.get_num_new_matched_tokens(_request("c", prompts[2]), 12)  # refused: full
+        assert logic.counters["pool_audits"] == 2
+        digests_c = logic.requests["c"].digests
+        assert logic.audits.audit.due_from(digests_c[:3]) == 0  # not asked: still due
+    finally:
+        pool.gate.set()
+        lane.close()
+
+
+def test_an_inline_lane_answers_at_once() -> None:
+    keys = chunk_keys(_ns(), TOKENS)
+    pool = FakePool({keys[0]})
+    lane = AuditLane(pool, threaded=False)
+    logic = _producer(pool, lane)
+    logic.get_num_new_matched_tokens(_request("r", TOKENS), 12)
+    assert logic.requests["r"].pool_gap == 1 and lane.take() == []
