@@ -46,29 +46,22 @@ The Mooncake pool comes from ``$MOONCAKE_CONFIG_PATH`` (scripts/gpu/mc_up.sh), o
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from degraded import FaultSchedule, degraded_loop, holder_pids
+from degraded import FaultSchedule, holder_pids
 from engine_steps import (
     EngineProcess,
-    HookTimer,
-    Req,
-    closed_loop_stats,
-    interference,
     other_build_env,
-    pct,
     pyspy_record,
-    serve,
 )
+from interference_engine import INJECT_AFTER
 from interference_table import derive
 
 __all__ = ["main"]
@@ -76,7 +69,6 @@ __all__ = ["main"]
 #: measured in this order
 MODES = ("ours", "ours-always", "ours-1c", "ours-prev", "ours-sync", "ours-never", "ours-load", "none",
          "noop", "ours-zc", "intree")
-INJECT_AFTER = 32  #: stream tokens before the 8k request arrives
 _EXTRA = {"ours": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
           "ours-never": {"load_policy": "never"},
           "ours-zc": {"gpu_path": "zero_copy"}, "ours-always": {"load_policy": "always"},
@@ -87,214 +79,10 @@ def _writer_of(mode: str) -> str | None:
     return None if mode in ("none", "noop") else ("intree" if mode == "intree" else "ours")
 
 
-# --------------------------------------------------------------------- inside one vLLM process
-#: the connector's hooks, timed in this process (mixed serving reports their share of each step)
-HOOKS = HookTimer()
-
-
-def _serve(engine: Any, reqs: list[Req], clients: int = 1, steps: list[float] | None = None) -> None:
-    serve(engine, reqs, clients=clients, detokenize=False, steps=steps)  # no tokenizer here
-
-
-def _advisor() -> dict[str, Any] | None:
-    """The claim policy's models and recent decisions (the scheduler side in this process)."""
-    try:
-        from mooncake_vllm.v1.connector import INSTANCES
-    except ImportError:
-        return None
-    for inst in list(INSTANCES):
-        if getattr(inst, "scheduler", None) is not None:
-            return inst.scheduler.claims.snapshot()
-    return None
-
-
-def _counters() -> dict[str, int]:
-    """Our connector's counters in this process ({} without it)."""
-    from mooncake_vllm.demo.run import connector_counters
-
-    return connector_counters()
-
-
-def _settle(llm: Any, timeout: float) -> float:
-    """Step until every block is free again (saves written), then our workers idle; seconds."""
-    t0 = time.monotonic()
-    while not llm.reset_prefix_cache() and time.monotonic() - t0 < timeout:
-        llm.llm_engine.step()
-        time.sleep(0.01)
-    try:
-        from mooncake_vllm.demo.run import wait_saves_idle
-        wait_saves_idle(max(1.0, timeout - (time.monotonic() - t0)))
-    except ImportError:
-        pass
-    return time.monotonic() - t0
-
-
-def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    engine, pr, p = llm.llm_engine, spec["prompts"], spec["params"]
-    seq = iter(range(1 << 30))
-
-    def req(prompt: list[int], n: int) -> Req:
-        return Req(f"r{next(seq)}", prompt, n)
-
-    warmed: list[bool] = []
-
-    def warm() -> None:
-        """Misses first, once, as in serving: the claim policy's recompute samples (a mixed
-        phase without the measure phase claimed its first burst blind, 2026-12-05)."""
-        if not warmed:
-            for prompt in pr["warm"]:
-                _serve(engine, [req(prompt, 8)])
-            warmed.append(True)
-
-    def write() -> dict[str, Any]:
-        """Recompute (and so save) every pool prompt; its output is the readers' reference."""
-        t0 = time.perf_counter()
-        _serve(engine, [req(pr["warm_hit"], 1)])
-        for doc in pr["docs"] + (pr["degraded_docs"] if p["write_degraded"] else []):
-            _serve(engine, [req(doc, 1)])  # the mixed and degraded phases' shared documents
-        load = req(pr["load"], 8)
-        _serve(engine, [load])
-        hits: dict[str, list[list[int]]] = {}
-        for n, prompts in pr["hits"].items():
-            hits[n] = []
-            for prompt in prompts:
-                r = req(prompt, 16)
-                _serve(engine, [r])
-                hits[n].append(r.tokens)
-        served = time.perf_counter() - t0
-        settle = _settle(llm, p["save_timeout"])
-        time.sleep(p["extra_save_wait"])
-        return {"served_s": served, "settle_s": settle, "tokens": {"load": load.tokens, "hits": hits}}
-
-    def measure() -> dict[str, Any]:
-        from mooncake_vllm.demo.run import connector_counters, wait_saves_idle
-
-        warm()
-        warm_hit = req(pr["warm_hit"], 2)
-        _serve(engine, [warm_hit])  # a first pool hit: one-time costs out of the measurement
-        n_out = p["stream_tokens"]
-        alone, stream = req(pr["stream_alone"], n_out), req(pr["stream_loaded"], n_out)
-        load = req(pr["load"], 8)
-        res: dict[str, Any] = interference(engine, alone, stream, load, INJECT_AFTER,
-                                           between=wait_saves_idle, detokenize=False)
-        t0, t1 = load.t_add, load.times[0]
-        res.update({
-            "warm_hit": {"ttft_s": warm_hit.ttft(), "cached": warm_hit.cached},
-            "load": {"ttft_s": load.ttft(), "cached": load.cached, "tokens": load.tokens,
-                     "n": len(load.prompt)},
-            "stream_alone_itls": alone.itls(), "stream_loaded_itls": stream.itls(),
-            "load_window": [t0 - stream.times[0], t1 - stream.times[0]]})
-        wait_saves_idle()
-        hits: dict[str, list[dict[str, Any]]] = {}
-        for n, prompts in pr["hits"].items():
-            hits[n] = []
-            for prompt in prompts:
-                r, again = req(prompt, 16), req(prompt, 16)
-                _serve(engine, [r])
-                _serve(engine, [again])  # vLLM's own prefix cache in HBM
-                hits[n].append({"ttft_s": r.ttft(), "cached": r.cached, "tokens": r.tokens,
-                                "again_ttft_s": again.ttft(), "again_tokens": again.tokens})
-        res["hits"] = hits
-        res["connector"] = connector_counters()
-        return res
-
-    def mixed(rep: int = 0) -> dict[str, Any]:
-        """One rep: the documents only in the pool (vLLM's prefix cache reset first), new questions."""
-        warm()
-        settle = _settle(llm, p["save_timeout"])
-        docs, steps = pr["docs"], []
-        questions = pr["questions"][rep % len(pr["questions"])]
-        reqs = [req(docs[i % len(docs)] + q, p["out_tokens"]) for i, q in enumerate(questions)]
-        HOOKS.take()
-        before = _counters()
-        _serve(engine, reqs, p["clients"], steps=steps)
-        after = _counters()
-        return {**closed_loop_stats(reqs), "cached": [r.cached for r in reqs], "settle_s": settle,
-                "connector_delta": {k: v - before.get(k, 0) for k, v in after.items()
-                                    if v != before.get(k, 0)},
-                "steps": {"n": len(steps), "sum_s": sum(steps), "p50_s": pct(steps, 0.5),
-                          "p99_s": pct(steps, 0.99)},
-                "hooks": HOOKS.take(), "rep": rep}
-
-    def misses() -> dict[str, Any]:
-        """Prompts nobody stored, back to back (each save runs beside the next prefill)."""
-        from mooncake_vllm.demo.run import connector_counters, wait_saves_idle
-
-        wait_saves_idle()
-        out: dict[str, Any] = {}
-        for n, prompts in pr["misses"].items():
-            reqs = [req(prompt, 1) for prompt in prompts]
-            for r in reqs:
-                _serve(engine, [r])
-            out[n] = {"ttft_s": [r.ttft() for r in reqs], "cached": [r.cached for r in reqs]}
-        wait_saves_idle()
-        out["connector"] = connector_counters()
-        return out
-
-    def degraded() -> dict[str, Any]:
-        from mooncake_vllm.demo.run import connector_counters, wait_saves_idle
-
-        wait_saves_idle()
-        runs = degraded_loop(llm, pr["degraded_docs"], p["degraded_seconds"],
-                             lambda doc: req(doc, 1), _serve)
-        return {"requests": runs, "connector": connector_counters()}
-
-    commands: dict[str, Callable[[], dict[str, Any]]] = {
-        "write": write, "measure": measure, "misses": misses, "degraded": degraded}
-    for rep in range(p["mixed_reps"]):
-        commands[f"mixed{rep}"] = functools.partial(mixed, rep)
-    return commands
-
-
-def _worker(spec: dict[str, Any]) -> None:
-    """One vLLM engine: ``ready`` once built, then one command per stdin line, results as files."""
-    out, rc = Path(spec["dir"]), 0
-    try:
-        import vllm
-        from vllm import LLM
-
-        t0 = time.perf_counter()
-        llm = LLM(**spec["engine"], kv_transfer_config=spec["kv_config"])
-        import mooncake_vllm
-
-        info = {"init_s": time.perf_counter() - t0, "vllm": vllm.__version__,
-                "mooncake_vllm": str(Path(mooncake_vllm.__file__).parent)}
-        try:
-            info["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
-        except AttributeError:
-            pass
-        if spec["kv_config"] is not None and os.environ.get("MOONCAKE_VLLM_DISABLE") != "1":
-            from mooncake_vllm.v1.connector import MooncakeStoreConnector
-            HOOKS.install(MooncakeStoreConnector)
-        (out / "ready").write_text(json.dumps(info))
-        commands = _commands(llm, spec)
-        for line in sys.stdin:
-            name = line.strip()
-            if not name:
-                break
-            try:
-                result = commands[name]()
-                advisor = _advisor()
-                if advisor is not None and isinstance(result, dict):
-                    result["advisor"] = advisor  # the claim policy as this phase left it
-            except Exception as exc:  # noqa: BLE001 - reported to the driver, which goes on
-                import traceback
-                result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-            (out / f"{name}.tmp").write_text(json.dumps(result))
-            (out / f"{name}.tmp").rename(out / f"{name}.json")
-    except BaseException:  # noqa: BLE001 - the log shows it; the driver sees the exit
-        import traceback
-        traceback.print_exc()
-        rc = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)  # skip vLLM's shutdown: the results are written
-
-
 # --------------------------------------------------------------------- driver
 def _proc(name: str, spec: dict[str, Any], work: Path, env: dict[str, str]) -> EngineProcess:
-    return EngineProcess(name, [sys.executable, __file__, "--worker"], spec, work, env)
+    return EngineProcess(name, [sys.executable, str(Path(__file__).with_name("interference_engine.py"))],
+                         spec, work, env)
 
 
 def _prompts(args: argparse.Namespace) -> dict[str, Any]:
@@ -510,13 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local-stack", action="store_true", help="start a Mooncake stack (CPU dry run)")
     ap.add_argument("--seed", type=int, default=None,
                     help="prompts' seed (default: the time): runs on one pool never hit each other's prompts")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.seed is None:  # a pool kept between runs held the last run's questions (2026-12-05)
         args.seed = time.time_ns() % (1 << 31)
-    if args.worker:
-        _worker(json.loads(Path(args.worker).read_text()))
-        return 0
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.miss_lengths = [int(x) for x in args.miss_lengths.split(",")]
     args.modes = args.modes.split(",")
