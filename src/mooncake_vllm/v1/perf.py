@@ -17,20 +17,29 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MAX_PENDING", "SLOW_FAILURE", "StepTimer", "step_work"]
+from mooncake_vllm.v1.claim_models import MIN_FIT, MIN_PREFILL
+
+__all__ = ["DECODE_EVERY", "MAX_PENDING", "SLOW_FAILURE", "StepTimer", "step_work"]
 
 #: samples kept between two reports (a stalled front end never grows us unbounded)
 MAX_PENDING = 256
 #: a failed load that took at least this long (seconds) is a sample of a slow pool
 SLOW_FAILURE = 1.0
+#: one in this many decode steps is timed: the claim policy takes their median as a step's
+#: fixed cost (:class:`~.claim_models.PrefillModel`), which a sample tells as well as all of
+#: them, and on CUDA each timed step costs vLLM's thread two events (~45 us each on an H100:
+#: most of ``bind_connector_metadata`` and of ``wait_for_save`` in a decode step)
+DECODE_EVERY = 4
 
 
 class StepTimer:
     """Times forward steps and loads of one worker; :meth:`take` hands the samples over."""
 
-    def __init__(self, *, cuda_device: Any = None,
+    def __init__(self, *, cuda_device: Any = None, decode_every: int = DECODE_EVERY,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self._device = cuda_device
+        self._decode_every = decode_every
+        self._decodes = 0  # decode steps seen (one in ``decode_every`` is timed)
         self._clock = clock
         self._lock = threading.Lock()
         self._open: tuple[tuple[float, ...], Any] | None = None  # the step's work, start mark
@@ -53,8 +62,18 @@ class StepTimer:
     def step_began(self, work: tuple[float, ...] | None) -> None:
         """``bind_connector_metadata``: the forward of a step with this work (the scheduler's
         ``step_work``: tokens first) follows. Not ``start_load_kv``: vLLM >= 0.32 calls it
-        after launching the forward when the step has no synchronous loads."""
-        self._open = (tuple(map(float, work)), self._mark()) if work and work[0] > 0 else None
+        after launching the forward when the step has no synchronous loads. Timed: prefill
+        steps the policy fits (``MIN_FIT`` tokens or more) and one in ``decode_every`` decode
+        steps; the steps between teach it nothing and are not timed."""
+        self._open = (tuple(map(float, work)), self._mark()) if work and self._wanted(work[0]) else None
+
+    def _wanted(self, tokens: float) -> bool:
+        if tokens >= MIN_FIT:
+            return True
+        if tokens <= 0 or tokens >= MIN_PREFILL:
+            return False
+        self._decodes += 1
+        return self._decodes % self._decode_every == 1 % self._decode_every
 
     def step_ended(self) -> None:
         """``wait_for_save``: the forward pass of the open step has been issued (or ran)."""
