@@ -1,7 +1,7 @@
 """Compare two routing policies over many bench_routing.py runs, from their request logs.
 
 Per run (one JSON of ``bench/bench_routing.py``; a policy's repeats ``NAME#k`` pooled by their
-median): TTFT p50, TTFT mean and requests/s of each policy, and in how many runs the second
+median): TTFT p50, TTFT mean, TTFT p99 and requests/s of each policy, and in how many runs the second
 policy was better on each. Then, over every run, the later turns' TTFT by the requests already
 in flight on the instance they were sent to (0, 1, 2, 3, 4 or more), per policy: a closed
 loop's p50 favours a policy that leaves some instances idle while others queue, which the
@@ -26,19 +26,22 @@ def _ttfts(run: dict[str, Any]) -> list[float]:
     return [r["ttft_s"] for r in run.get("request_log") or () if r["ttft_s"] is not None]
 
 
-def per_run(report: dict[str, Any], policies: tuple[str, str]) -> dict[str, tuple[float, float, float]] | None:
-    """``policy -> (TTFT p50, TTFT mean, requests/s)``, medians over its repeats; None if either
-    policy is missing or has no request log."""
-    groups: dict[str, list[tuple[float, float, float]]] = {}
+#: what :func:`per_run` reports per policy, in order; lower is better but for requests/s
+COLUMNS = ("TTFT p50", "TTFT mean", "TTFT p99", "req/s")
+
+
+def per_run(report: dict[str, Any], policies: tuple[str, str]) -> dict[str, tuple[float, ...]] | None:
+    """``policy -> (TTFT p50, TTFT mean, TTFT p99, requests/s)``, medians over its repeats; None
+    if either policy is missing or has no request log."""
+    groups: dict[str, list[tuple[float, ...]]] = {}
     for name, run in report["runs"].items():
         ttfts = _ttfts(run)
         if ttfts:
             groups.setdefault(name.split("#")[0], []).append(
-                (statistics.median(ttfts), statistics.fmean(ttfts), run["requests_per_s"]))
+                (statistics.median(ttfts), statistics.fmean(ttfts), run["ttft_p99_s"], run["requests_per_s"]))
     if not all(p in groups for p in policies):
         return None
-    return {p: tuple(statistics.median(v[i] for v in groups[p]) for i in range(3))  # type: ignore[misc]
-            for p in policies}
+    return {p: tuple(statistics.median(v[i] for v in groups[p]) for i in range(len(COLUMNS))) for p in policies}
 
 
 def by_load_at_pick(reports: list[dict[str, Any]], policy: str) -> dict[int, tuple[int, float]]:
@@ -62,22 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     a, b = args.policies.split(",")
     reports = [json.loads(f.read_text()) for f in args.files]
-    print(f"{'run':<40} {'p50 ' + a:>10} {'p50 ' + b:>12} {'mean ' + a:>11} {'mean ' + b:>13} "
-          f"{'req/s ' + a:>12} {'req/s ' + b:>14}")
-    better = [0, 0, 0]
+    print(f"{'run':<40}" + "".join(f"{c + ' ' + p:>20}" for c in COLUMNS for p in (a, b)))
+    better = [0] * len(COLUMNS)
     rows = 0
     for f, report in zip(args.files, reports):
         row = per_run(report, (a, b))
         if row is None:
             continue
         rows += 1
-        better[0] += row[b][0] < row[a][0]
-        better[1] += row[b][1] < row[a][1]
-        better[2] += row[b][2] > row[a][2]
-        print(f"{f.stem:<40} {row[a][0]:>10.3f} {row[b][0]:>12.3f} {row[a][1]:>11.3f} {row[b][1]:>13.3f} "
-              f"{row[a][2]:>12.3f} {row[b][2]:>14.3f}")
-    print(f"{b} better than {a} in {rows} runs: TTFT p50 {better[0]}, TTFT mean {better[1]}, "
-          f"requests/s {better[2]}")
+        for i, column in enumerate(COLUMNS):
+            better[i] += row[b][i] > row[a][i] if column == "req/s" else row[b][i] < row[a][i]
+        print(f"{f.stem:<40}" + "".join(f"{row[p][i]:>20.3f}" for i in range(len(COLUMNS)) for p in (a, b)))
+    print(f"{b} better than {a} in {rows} runs: "
+          + ", ".join(f"{column} {n}" for column, n in zip(COLUMNS, better)))
     for policy in (a, b):
         cells = ", ".join(f"{n}{'+' if n == 4 else ''}: {k} turns {m:.3f} s"
                           for n, (k, m) in by_load_at_pick(reports, policy).items())
