@@ -123,9 +123,10 @@ def test_a_prefix_hit_the_pool_lost_is_saved_again_by_its_audit(tiny_model: Path
         before = _counter(server.url, "pool_refill_chunks")
         answer = complete(server.url, doc)  # a prefix hit: vLLM computes only the last chunk
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 12 * BS - BS
-        back = _until(lambda: all(client.exists(keys)), 30,
-                      step=lambda: complete(server.url, prompt(7, 2 * BS)))
+        # (an answer that came after its request finished leaves the chunks due: the next
+        # request on the prompt asks again)
+        back = _until(lambda: all(client.exists(keys)), 30, step=lambda: complete(server.url, doc))
         ours = "\n".join(ln for ln in server.log_path.read_text().splitlines() if "mooncake" in ln)
         assert back, ours[-4000:]
         assert _raw(client, keys) == saved
-        assert _counter(server.url, "pool_refill_chunks") - before == 8
+        assert _counter(server.url, "pool_refill_chunks") - before >= 8  # the audit found them gone
