@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 from mooncake_vllm.keys import chunk_keys
 from mooncake_vllm.v1.audits import AuditLane
@@ -148,3 +149,93 @@ def test_an_inline_lane_answers_at_once() -> None:
     logic = _producer(pool, lane)
     logic.get_num_new_matched_tokens(_request("r", TOKENS), 12)
     assert logic.requests["r"].pool_gap == 1 and lane.take() == []
+
+
+def _lost_after_first_saves(pool: GatedPool) -> tuple[SchedulerLogic, AuditLane]:
+    """Request "r" (chunks 0-2 vLLM's own hits, blocks 3-7) audited; its first saves planned
+    before the answer, which says chunks 1 and 2 are gone."""
+    lane = AuditLane(pool)
+    logic = _producer(pool, lane)
+    logic.get_num_new_matched_tokens(_request("r", TOKENS), 12)
+    new = SimpleNamespace(req_id="r", block_ids=([3, 4, 5, 6, 7],), num_computed_tokens=12)
+    logic.build_connector_meta(_output([new], scheduled={"r": 6}))
+    _answered(logic, pool)
+    return logic, lane
+
+
+def test_a_request_that_does_not_run_is_never_saved_from_its_old_blocks() -> None:
+    """Preempted where the release does not say so (< 0.14): its blocks may be another
+    request's now. The lost chunks wait for a step that runs it, from its blocks then."""
+    keys = chunk_keys(_ns(), TOKENS)
+    logic, lane = _lost_after_first_saves(GatedPool({keys[0], keys[3]}))
+    try:
+        other = SimpleNamespace(req_id="x", block_ids=([4, 5],), num_computed_tokens=0)
+        logic.get_num_new_matched_tokens(_request("x", list(range(900, 906))), 0)
+        out = _output([other], scheduled={"x": 6})
+        del out.preempted_req_ids  # r was preempted and its blocks 4, 5 went to x, unreported
+        assert [j.req_id for j in logic.build_connector_meta(out).saves] == ["x"]
+        assert list(logic.audits.pending()) == [("r", 1, 3)]
+        # r runs again with new blocks, all its prompt computed again by this step
+        cached = SimpleNamespace(req_ids=["r"], resumed_req_ids={"r"}, new_block_ids=[([20, 21, 22, 23, 24],)],
+                                 num_computed_tokens=[0])
+        meta = logic.build_connector_meta(_output(cached=cached, scheduled={"r": 18}))
+        assert [(j.digests, j.block_ids) for j in meta.saves if j.block_ids[:1] == [21]] == \
+            [(_digests(keys[1:3]), [21, 22])]
+        assert not list(logic.audits.pending())
+    finally:
+        lane.close()
+
+
+def test_a_resumed_request_saves_only_the_chunks_computed_again() -> None:
+    """Resumed from scratch, 9 of its tokens computed by this step (block size 4): chunk 1
+    is whole, chunk 2 holds one token: saved once a later step completes it."""
+    keys = chunk_keys(_ns(), TOKENS)
+    logic, lane = _lost_after_first_saves(GatedPool({keys[0], keys[3]}))
+    try:
+        cached = SimpleNamespace(req_ids=["r"], resumed_req_ids={"r"}, new_block_ids=[([20, 21, 22],)],
+                                 num_computed_tokens=[0])
+        meta = logic.build_connector_meta(_output(cached=cached, scheduled={"r": 9}))
+        assert [(j.digests, j.block_ids) for j in meta.saves] == [(_digests(keys[1:2]), [21])]
+        assert list(logic.audits.pending()) == [("r", 2, 3)]
+        cached = SimpleNamespace(req_ids=["r"], resumed_req_ids=set(), new_block_ids=[([23, 24],)],
+                                 num_computed_tokens=[9])
+        meta = logic.build_connector_meta(_output(cached=cached, scheduled={"r": 9}))
+        assert (_digests(keys[2:3]), [22]) in [(j.digests, j.block_ids) for j in meta.saves]
+        assert not list(logic.audits.pending())
+    finally:
+        lane.close()
+
+
+def test_hits_lost_before_a_pool_load_after_them_are_saved_again() -> None:
+    """Chunks 0-2 vLLM's own, chunk 3 claimed from the pool: the saves start after the load,
+    so the lost hits are saved as a job of their own (the synchronous audit left them out)."""
+    keys = chunk_keys(_ns(), TOKENS)
+    pool = FakePool({keys[0], keys[3]})
+    logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           audit_lane=AuditLane(pool, threaded=False))
+    st_req = _request("r", TOKENS)
+    assert logic.get_num_new_matched_tokens(st_req, 12) == (4, False)  # chunk 3 from the pool
+    logic.update_state_after_alloc(st_req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5, 6, 7],)), 4)
+    new = SimpleNamespace(req_id="r", block_ids=([3, 4, 5, 6, 7],), num_computed_tokens=16)
+    meta = logic.build_connector_meta(_output([new], scheduled={"r": 2}))
+    assert (_digests(keys[1:3]), [4, 5]) in [(j.digests, j.block_ids) for j in meta.saves]
+
+
+def test_closing_a_lane_with_a_full_queue_stops_its_thread() -> None:
+    pool = GatedPool(set())
+    lane = AuditLane(pool, max_queued=2)
+    keys = ["k"]
+    for i in range(4):
+        lane.submit(_audit_of(f"r{i}", keys))
+    started = time.monotonic()
+    pool.gate.set()
+    lane.close()
+    assert time.monotonic() - started < 5.0
+    assert not [t for t in threading.enumerate() if t.name == "mcv-audit" and t.is_alive()]
+    assert lane.submit(_audit_of("late", keys)) is False
+
+
+def _audit_of(req_id: str, keys: list[str]) -> Any:
+    from mooncake_vllm.v1.audits import _Audit
+
+    return _Audit(req_id, 0, ["d"], keys)

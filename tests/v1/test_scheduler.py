@@ -427,10 +427,11 @@ def test_prefix_hits_the_pool_lost_are_saved_again_checked_once_per_interval(loa
     assert pool.calls[0] == keys[:3]  # the audit: one query for the local hits
     new = SimpleNamespace(req_id="r", block_ids=([3, 4, 5, 6, 7],), num_computed_tokens=12)
     meta = logic.build_connector_meta(_output([new], scheduled={"r": 6}))  # tokens 12..17
-    assert [(j.digests, j.block_ids) for j in meta.saves] == \
-        [([k.rsplit("/", 1)[1] for k in keys[1:4]], [4, 5, 6])]  # from the first lost chunk
+    assert [(j.digests, j.block_ids) for j in meta.saves] == [
+        ([k.rsplit("/", 1)[1] for k in keys[3:4]], [6]),  # the chunk this step computes
+        ([k.rsplit("/", 1)[1] for k in keys[1:3]], [4, 5])]  # the lost hits, from their blocks
     assert logic.counters["pool_refill_chunks"] == 2
-    assert logic.counters["local_hit_chunks_not_saved"] == 1
+    assert logic.counters["local_hit_chunks_not_saved"] == 3
     pool.keys |= set(keys)  # the saves landed
     calls = len(pool.calls)
     logic.get_num_new_matched_tokens(_request("s", TOKENS), 12)

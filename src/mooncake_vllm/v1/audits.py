@@ -9,11 +9,11 @@ that vLLM's thread paid inside its lookup hook (~2.6 ms each on an H100's loopba
 mixed-serving rep; the whole time box when the master hangs). Here one thread asks
 (:class:`AuditLane`); the answers are read on vLLM's thread at its next hook
 (:meth:`LocalHitAudits.apply`): chunks still present are trusted for another interval; from
-the first one missing, the request's chunks are saved again from its own blocks — with its
-first saves when the answer comes before they were planned, else as a job of the next step
-(its blocks are still its own while it runs). A request that finished, or was preempted,
-before its answer came is counted (``pool_audits_late``): the next request on that prefix
-audits it again, since nothing missing was marked found.
+the first one missing, the request's chunks are saved again from its own blocks, as a job
+of their own in a step that runs the request (its blocks are its own then; after a preemption,
+only the chunks that step has computed again). A request that finished before a step ran it
+is counted (``pool_audits_late``): the next request on that prefix audits it again, since
+nothing missing was marked found.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ class AuditLane:
         self._answers: queue.SimpleQueue[_Audit] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def submit(self, audit: _Audit) -> bool:
         """Ask; ``False``: too many are waiting (not asked)."""
@@ -66,6 +67,8 @@ class AuditLane:
             self._answer(audit)
             return True
         with self._lock:
+            if self._closed:
+                return False
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mcv-audit", daemon=True)
                 self._thread.start()
@@ -86,11 +89,19 @@ class AuditLane:
         return out
 
     def close(self) -> None:
+        """Stop the thread: audits still waiting are dropped (each is due again anyway)."""
         with self._lock:
+            self._closed = True
             thread, self._thread = self._thread, None
-        if thread is not None:
-            self._asked.put(None)
-            thread.join(5.0)
+        if thread is None:
+            return
+        while True:  # room for the stop item, and nothing queued before it
+            try:
+                self._asked.get_nowait()
+            except queue.Empty:
+                break
+        self._asked.put_nowait(None)
+        thread.join(5.0)
 
     def _run(self) -> None:
         while True:
@@ -158,22 +169,32 @@ class LocalHitAudits:
             gap = answer.start + here
             st.pool_gap = gap if st.pool_gap is None else min(st.pool_gap, gap)
             st.present_upto = min(st.present_upto, gap)
-            if st.saved_upto <= gap:  # not planned this far yet: the first saves start there
-                st.local_upto = min(st.local_upto, gap)
-            else:  # skipped as vLLM's own hits already: saved again with the next step
-                self._resaves.append((st.req_id, gap, min(answer.start + n, st.saved_upto)))
+            # vLLM's own hits are never planned as saves (a pool load may follow them): the
+            # lost ones are saved again as a job of their own, once a step runs the request
+            self._resaves.append((st.req_id, gap, answer.start + n))
 
-    def plan(self, meta: MooncakeConnectorMetadata, requests: dict[str, Any],
+    def plan(self, meta: MooncakeConnectorMetadata, requests: dict[str, Any], done: Mapping[str, int],
              block_ids_of: Callable[[Any], Sequence[int]]) -> None:
-        """This step's saves of hits the pool lost, from the requests' own blocks."""
+        """This step's saves of hits the pool lost, from the blocks of requests this step runs
+        (``done``: their chunks computed once its forward ran): a request not scheduled now
+        may have been preempted, its blocks freed, so it waits for a step that runs it."""
         resaves, self._resaves = self._resaves, []
         for req_id, begin, end in resaves:
             st = requests.get(req_id)
-            blocks = block_ids_of(st) if st is not None else ()
-            if st is None or len(blocks) < end:  # finished or preempted meanwhile
+            if st is None:  # finished before a step ran it: the next request on it asks again
                 self.counters["pool_audits_late"] += 1
                 continue
-            meta.saves.append(BlockJob(req_id, list(st.digests[begin:end]), list(blocks[begin:end])))
+            if req_id not in done:
+                self._resaves.append((req_id, begin, end))
+                continue
+            upto = min(end, done[req_id], len(block_ids_of(st)))  # never a block still being filled
+            if upto < end:  # resumed after a preemption: the rest once computed again
+                self._resaves.append((req_id, max(begin, upto), end))
+            if upto <= begin:
+                continue
+            blocks = block_ids_of(st)
+            meta.saves.append(BlockJob(req_id, list(st.digests[begin:upto]), list(blocks[begin:upto])))
+            self.audit.found(st.digests[begin:upto])  # our own fresh saves
             st.has_saves = True
             self.counters["save_jobs"] += 1
 

@@ -103,7 +103,7 @@ class RequestState:
     #: recomputes them, and saving them again would only copy 2 GB for a 16k prompt
     #: beside the next load (measured on the H200: loads then took 2-3x as long)
     present_upto: int = 0
-    #: the first of vLLM's own prefix-cache hits the pool lacks (:mod:`.refill`): saved again
+    #: the first of vLLM's own prefix-cache hits the pool lacks (:mod:`.audits`): saved again
     pool_gap: int | None = None
     has_saves: bool = False
     #: tokens computed once the planned load lands; cleared when vLLM schedules them
@@ -222,8 +222,8 @@ class SchedulerLogic:
         self.handoffs.after_lookup(st.req_id, start + hits)
         if hits == 0:
             return 0, False
-        if not self.handoffs.asked(st.req_id) and st.pool_gap is None:
-            # (a hand-off's decode reads every chunk; a gap before ``start``: saved again)
+        if not self.handoffs.asked(st.req_id):
+            # (a hand-off's decode reads every chunk; lost hits before ``start``: .audits saves them)
             st.present_upto = max(st.present_upto, start + hits)
         hits = self._claim(start, hits, probe=not self.handoffs.involves(st.req_id))
         if hits == 0:
@@ -311,8 +311,6 @@ class SchedulerLogic:
         keys are skipped by the put)."""
         if not self.handoffs.asked(st.req_id):
             st.local_upto = num_computed_tokens // self.block_size
-            if st.pool_gap is not None:
-                st.local_upto = min(st.local_upto, st.pool_gap)
 
     def _present(self, digests: Sequence[str]) -> list[bool]:
         """Per chunk of ``digests``, whether the pool holds every rank's key (one lookup; the
@@ -371,12 +369,14 @@ class SchedulerLogic:
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         self.audits.apply(self.requests)
         scheduled = scheduler_output.num_scheduled_tokens
+        ran: dict[str, int] = {}  # request -> its prompt chunks computed once this step ran
         for new in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new.req_id)
             if st is None:
                 continue
             st.block_ids = list(new.block_ids[0]) if new.block_ids else []
             done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            ran[st.req_id] = min(done, st.prompt_len) // self.block_size
             self._plan_save(meta, st, done, block_state)
             self._declare(meta, st)
         cached = scheduler_output.scheduled_cached_reqs
@@ -392,10 +392,11 @@ class SchedulerLogic:
                 else:
                     st.block_ids.extend(new_ids[0])
             done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            ran[st.req_id] = min(done, st.prompt_len) // self.block_size
             self._plan_save(meta, st, done, block_state)
             self._declare(meta, st)
         # vLLM's own hits an audit found lost after their request's first saves (.audits)
-        self.audits.plan(meta, self.requests, lambda st: self._block_ids(st, block_state))
+        self.audits.plan(meta, self.requests, ran, lambda st: self._block_ids(st, block_state))
         # after an outage or a loss: what vLLM's prefix cache holds, saved again (.pool_loss)
         self.refills.step(meta, self._pool_ready() and all(self.workers_up.values()),
                           self._pool_ready)
