@@ -133,6 +133,9 @@ def test_an_audits_query_never_waits_for_the_worker_of_vllms_lookups(client: Sto
         release.set()
         client.transport.lookups.result(busy, 5.0)
     assert client.exists(["mcv-test/audited"]) == [True]
+    client.transport.admits = lambda: False  # type: ignore[method-assign] - the pool away
+    assert client.audit_exists(["mcv-test/audited"]) is None  # unknown, not lost
+    assert client.exists(["mcv-test/audited"]) == [False]  # a lookup's miss
 
 
 def test_prometheus_rendering(client: StoreClient) -> None:

@@ -12,6 +12,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from mooncake_vllm.keys import chunk_keys
 from mooncake_vllm.v1.audits import AuditLane
 from mooncake_vllm.v1.namespace import RankNamespaces
@@ -22,15 +24,18 @@ from tests.v1.test_scheduler import BS, TOKENS, FakePool, _ns, _output, _request
 class GatedPool(FakePool):
     """The pool's existence query, held until ``gate`` opens (a slow master)."""
 
-    def __init__(self, keys: set[str], fail: bool = False) -> None:
+    def __init__(self, keys: set[str], fail: str = "") -> None:
         super().__init__(keys)
         self.gate = threading.Event()
-        self.fail = fail
+        self.fail = fail  #: "raise" or "none": the query fails that way
 
     def __call__(self, keys):  # noqa: ANN001, ANN204 - the lookup callable
         assert self.gate.wait(10)
-        if self.fail:
+        if self.fail == "raise":
             raise TimeoutError("the master did not answer")
+        if self.fail == "none":
+            self.calls.append(list(keys))
+            return None  # StoreClient.audit_exists: the pool gave no answer
         return super().__call__(keys)
 
 
@@ -48,7 +53,7 @@ def _answered(logic: SchedulerLogic, pool: GatedPool, calls: int = 1) -> None:
     """Open the gate and wait until the lane has answered ``calls`` queries."""
     pool.gate.set()
     deadline = time.monotonic() + 10
-    while len(pool.calls) < calls and not pool.fail:
+    while len(pool.calls) < calls and pool.fail != "raise":
         assert time.monotonic() < deadline
         time.sleep(0.005)
     time.sleep(0.05)  # the answer is queued right after the call returns
@@ -104,9 +109,9 @@ def test_an_answer_that_comes_after_its_request_finished_leaves_the_chunks_due()
         lane.close()
 
 
-def test_an_unanswered_audit_is_asked_again() -> None:
-    keys = chunk_keys(_ns(), TOKENS)
-    pool = GatedPool(set(keys), fail=True)
+@pytest.mark.parametrize("fail", ["raise", "none"])
+def test_an_unanswered_audit_is_asked_again(fail: str) -> None:
+    pool = GatedPool(set(), fail=fail)  # nothing there: an answer would say "lost"
     lane = AuditLane(pool)
     logic = _producer(pool, lane)
     try:

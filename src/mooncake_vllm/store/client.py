@@ -129,21 +129,27 @@ class StoreClient:
         """Presence of every key, in one batched, time-boxed query; ``False`` on any error."""
         return self._exists(keys, self.transport.lookups)
 
-    def audit_exists(self, keys: Sequence[str]) -> list[bool]:
+    def audit_exists(self, keys: Sequence[str]) -> list[bool] | None:
         """:meth:`exists` on the audits' own time box (their thread never holds the worker
-        vLLM's lookups need); what it fails to find is not a miss of any request."""
-        return self._exists(keys, self.transport.audit_lookups)
+        vLLM's lookups need); ``None`` when the pool did not answer (nothing is known lost)."""
+        return self._answer(keys, self.transport.audit_lookups)
 
     def _exists(self, keys: Sequence[str], box: TimeBox) -> list[bool]:
+        present = self._answer(keys, box)
+        return [False] * len(keys) if present is None else present
+
+    def _answer(self, keys: Sequence[str], box: TimeBox) -> list[bool] | None:
+        """The pool's answer, or ``None`` when it gave none (counted as errors; a miss of the
+        scheduler's lookups only: a save's or an audit's check misses nothing)."""
         if not keys:
             return []
         t = self.transport
         t.stats.add("lookups")
         if not t.admits():
             t.stats.add("lookup_errors", len(keys))
-            if box is t.lookups:  # a save's existence check misses nothing
+            if box is t.lookups:
                 missed(t, "pool_away", len(keys))
-            return [False] * len(keys)
+            return None
         start = time.perf_counter()
         codes = t.run(box, t.lookup_timeout, t.batch_exist, list(keys))
         if isinstance(codes, BaseException) or (codes and all(c < 0 for c in codes)):
@@ -152,7 +158,7 @@ class StoreClient:
                 missed(t, "lookup_failed", len(keys))
             if not isinstance(codes, BaseException):
                 t.health.failed(f"batch_is_exist returned {sorted(set(codes))}")
-            return [False] * len(keys)
+            return None
         t.stats.observe("exists", time.perf_counter() - start)
         return [c == 1 for c in codes]
 

@@ -44,14 +44,14 @@ class _Audit:
     start: int  #: the request's chunk index of ``digests[0]``
     digests: list[str]
     keys: list[str]  #: every rank's key of every chunk (:meth:`RankNamespaces.keys_for`)
-    present: list[bool] | None = field(default=None)  #: per key; None: the query failed
+    present: list[bool] | None = field(default=None)  #: per key; None: no answer
 
 
 class AuditLane:
     """One daemon thread that runs audits' existence queries; :meth:`take` hands the answers
     back. ``threaded=False`` answers at :meth:`submit` (tests; a release without threads)."""
 
-    def __init__(self, lookup: Callable[[Sequence[str]], Sequence[bool]], *,
+    def __init__(self, lookup: Callable[[Sequence[str]], Sequence[bool] | None], *,
                  threaded: bool = True, max_queued: int = MAX_QUEUED) -> None:
         self._lookup = lookup
         self._threaded = threaded
@@ -111,8 +111,9 @@ class AuditLane:
             self._answer(audit)
 
     def _answer(self, audit: _Audit) -> None:
-        try:
-            audit.present = list(self._lookup(audit.keys))
+        try:  # None: the pool gave no answer
+            present = self._lookup(audit.keys)
+            audit.present = None if present is None else list(present)
         except Exception as exc:  # noqa: BLE001 - an unanswered audit is asked again later
             log.debug("mooncake-vllm: pool audit failed: %s", exc)
         self._answers.put(audit)

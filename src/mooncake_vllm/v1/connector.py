@@ -221,11 +221,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             return [False] * len(keys)
         return client.exists(keys)
 
-    def _audit_lookup(self, keys: Any) -> list[bool]:
+    def _audit_lookup(self, keys: Any) -> list[bool] | None:
         client = self.shared.get()
-        if client is None:
-            return [False] * len(keys)
-        return client.audit_exists(keys)
+        return None if client is None else client.audit_exists(keys)
 
     # ------------------------------------------------------------------ properties
     @property

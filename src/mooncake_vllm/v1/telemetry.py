@@ -14,7 +14,8 @@ logic it reads.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mooncake_vllm.keys import KeyNamespace
 from mooncake_vllm.v1.events import PoolKVEvents, SchedulerEvents, WorkerEvents, kv_events_wanted
@@ -30,10 +31,12 @@ from mooncake_vllm.v1.metrics import (
 
 if TYPE_CHECKING:
     from mooncake_vllm.v1.client import ClientSource
-    from mooncake_vllm.v1.scheduler import Lookup, SchedulerLogic
+    from mooncake_vllm.v1.scheduler import SchedulerLogic
     from mooncake_vllm.v1.worker import WorkerLogic
 
 __all__ = ["Telemetry"]
+
+_Query = TypeVar("_Query", bound=Callable[..., Any])
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +62,9 @@ class Telemetry:
                 self.worker_events = WorkerEvents(self.meter.who)
             self.source = MeteredSource(shared, self.meter, self.worker_events)
 
-    def timed_lookup(self, lookup: Lookup) -> Lookup:
-        """The scheduler's lookup callable, each call's duration recorded."""
-        return self.meter.timed("lookup", lookup)
+    def timed_lookup(self, lookup: _Query) -> _Query:
+        """A lookup callable of the scheduler's (or its audits'), each call's duration recorded."""
+        return self.meter.timed("lookup", lookup)  # type: ignore[return-value]
 
     def attach_scheduler(self, scheduler: SchedulerLogic, kv_cache_config: Any = None) -> None:
         """The scheduler side's logic (built with :meth:`timed_lookup`)."""
