@@ -188,12 +188,12 @@ class LocalHitAudits:
             if req_id not in done:
                 self._resaves.append((req_id, begin, end))
                 continue
-            upto = min(end, done[req_id], len(block_ids_of(st)))  # never a block still being filled
+            blocks = block_ids_of(st)
+            upto = min(end, done[req_id], len(blocks))  # never a block still being filled
             if upto < end:  # resumed after a preemption: the rest once computed again
                 self._resaves.append((req_id, max(begin, upto), end))
             if upto <= begin:
                 continue
-            blocks = block_ids_of(st)
             meta.saves.append(BlockJob(req_id, list(st.digests[begin:upto]), list(blocks[begin:upto])))
             self.audit.found(st.digests[begin:upto])  # our own fresh saves
             st.has_saves = True
