@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from mooncake_vllm.stats import LATENCY_BUCKETS
 from mooncake_vllm.store.misses import LOOKUP_CAUSES, MISS_CAUSES, miss_counts
@@ -200,6 +200,9 @@ def pool_up(source: ClientSource) -> int:
     return 0 if health is not None and health.breaker.is_open else 1
 
 
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
 class Meter:
     """Latency samples and counter deltas of one connector side, taken once per step."""
 
@@ -216,7 +219,7 @@ class Meter:
             if len(samples) < _MAX_SAMPLES:
                 samples.append(seconds)
 
-    def timed(self, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(self, op: str, fn: _Fn) -> _Fn:
         """``fn`` with each call's duration recorded under ``op``."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -226,7 +229,7 @@ class Meter:
             finally:
                 self.observe(op, time.perf_counter() - start)
 
-        return call
+        return cast(_Fn, call)
 
     def take(self, counters: Mapping[str, int], up: int | None = None) -> PoolStats | None:
         """What changed since the last call (``None`` when nothing did)."""

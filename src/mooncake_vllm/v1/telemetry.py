@@ -64,7 +64,7 @@ class Telemetry:
 
     def timed_lookup(self, lookup: _Query) -> _Query:
         """A lookup callable of the scheduler's (or its audits'), each call's duration recorded."""
-        return self.meter.timed("lookup", lookup)  # type: ignore[return-value]
+        return self.meter.timed("lookup", lookup)
 
     def attach_scheduler(self, scheduler: SchedulerLogic, kv_cache_config: Any = None) -> None:
         """The scheduler side's logic (built with :meth:`timed_lookup`)."""
