@@ -111,12 +111,17 @@ def external_hits(url: str, response: dict | None = None) -> float:
         # loads nothing there anyway (test_connector checks that through the connector's log)
         details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
         return float(details.get("cached_tokens") or 0)
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("vllm:external_prefix_cache_hits_total")]
+    values = metric_values(url, "vllm:external_prefix_cache_hits_total")
     assert values, "the server exports no vllm:external_prefix_cache_hits_total: 0 hits would be vacuous"
     return sum(values)
+
+
+def metric_values(url: str, name: str) -> list[float]:
+    """The values of every series of ``name`` (a sample name's beginning) in a vLLM server's
+    ``/metrics``, one per label set."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
 
 
 def upsert_raw(stack: Any, values: dict[str, bytes]) -> None:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import socket
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from instances import announced_namespace, complete, prompt
+from instances import announced_namespace, complete, metric_values, prompt
 
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.demo.run import kv_transfer_config
@@ -103,10 +102,7 @@ def test_a_restarted_masters_empty_pool_is_refilled_from_vllms_prefix_cache(
 
 def _counter(url: str, name: str) -> float:
     """The sum of ``vllm:mooncake_vllm_<name>`` over its series in the server's /metrics."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-               if ln.startswith(f"{METRIC_PREFIX}{name}") and not ln.startswith("#"))
+    return sum(metric_values(url, f"{METRIC_PREFIX}{name}"))
 
 
 def test_a_prefix_hit_the_pool_lost_is_saved_again_by_its_audit(tiny_model: Path, tmp_path: Path) -> None:
