@@ -53,6 +53,7 @@ from mooncake_vllm.demo.run import kv_transfer_config
 from mooncake_vllm.proxy.kv_events import vllm_args
 from mooncake_vllm.proxy.server import ProxyConfig, ProxyServer
 from mooncake_vllm.services import LocalStack, ManagedProcess, cpu_binding, free_port, start_vllm_server
+from routing_table import load_at_pick
 
 FULL = {"instances": 3, "conversations": 24, "turns": 6, "docs": 8, "doc_tokens": 2000, "clients": 8,
         "question_tokens": 40, "out_tokens": 32, "max_model_len": 4096, "kv_bytes": 1 << 30,
@@ -244,17 +245,11 @@ def _placement(results: list[dict[str, Any]], picks: list[dict[str, Any]], order
     t0 = min((e["sent_s"] for e in log), default=0.0)
     for e in log:
         e["sent_s"] = round(e["sent_s"] - t0, 3)
-    by_load: dict[str, list[float]] = {}
-    for e in log:
-        if e["turn"] > 0 and e["instance"] is not None and e["ttft_s"] is not None:
-            n = e["loads"][e["instance"]] or 0
-            by_load.setdefault(str(min(n, 4)), []).append(e["ttft_s"])
     return {"turns_moved": moved,
             # a later turn's TTFT by the requests already in flight on its instance when it
             # was picked ("4" = 4 or more): [turns, median s]; a closed loop's p50 rewards a
             # policy that leaves some instances idle while others queue (issue 29's runs)
-            "later_turns_by_load_at_pick": {n: [len(v), statistics.median(v)]
-                                            for n, v in sorted(by_load.items())},
+            "later_turns_by_load_at_pick": {str(n): list(v) for n, v in load_at_pick(log).items()},
             "ttft_p50_later_turns_by_instance": [_median([e["ttft_s"] for e in log if e["instance"] == i
                                                           and e["turn"] > 0]) for i in range(len(order))],
             "request_log": log}

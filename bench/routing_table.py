@@ -16,10 +16,11 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["by_load_at_pick", "main", "per_run"]
+__all__ = ["by_load_at_pick", "load_at_pick", "main", "per_run"]
 
 
 def _ttfts(run: dict[str, Any]) -> list[float]:
@@ -44,18 +45,20 @@ def per_run(report: dict[str, Any], policies: tuple[str, str]) -> dict[str, tupl
     return {p: tuple(statistics.median(v[i] for v in groups[p]) for i in range(len(COLUMNS))) for p in policies}
 
 
-def by_load_at_pick(reports: list[dict[str, Any]], policy: str) -> dict[int, tuple[int, float]]:
-    """``in flight at pick (4 = 4+) -> (later turns, their median TTFT)`` over every run."""
+def load_at_pick(log: Iterable[dict[str, Any]]) -> dict[int, tuple[int, float]]:
+    """``in flight at pick (4 = 4+) -> (later turns, their median TTFT)`` of a request log
+    (``bench_routing``'s ``request_log`` entries)."""
     got: dict[int, list[float]] = {}
-    for report in reports:
-        for name, run in report["runs"].items():
-            if name.split("#")[0] != policy:
-                continue
-            for r in run.get("request_log") or ():
-                if r["turn"] > 0 and r["instance"] is not None and r["ttft_s"] is not None:
-                    n = min(r["loads"][r["instance"]] or 0, 4)
-                    got.setdefault(n, []).append(r["ttft_s"])
+    for r in log:
+        if r["turn"] > 0 and r["instance"] is not None and r["ttft_s"] is not None:
+            got.setdefault(min(r["loads"][r["instance"]] or 0, 4), []).append(r["ttft_s"])
     return {n: (len(v), statistics.median(v)) for n, v in sorted(got.items())}
+
+
+def by_load_at_pick(reports: list[dict[str, Any]], policy: str) -> dict[int, tuple[int, float]]:
+    """:func:`load_at_pick` over every run of ``policy`` (its repeats pooled)."""
+    return load_at_pick(r for report in reports for name, run in report["runs"].items()
+                        if name.split("#")[0] == policy for r in run.get("request_log") or ())
 
 
 def main(argv: list[str] | None = None) -> int:
