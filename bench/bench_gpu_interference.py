@@ -137,7 +137,8 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         engine["gpu_memory_utilization"] = args.gpu_mem_util
     params = {"stream_tokens": args.stream_tokens, "save_timeout": 120.0, "extra_save_wait": 0.0,
               "out_tokens": args.out_tokens, "clients": args.clients,
-              "degraded_seconds": args.degraded_seconds, "mixed_reps": args.mixed_reps}
+              "degraded_seconds": args.degraded_seconds, "mixed_reps": args.mixed_reps,
+              "profile_hooks": str(Path(args.out).parent) if args.profile_hooks else ""}
     report: dict[str, Any] = {"args": vars(args), "inject_after": INJECT_AFTER, "engine": engine,
                               "runs": {}, "writers": {}, "started": time.strftime("%F %T")}
     out = Path(args.out)
@@ -295,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pyspy", default="", help="py-spy binary: profile mixed reps 1 and 2")
     ap.add_argument("--pyspy-modes", default="ours,ours-never,none")
     ap.add_argument("--pyspy-seconds", type=int, default=6)
+    ap.add_argument("--profile-hooks", action="store_true",
+                    help="cProfile inside our connector's hooks in mixed reps: "
+                         "hooks-profile-MODE-mixedN.txt beside --out (timings then include its overhead)")
     ap.add_argument("--local-stack", action="store_true", help="start a Mooncake stack (CPU dry run)")
     ap.add_argument("--seed", type=int, default=None,
                     help="prompts' seed (default: the time): runs on one pool never hit each other's prompts")

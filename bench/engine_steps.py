@@ -8,8 +8,11 @@ keeps its add time, one timestamp per token and vLLM's ``num_cached_tokens``.
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import subprocess
 import threading
 import time
@@ -88,7 +91,10 @@ class HookTimer:
     """Wall time spent inside a connector class's hooks (both roles of an in-process engine).
 
     ``install(cls)`` wraps every hook vLLM calls per step; ``take()`` returns and resets
-    ``{hook: [calls, seconds]}``: the connector's own per-step cost, beside the step times."""
+    ``{hook: [calls, seconds]}``: the connector's own per-step cost, beside the step times.
+    With ``profile`` set, cProfile also runs inside the hooks (one profiler per thread, nothing
+    outside a hook): ``take_profile()`` names where their time goes (the timings then include
+    cProfile's own overhead, so compare shares, not the totals)."""
 
     HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
              "request_finished", "update_connector_output", "take_events", "get_kv_connector_stats",
@@ -99,6 +105,8 @@ class HookTimer:
     def __init__(self) -> None:
         self.totals: dict[str, list[float]] = {}
         self._lock = threading.Lock()
+        self.profile = False
+        self._profilers: dict[int, cProfile.Profile] = {}
 
     def install(self, cls: type) -> None:
         for name in self.HOOKS:
@@ -109,9 +117,12 @@ class HookTimer:
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            prof = self._profiler() if self.profile else None
             t0 = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                if prof is None:
+                    return fn(*args, **kwargs)
+                return prof.runcall(fn, *args, **kwargs)
             finally:
                 dt = time.perf_counter() - t0
                 with self._lock:
@@ -125,6 +136,28 @@ class HookTimer:
         with self._lock:
             out, self.totals = self.totals, {}
         return out
+
+    def _profiler(self) -> cProfile.Profile:
+        ident = threading.get_ident()
+        with self._lock:
+            prof = self._profilers.get(ident)
+            if prof is None:
+                prof = self._profilers[ident] = cProfile.Profile()
+        return prof
+
+    def take_profile(self, top: int = 40) -> str:
+        """The hooks' profile since the last call, by own time (every thread's), then reset."""
+        with self._lock:
+            profilers, self._profilers = list(self._profilers.values()), {}
+        if not profilers:
+            return ""
+        buf = io.StringIO()
+        stats = pstats.Stats(profilers[0], stream=buf)
+        for prof in profilers[1:]:
+            stats.add(prof)
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
+        return buf.getvalue()
 
 
 #: mixed reps profiled by :func:`pyspy_record`: rep -> py-spy options (rep 1: whoever holds the

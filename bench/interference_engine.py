@@ -143,9 +143,15 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         questions = pr["questions"][rep % len(pr["questions"])]
         reqs = [req(docs[i % len(docs)] + q, p["out_tokens"]) for i, q in enumerate(questions)]
         HOOKS.take()
+        HOOKS.take_profile()
+        HOOKS.profile = bool(p.get("profile_hooks"))
         before = _counters()
         _serve(engine, reqs, p["clients"], steps=steps)
         after = _counters()
+        HOOKS.profile = False
+        if p.get("profile_hooks"):  # where the hooks' time went, beside the driver's JSON
+            Path(p["profile_hooks"], f"hooks-profile-{Path(spec['dir']).name}-mixed{rep}.txt").write_text(
+                HOOKS.take_profile())
         return {**closed_loop_stats(reqs), "cached": [r.cached for r in reqs], "settle_s": settle,
                 "connector_delta": {k: v - before.get(k, 0) for k, v in after.items()
                                     if v != before.get(k, 0)},
