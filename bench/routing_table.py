@@ -5,7 +5,9 @@ median): TTFT p50, TTFT mean, TTFT p99 and requests/s of each policy, and in how
 policy was better on each. Then, over every run, the later turns' TTFT by the requests already
 in flight on the instance they were sent to (0, 1, 2, 3, 4 or more), per policy: a closed
 loop's p50 favours a policy that leaves some instances idle while others queue, which the
-mean and the p99 do not (issue 29)::
+mean and the p99 do not (issue 29). Last, the same split by whether another instance had nothing
+in flight at the pick: on a box whose instances share its cores, an idle instance leaves its
+share to the others, so skew also speeds up the turns it does not starve::
 
     python3 bench/routing_table.py docs/bench-results/bench_routing-2026-12-05-*.json
 """
@@ -21,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["by_load_at_pick", "load_at_pick", "main", "per_run"]
+
+#: a later turn's group: in flight at pick (4 = 4+), and whether another instance was idle then
+Group = tuple[int, bool]
 
 
 def _ttfts(run: dict[str, Any]) -> list[float]:
@@ -45,20 +50,26 @@ def per_run(report: dict[str, Any], policies: tuple[str, str]) -> dict[str, tupl
     return {p: tuple(statistics.median(v[i] for v in groups[p]) for i in range(len(COLUMNS))) for p in policies}
 
 
-def load_at_pick(log: Iterable[dict[str, Any]]) -> dict[int, tuple[int, float]]:
+def load_at_pick(log: Iterable[dict[str, Any]], *, idle_elsewhere: bool = False) -> dict[Any, tuple[int, float]]:
     """``in flight at pick (4 = 4+) -> (later turns, their median TTFT)`` of a request log
-    (``bench_routing``'s ``request_log`` entries)."""
-    got: dict[int, list[float]] = {}
+    (``bench_routing``'s ``request_log`` entries); with ``idle_elsewhere`` keyed by
+    ``(in flight, whether another instance had none in flight)``."""
+    got: dict[Any, list[float]] = {}
     for r in log:
         if r["turn"] > 0 and r["instance"] is not None and r["ttft_s"] is not None:
-            got.setdefault(min(r["loads"][r["instance"]] or 0, 4), []).append(r["ttft_s"])
-    return {n: (len(v), statistics.median(v)) for n, v in sorted(got.items())}
+            loads, mine = r["loads"], r["instance"]
+            n = min(loads[mine] or 0, 4)
+            key: Any = (n, any(not k for i, k in enumerate(loads) if i != mine)) if idle_elsewhere else n
+            got.setdefault(key, []).append(r["ttft_s"])
+    return {k: (len(v), statistics.median(v)) for k, v in sorted(got.items())}
 
 
-def by_load_at_pick(reports: list[dict[str, Any]], policy: str) -> dict[int, tuple[int, float]]:
+def by_load_at_pick(reports: list[dict[str, Any]], policy: str, *,
+                    idle_elsewhere: bool = False) -> dict[Any, tuple[int, float]]:
     """:func:`load_at_pick` over every run of ``policy`` (its repeats pooled)."""
-    return load_at_pick(r for report in reports for name, run in report["runs"].items()
-                        if name.split("#")[0] == policy for r in run.get("request_log") or ())
+    return load_at_pick((r for report in reports for name, run in report["runs"].items()
+                         if name.split("#")[0] == policy for r in run.get("request_log") or ()),
+                        idle_elsewhere=idle_elsewhere)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = ", ".join(f"{n}{'+' if n == 4 else ''}: {k} turns {m:.3f} s"
                           for n, (k, m) in by_load_at_pick(reports, policy).items())
         print(f"{policy} later turns by in-flight at pick: {cells}")
+    for policy in (a, b):
+        split = by_load_at_pick(reports, policy, idle_elsewhere=True)
+        cells = ", ".join(f"{n}{'+' if n == 4 else ''}: {k} turns {m:.3f} s / {split[n, False][0]} turns "
+                          f"{split[n, False][1]:.3f} s" for (n, idle), (k, m) in split.items()
+                          if idle and (n, False) in split)
+        print(f"{policy} later turns by in-flight at pick, another instance idle / none idle: {cells}")
     return 0
 
 

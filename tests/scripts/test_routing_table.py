@@ -39,6 +39,14 @@ def test_later_turns_are_grouped_by_the_load_of_their_instance_at_pick() -> None
     assert table_mod.by_load_at_pick(reports, "kv_aware") == {0: (1, 0.2), 1: (1, 0.4), 4: (2, 4.0)}
 
 
+def test_later_turns_split_by_whether_another_instance_was_idle_at_pick() -> None:
+    log = [{"turn": 1, "ttft_s": t, "instance": 0, "loads": loads} for t, loads in
+           [(0.2, [1, 0, 3]), (0.4, [1, 2, 3]), (0.6, [1, 2, 3]), (2.0, [5, None, 1]), (0.1, [0, 0, 0])]]
+    log.append({"turn": 0, "ttft_s": 9.0, "instance": 0, "loads": [1, 0, 0]})  # first turns are left out
+    assert table_mod.load_at_pick(log, idle_elsewhere=True) == {
+        (0, True): (1, 0.1), (1, False): (2, 0.5), (1, True): (1, 0.2), (4, True): (1, 2.0)}
+
+
 def test_main_prints_a_row_per_run_and_the_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bench_routing-x.json"
     path.write_text(json.dumps({"runs": {"prefix": _run([0.1, 0.1, 9.0], 1.0),
@@ -47,3 +55,4 @@ def test_main_prints_a_row_per_run_and_the_counts(tmp_path: Path, capsys: pytest
     out = capsys.readouterr().out
     assert "bench_routing-x" in out
     assert "kv_aware better than prefix in 1 runs: TTFT p50 0, TTFT mean 1, TTFT p99 1, req/s 1" in out
+    assert "another instance idle / none idle" in out
