@@ -32,13 +32,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 from mooncake_vllm.proxy.instances import parse_endpoint
 
-__all__ = ["AUTO", "END_SEQ", "EventSubscriber", "ReplayClient", "decode_batch", "missing_modules", "parse_replay",
-           "vllm_args"]
+__all__ = ["AUTO", "END_SEQ", "EventSubscriber", "ReplayAnswer", "ReplayClient", "decode_batch", "missing_modules",
+           "parse_replay", "vllm_args"]
 
 log = logging.getLogger(__name__)
 
@@ -166,35 +166,72 @@ class EventSubscriber:
                 time.sleep(0.01)
 
 
+class ReplayAnswer(NamedTuple):
+    """What a :meth:`ReplayClient.fetch` got: ``batches`` ``(seq, events)`` in sequence, no holes;
+    ``complete``: they reach the end of the instance's buffer; ``asks``: requests it took."""
+
+    batches: list[tuple[int, list[Any]]]
+    complete: bool
+    asks: int
+
+
 class ReplayClient:
     """One instance's replay ROUTER: the batches it still buffers from a sequence number on.
 
-    Used from one thread only (a ZMQ socket is not thread-safe). A fetch that gets no
-    end marker within ``timeout`` returns None and the socket is replaced, so a late
-    answer never mixes into the next fetch.
+    vLLM's ROUTER sends its whole buffer from the asked sequence number in one burst and drops,
+    without a word, what overflows its send queue (1000 messages by default): a replay of a few
+    thousand batches (a proxy started beside instances that have served for a while) arrives
+    with holes, sometimes without its end marker (measured with vLLM's own publisher: 7697 of
+    8000 batches). So a fetch keeps what came in sequence and asks again from the first batch
+    missing, until an answer ends with nothing missing. Between two messages of an answer it
+    waits ``timeout`` s, a fetch at most ``max_seconds``. An answer that stops short of its end
+    marker replaces the socket, so a late message never mixes into the next answer. Used from
+    one thread only (a ZMQ socket is not thread-safe).
     """
 
-    def __init__(self, endpoint: str, timeout: float = 1.0, max_batches: int = 20_000) -> None:
+    def __init__(self, endpoint: str, timeout: float = 1.0, max_batches: int = 20_000,
+                 max_seconds: float = 30.0) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
         self.max_batches = max_batches
+        self.max_seconds = max_seconds
         self._sock: Any = None
 
-    def fetch(self, start: int) -> list[tuple[int, list[Any]]] | None:
-        """``(seq, events)`` of every buffered batch with ``seq >= start``, in order; None on
-        no (complete) answer in time."""
+    def fetch(self, start: int) -> ReplayAnswer | None:
+        """Every buffered batch with ``seq >= start``, in order, as far as it came without a
+        hole (the first may be past ``start``: what the buffer no longer holds is gone);
+        None when the socket did not answer at all."""
+        got: list[tuple[int, list[Any]]] = []
+        want, asks = max(start, 0), 0
+        ends = time.monotonic() + self.max_seconds
+        while True:
+            asks += 1
+            answer = self._ask(want, ends)
+            if answer is None:
+                return ReplayAnswer(got, False, asks) if got else None
+            batches, ended = answer
+            fresh = _in_sequence(batches, want, first=not got)
+            got += fresh
+            complete = ended and len(fresh) == len(batches)
+            if complete or not fresh or len(got) >= self.max_batches or time.monotonic() >= ends:
+                return ReplayAnswer(got, complete, asks)
+            want = fresh[-1][0] + 1
+
+    def _ask(self, start: int, ends: float) -> tuple[list[tuple[int, list[Any]]], bool] | None:
+        """One request: the batches of its answer as they came and whether its end marker came;
+        None when nothing came within ``timeout``."""
         import zmq
 
         if self._sock is None:
             self._sock = zmq.Context.instance().socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RCVHWM, 0)  # ours never drops: bounded by vLLM's buffer
             self._sock.connect(self.endpoint)
         sock = self._sock
         out: list[tuple[int, list[Any]]] = []
-        deadline = time.monotonic() + self.timeout
         try:
-            sock.send_multipart((b"", max(start, 0).to_bytes(8, "big")), zmq.NOBLOCK)
-            while (left := deadline - time.monotonic()) > 0:
+            sock.send_multipart((b"", start.to_bytes(8, "big")), zmq.NOBLOCK)
+            while (left := min(self.timeout, ends - time.monotonic())) > 0:
                 if not sock.poll(int(left * 1000) + 1):
                     break
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -202,7 +239,7 @@ class ReplayClient:
                     continue
                 seq = int.from_bytes(frames[2], "big")
                 if seq == END_SEQ:
-                    return out
+                    return out, True
                 if len(out) < self.max_batches:
                     try:
                         out.append((seq, decode_batch(frames[3])))
@@ -211,12 +248,28 @@ class ReplayClient:
         except zmq.ZMQError:
             pass
         self.close()
-        return None
+        return (out, False) if out else None
 
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+
+
+def _in_sequence(batches: list[tuple[int, list[Any]]], want: int,
+                 first: bool) -> list[tuple[int, list[Any]]]:
+    """The leading batches of an answer with consecutive sequence numbers from ``want`` (the
+    first answer of a fetch: from its first batch at or past ``want``)."""
+    out: list[tuple[int, list[Any]]] = []
+    expect = None if first else want
+    for seq, events in batches:
+        if seq < want:
+            continue
+        if expect is not None and seq != expect:
+            break
+        out.append((seq, events))
+        expect = seq + 1
+    return out
 
 
 _REPLAY_FIX = ("give each as HOST:PORT=tcp://HOST:PORT (the instance as the proxy names it = the "

@@ -158,23 +158,24 @@ class KvRouter:
         with self._lock:
             idx = self.indexes.get(topic)
             start = idx.last_seq + 1 if idx is not None and idx.last_seq is not None else 0
-        got = client.fetch(start)
+        answer = client.fetch(start)
         with self._lock:
             idx = self._index(topic)
-            if got is None:
+            if answer is None:
                 self.counters[("replays", "failed")] += 1
-            else:
-                self.counters[("replays", "ok")] += 1
+            else:  # partial: what came in sequence before the time ran out (a gap follows)
+                self.counters[("replays", "ok" if answer.complete else "partial")] += 1
+                self.counters[("replay_asks",)] += answer.asks
                 self.heard.add(topic)  # its publisher answers: it publishes, maybe nothing yet
-                self.counters[("replayed_batches",)] += len(got)
-            for seq, events in [*(got or ()), *self._pending.pop(topic, ())]:
+                self.counters[("replayed_batches",)] += len(answer.batches)
+            for seq, events in [*(answer.batches if answer else ()), *self._pending.pop(topic, ())]:
                 if idx.last_seq is None or seq > idx.last_seq:
                     self._apply(topic, idx, seq, events)
-        if got is None:
+        if answer is None:
             self._log_once(f"replay:{topic}", "kv_aware: the replay socket %s of %s did not answer in %.1f s; "
                            "batches its stream lost stay lost (counted in index drops)",
                            client.endpoint, topic, client.timeout)
-        return got is not None
+        return answer is not None
 
     def _replay_loop(self) -> None:
         clients: dict[str, ReplayClient] = {}
