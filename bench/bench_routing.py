@@ -9,7 +9,8 @@ another's caches, and a fresh proxy over the same instances. Configurations::
     kv_aware-nopool                    a second fleet without a connector (full run only)
 
 Workload: ``conversations`` x ``turns`` over ``docs`` shared documents of ``doc_tokens``;
-``clients`` concurrent closed-loop clients each take a whole conversation; turn t's
+``clients`` concurrent closed-loop clients each take a whole conversation (``--arrivals R``:
+open loop instead, conversations start as a Poisson process of R per second); turn t's
 prompt = document + the earlier questions and answers + a new question. Streamed, so
 TTFT is what a client sees through the proxy. Per configuration: TTFT p50/p99,
 requests/s and output tokens/s, the prompt tokens served from HBM (vLLM's
@@ -39,6 +40,7 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -156,23 +158,38 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
     results: list[dict[str, Any]] = []
     timeout = aiohttp.ClientTimeout(total=1800)
 
-    async def client() -> None:
+    async def conversation(session: aiohttp.ClientSession, conv: dict[str, Any]) -> None:
+        history = conv["doc"]
+        for t, q in enumerate(conv["questions"]):
+            prompt = f"{history}\nQ: {q}\nA:"
+            sent = time.perf_counter()
+            res = await _turn(session, base, model, prompt, p["out_tokens"])
+            res.update(turn=t, conv=conv["id"], doc=conv["doc_id"], sent=sent)
+            results.append(res)
+            history = prompt + res["text"]
+
+    async def client() -> None:  # closed loop: a client takes the next conversation when one ends
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while not queue.empty():
-                conv = queue.get_nowait()
-                history = conv["doc"]
-                for t, q in enumerate(conv["questions"]):
-                    prompt = f"{history}\nQ: {q}\nA:"
-                    sent = time.perf_counter()
-                    res = await _turn(session, base, model, prompt, p["out_tokens"])
-                    res.update(turn=t, conv=conv["id"], doc=conv["doc_id"], sent=sent)
-                    results.append(res)
-                    history = prompt + res["text"]
+                await conversation(session, queue.get_nowait())
 
-    t0 = time.perf_counter()
+    async def arrivals() -> None:  # open loop: conversations start at their own times, however many run
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            started = time.perf_counter()
+            tasks = []
+            for at, conv in zip(_arrival_times(len(convs), p["arrivals"]), convs):
+                await asyncio.sleep(max(0.0, at - (time.perf_counter() - started)))
+                tasks.append(asyncio.ensure_future(conversation(session, conv)))
+            await asyncio.gather(*tasks)
+
+    t0, cpu0 = time.perf_counter(), _cpu(fleet)
     try:
-        await asyncio.gather(*(client() for _ in range(p["clients"])))
+        if p.get("arrivals"):
+            await arrivals()
+        else:
+            await asyncio.gather(*(client() for _ in range(p["clients"])))
         wall = time.perf_counter() - t0
+        cpu1 = _cpu(fleet)
         metrics = (await _get(base + "/metrics")).splitlines()
         per_inst = {i.key: i.requests for i in server.pool.of_kind("decode")}
     finally:
@@ -195,11 +212,46 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
         "fraction_recomputed":
             1 - (delta["vllm:prefix_cache_hits"] + delta["vllm:external_prefix_cache_hits"]) / prompt,
         "requests_per_instance": per_inst,
+        # where the box's 2 cores went: the proxy's (and the clients') threads, each instance
+        "cpu_s": {k: round(v - cpu0.get(k, 0.0), 2) for k, v in sorted(cpu1.items())
+                  if v - cpu0.get(k, 0.0) >= 0.01},
         "max_over_mean_load": max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) else None,
         "proxy_kv_aware_counters": [ln for ln in metrics if ln.startswith("mooncake_proxy_kv_aware_")
                                     and ("_total" in ln or "pool_realized" in ln or "prefill_rate" in ln)],
         **_placement(results, picks, [str(f.address) for f in fleet], convs),
     }
+
+
+def _arrival_times(n: int, rate: float, seed: int = 29) -> list[float]:
+    """``n`` start times (s) of a Poisson process of ``rate`` per second, the same for every
+    policy of a run (one seed), the first at 0."""
+    rng, at, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(at)
+        at += rng.expovariate(rate)
+    return out
+
+
+def _cpu(fleet: list[ManagedProcess]) -> dict[str, float]:
+    """CPU seconds so far: each thread of this process (the proxy and the clients), by name, and
+    every instance's processes (the API server, its engine core)."""
+    import psutil
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for t in psutil.Process().threads():
+        name = names.get(t.id, "other")
+        name = name.split("-")[0] if name.startswith("Thread-") else name
+        out[f"bench:{name}"] = out.get(f"bench:{name}", 0.0) + t.user_time + t.system_time
+    for i, f in enumerate(fleet):
+        try:
+            proc = psutil.Process(f.pid)
+            total = sum(c.user + c.system for c in
+                        [proc.cpu_times()] + [k.cpu_times() for k in proc.children(recursive=True)])
+        except psutil.Error:
+            continue
+        out[f"instance{i}"] = total
+    return out
 
 
 def _record_picks(server: ProxyServer) -> list[dict[str, Any]]:
@@ -223,7 +275,8 @@ def _record_picks(server: ProxyServer) -> list[dict[str, Any]]:
 def _placement(results: list[dict[str, Any]], picks: list[dict[str, Any]], order: list[str],
                convs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per request: conversation, turn, TTFT, the instance (index into the fleet) and the loads
-    when it was picked; each result takes the first pick of its document after it was sent.
+    when it was picked, the proxy's seconds until that pick, vLLM's prompt and cached tokens;
+    each result takes the first pick of its document after it was sent.
     Also the later turns' TTFT p50 per instance and how many turns changed instance."""
     docs = {c["doc"].encode(): c["doc_id"] for c in convs}
     left = sorted(picks, key=lambda k: k["t"])
@@ -234,9 +287,15 @@ def _placement(results: list[dict[str, Any]], picks: list[dict[str, Any]], order
         pick = next((k for k in left if k["t"] >= r["sent"] and k["doc"] in (None, r["doc"])), None)
         if pick is not None:
             left.remove(pick)
+        usage = r.get("usage") or {}
         log.append({"conv": r["conv"], "turn": r["turn"], "ttft_s": r["ttft"], "sent_s": r["sent"],
                     "instance": order.index(pick["instance"]) if pick else None,
-                    "loads": [pick["loads"].get(k) for k in order] if pick else None})
+                    "loads": [pick["loads"].get(k) for k in order] if pick else None,
+                    # the proxy's time from the request's send to its pick (tokenizing, choosing)
+                    "pick_s": round(pick["t"] - r["sent"], 4) if pick else None,
+                    # vLLM's own count: prompt tokens and those its prefix cache or the pool gave
+                    "prompt_tokens": usage.get("prompt_tokens"),
+                    "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")})
     prev: dict[int, int | None] = {}
     moved = 0
     for e in sorted(log, key=lambda e: (e["conv"], e["turn"])):
@@ -361,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="kv_aware asks an instance's /tokenize per request (default: --tokenizer, the model's)")
     ap.add_argument("--kv-queue-cap", type=int, default=0,
                     help="kv_aware's --kv-queue-cap: requests on an instance beyond which it picks another")
+    ap.add_argument("--arrivals", type=float, default=0.0,
+                    help="open loop: conversations start as a Poisson process of this many per second, "
+                         "each running its turns back to back (default: --clients closed-loop clients)")
     ap.add_argument("--tag", default="", help="suffix of the output files' names")
     ap.add_argument("--out", type=Path, default=Path("docs/bench-results"))
     ap.add_argument("--configs", nargs="+", help="subset of the configurations")
@@ -370,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         p["configs"] = args.configs
     p["local_tokenizer"] = not args.remote_tokenize
     p["kv_queue_cap"] = args.kv_queue_cap
+    if args.arrivals < 0:
+        ap.error("--arrivals: give conversations per second (> 0), or leave it out for closed-loop clients")
+    p["arrivals"] = args.arrivals
     if args.repeats:
         p["repeats"] = args.repeats
     if args.kv_mib:
