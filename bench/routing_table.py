@@ -24,9 +24,6 @@ from typing import Any
 
 __all__ = ["by_load_at_pick", "load_at_pick", "main", "per_run"]
 
-#: a later turn's group: in flight at pick (4 = 4+), and whether another instance was idle then
-Group = tuple[int, bool]
-
 
 def _ttfts(run: dict[str, Any]) -> list[float]:
     return [r["ttft_s"] for r in run.get("request_log") or () if r["ttft_s"] is not None]
