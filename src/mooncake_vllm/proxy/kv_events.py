@@ -23,7 +23,9 @@ for a stream not heard yet, from the last batch on after a gap, and every
 
 Bounded: at most ``hwm`` messages wait in ZMQ (beyond that ZMQ drops them, and
 the sequence gap drops that instance's index). Runs on its own daemon thread;
-a failing socket is reopened after ``retry`` seconds and counted.
+a failing socket is reopened after ``retry`` seconds and counted. A replay takes at
+most ``max_batches`` batches and ``max_seconds`` (its receive queue is unbounded: vLLM's
+buffer bounds it).
 """
 
 from __future__ import annotations
@@ -185,16 +187,18 @@ class ReplayClient:
     8000 batches). So a fetch keeps what came in sequence and asks again from the first batch
     missing, until an answer ends with nothing missing. Between two messages of an answer it
     waits ``timeout`` s, a fetch at most ``max_seconds``. An answer that stops short of its end
-    marker replaces the socket, so a late message never mixes into the next answer. Used from
-    one thread only (a ZMQ socket is not thread-safe).
+    marker replaces the socket, so a late message never mixes into the next answer; so does one
+    cut at ``max_batches``. ``cancel`` set (the proxy stopping) ends a fetch within 0.25 s. Used
+    from one thread only (a ZMQ socket is not thread-safe).
     """
 
     def __init__(self, endpoint: str, timeout: float = 1.0, max_batches: int = 20_000,
-                 max_seconds: float = 30.0) -> None:
+                 max_seconds: float = 10.0, cancel: threading.Event | None = None) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
         self.max_batches = max_batches
         self.max_seconds = max_seconds
+        self.cancel = cancel or threading.Event()
         self._sock: Any = None
 
     def fetch(self, start: int) -> ReplayAnswer | None:
@@ -206,20 +210,21 @@ class ReplayClient:
         ends = time.monotonic() + self.max_seconds
         while True:
             asks += 1
-            answer = self._ask(want, ends)
+            answer = self._ask(want, ends, self.max_batches - len(got))
             if answer is None:
                 return ReplayAnswer(got, False, asks) if got else None
             batches, ended = answer
             fresh = _in_sequence(batches, want, first=not got)
             got += fresh
             complete = ended and len(fresh) == len(batches)
-            if complete or not fresh or len(got) >= self.max_batches or time.monotonic() >= ends:
+            if (complete or not fresh or len(got) >= self.max_batches or time.monotonic() >= ends
+                    or self.cancel.is_set()):
                 return ReplayAnswer(got, complete, asks)
             want = fresh[-1][0] + 1
 
-    def _ask(self, start: int, ends: float) -> tuple[list[tuple[int, list[Any]]], bool] | None:
-        """One request: the batches of its answer as they came and whether its end marker came;
-        None when nothing came within ``timeout``."""
+    def _ask(self, start: int, ends: float, limit: int) -> tuple[list[tuple[int, list[Any]]], bool] | None:
+        """One request: at most ``limit`` batches of its answer as they came and whether its end
+        marker came (never when cut at ``limit``); None when nothing came within ``timeout``."""
         import zmq
 
         if self._sock is None:
@@ -231,20 +236,24 @@ class ReplayClient:
         out: list[tuple[int, list[Any]]] = []
         try:
             sock.send_multipart((b"", start.to_bytes(8, "big")), zmq.NOBLOCK)
-            while (left := min(self.timeout, ends - time.monotonic())) > 0:
-                if not sock.poll(int(left * 1000) + 1):
+            quiet_until = time.monotonic() + self.timeout
+            while len(out) < limit and not self.cancel.is_set():
+                left = min(quiet_until, ends) - time.monotonic()
+                if left <= 0:
                     break
+                if not sock.poll(int(min(left, 0.25) * 1000) + 1):
+                    continue
+                quiet_until = time.monotonic() + self.timeout
                 frames = sock.recv_multipart(zmq.NOBLOCK)
                 if len(frames) != 4 or len(frames[2]) != 8:
                     continue
                 seq = int.from_bytes(frames[2], "big")
                 if seq == END_SEQ:
                     return out, True
-                if len(out) < self.max_batches:
-                    try:
-                        out.append((seq, decode_batch(frames[3])))
-                    except ValueError:
-                        continue
+                try:
+                    out.append((seq, decode_batch(frames[3])))
+                except ValueError:
+                    continue
         except zmq.ZMQError:
             pass
         self.close()

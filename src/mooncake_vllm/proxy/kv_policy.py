@@ -163,7 +163,7 @@ class KvRouter:
             idx = self._index(topic)
             if answer is None:
                 self.counters[("replays", "failed")] += 1
-            else:  # partial: what came in sequence before the time ran out (a gap follows)
+            else:  # partial: what came in sequence before time, bound or answers ran out (a gap follows)
                 self.counters[("replays", "ok" if answer.complete else "partial")] += 1
                 self.counters[("replay_asks",)] += answer.asks
                 self.heard.add(topic)  # its publisher answers: it publishes, maybe nothing yet
@@ -188,7 +188,7 @@ class KvRouter:
                 for topic, ep in want.items():
                     if self._stop.is_set():
                         break
-                    client = clients.get(topic) or clients.setdefault(topic, ReplayClient(ep))
+                    client = clients.get(topic) or clients.setdefault(topic, ReplayClient(ep, cancel=self._stop))
                     self.catch_up(topic, client)
                 self._wake.wait(self.sync_interval)
                 self._wake.clear()
