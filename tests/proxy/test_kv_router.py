@@ -11,6 +11,7 @@ import pytest
 from mooncake_vllm.errors import ConfigError
 from mooncake_vllm.proxy.engine_load import EngineLoad
 from mooncake_vllm.proxy.instances import Instance, parse_endpoint
+from mooncake_vllm.proxy.kv_events import ReplayAnswer
 from mooncake_vllm.proxy.kv_hashes import PromptHasher
 from mooncake_vllm.proxy.kv_policy import KvRouter, PromptKey
 from mooncake_vllm.proxy.scheduling import KvAwarePolicy
@@ -321,3 +322,35 @@ def test_a_queue_cap_is_refused_where_nothing_would_use_it() -> None:
     with pytest.raises(ConfigError, match="--kv-queue-cap.*only --scheduling kv_aware"):
         _capped_server(scheduling="prefix", kv_queue_cap=4)
     assert _capped_server(scheduling="prefix", kv_queue_cap=0).kv is None
+
+
+class _ScriptedReplay:
+    """A replay client whose fetches answer from a script: ``(first seq, batches, complete)``."""
+
+    endpoint, timeout = "tcp://127.0.0.1:2", 1.0
+
+    def __init__(self, answers: list[tuple[int, int, bool]]) -> None:
+        self.answers, self.starts = answers, []
+
+    def fetch(self, start: int) -> ReplayAnswer | None:
+        self.starts.append(start)
+        first, n, complete = self.answers.pop(0)
+        return ReplayAnswer([(first + i, [_stored([first + i] * BS)]) for i in range(n)], complete, 1)
+
+
+def test_live_batches_wait_while_a_partial_replay_gets_somewhere() -> None:
+    topic = "127.0.0.1:9000"
+    router = KvRouter("tcp://127.0.0.1:1", replay={topic: "tcp://127.0.0.1:2"})
+    router.on_batch(topic, 6, [_stored(DOC)])  # live, past a gap (0-5 not heard): waits for the replay
+    replay = _ScriptedReplay([(0, 3, False), (3, 3, True)])
+    assert router.catch_up(topic, replay)  # 0-2 came; the live batch keeps waiting
+    assert router.indexes[topic].last_seq == 2 and router._pending[topic] and router._wake.is_set()
+    assert router.catch_up(topic, replay)
+    assert replay.starts == [0, 3]
+    assert router.indexes[topic].last_seq == 6 and topic not in router._pending
+    assert not any(key[0] == "index_drops" for key in router.counters)
+    assert router.counters[("replays", "partial")] == 1 and router.counters[("replays", "ok")] == 1
+    # a partial replay that got nothing lets the waiting batches in (the gap drops the index)
+    router.on_batch(topic, 9, [_stored(DOC)])
+    assert router.catch_up(topic, _ScriptedReplay([(7, 0, False)]))
+    assert router.indexes[topic].last_seq == 9 and router.counters[("index_drops", "gap")] == 1

@@ -154,7 +154,8 @@ class KvRouter:
 
     def catch_up(self, topic: str, client: ReplayClient) -> bool:
         """Fetch what ``topic``'s index misses from its replay socket, then apply the live
-        batches that waited for it; False when the replay did not answer (counted)."""
+        batches that waited for it (after a partial replay that got somewhere they wait on: the
+        rest is asked for at once); False when the replay did not answer (counted)."""
         with self._lock:
             idx = self.indexes.get(topic)
             start = idx.last_seq + 1 if idx is not None and idx.last_seq is not None else 0
@@ -168,9 +169,13 @@ class KvRouter:
                 self.counters[("replay_asks",)] += answer.asks
                 self.heard.add(topic)  # its publisher answers: it publishes, maybe nothing yet
                 self.counters[("replayed_batches",)] += len(answer.batches)
-            for seq, events in [*(answer.batches if answer else ()), *self._pending.pop(topic, ())]:
+            more = answer is not None and not answer.complete and bool(answer.batches)
+            waiting = [] if more else self._pending.pop(topic, [])
+            for seq, events in [*(answer.batches if answer else ()), *waiting]:
                 if idx.last_seq is None or seq > idx.last_seq:
                     self._apply(topic, idx, seq, events)
+        if more:
+            self._wake.set()
         if answer is None:
             self._log_once(f"replay:{topic}", "kv_aware: the replay socket %s of %s did not answer in %.1f s; "
                            "batches its stream lost stay lost (counted in index drops)",
