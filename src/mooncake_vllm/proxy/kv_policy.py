@@ -164,7 +164,7 @@ class KvRouter:
             idx = self._index(topic)
             if answer is None:
                 self.counters[("replays", "failed")] += 1
-            else:  # partial: what came in sequence before time, bound or answers ran out (a gap follows)
+            else:  # partial: what came in sequence before time, bound or answers ran out
                 self.counters[("replays", "ok" if answer.complete else "partial")] += 1
                 self.counters[("replay_asks",)] += answer.asks
                 self.heard.add(topic)  # its publisher answers: it publishes, maybe nothing yet
