@@ -89,13 +89,22 @@ def _fleet(p: dict[str, Any], work: Path, endpoint: str, stack: LocalStack | Non
         replay = f"tcp://127.0.0.1:{free_port()}"
         extra = (*vllm_args(endpoint, f"127.0.0.1:{port}", replay), "--max-model-len", str(p["max_model_len"]),
                  f"--kv-cache-memory-bytes={p['kv_bytes']}")
-        proc = start_vllm_server(model, port, work, cfg, {**env, **cpu_binding(i)}, name=f"{tag}{i}",
+        proc = start_vllm_server(model, port, work, cfg, {**env, **_compute(p, i)}, name=f"{tag}{i}",
                                  extra_args=extra, timeout=1200)
         proc.replay = replay  # type: ignore[attr-defined]
         return proc
 
     with ThreadPoolExecutor(p["instances"]) as ex:
         return list(ex.map(start, range(p["instances"])))
+
+
+def _compute(p: dict[str, Any], index: int) -> dict[str, str]:
+    """Where the ``index``-th instance computes: its own core, round robin over the cores
+    (``cpu_binding``: with more instances than cores some share one and others do not), or with
+    ``cpu_share`` one unbound compute thread each, the OS sharing the cores among them equally."""
+    if p.get("cpu_share"):
+        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    return cpu_binding(index)
 
 
 def _words(rng: random.Random, n: int, vocab: str) -> str:
@@ -423,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arrivals", type=float, default=0.0,
                     help="open loop: conversations start as a Poisson process of this many per second, "
                          "each running its turns back to back (default: --clients closed-loop clients)")
+    ap.add_argument("--cpu-share", action="store_true",
+                    help="each instance one compute thread, unbound (the OS shares the cores equally) "
+                         "instead of one core each, round robin (3 instances on 2 cores: two share one)")
     ap.add_argument("--tag", default="", help="suffix of the output files' names")
     ap.add_argument("--out", type=Path, default=Path("docs/bench-results"))
     ap.add_argument("--configs", nargs="+", help="subset of the configurations")
@@ -435,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.arrivals < 0:
         ap.error("--arrivals: give conversations per second (> 0), or leave it out for closed-loop clients")
     p["arrivals"] = args.arrivals
+    p["cpu_share"] = args.cpu_share
     if args.repeats:
         p["repeats"] = args.repeats
     if args.kv_mib:
