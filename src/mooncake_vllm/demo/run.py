@@ -278,6 +278,8 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
         results.append({"prompt_len": len(ids), "ttft_s": ttft, "tokens": tokens,
                         "cached_tokens": cached, "rss_kb": _rss_kb()})
     wait_saves_idle(llm=llm)
+    if args.kv_events:  # a save's KV events ride the stats of the engine step after it ended: one more
+        llm.generate([{"prompt_token_ids": [1]}], first, use_tqdm=False)
     return {"init_s": init_s, "results": results, "metrics": _metric_totals(llm),
             "connector": connector_counters(llm), "rss_kb": _rss_kb(),
             "kv_block_digests": _kv_block_digests(llm)}
