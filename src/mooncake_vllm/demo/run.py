@@ -145,23 +145,27 @@ def wait_saves_idle(timeout: float = 30.0, llm: Any = None) -> None:
             time.sleep(0.02)
 
 
-def _reset_prefix_cache(llm: Any, timeout: float = 10.0) -> None:
-    """Reset vLLM's local prefix cache, stepping the engine until delayed frees are done.
-
-    Blocks of a finished request stay held until the workers report its saves
-    written, which happens on the engine's next step; an offline ``LLM`` does not
-    step between ``generate`` calls, so step it here: with a 1-token request, since
-    vLLM before 0.31 does not step an engine whose only requests wait on a connector's
-    saves (the step returns at once, and 0.9's ``LLMEngine.step`` asserts on it)."""
+def _step_after_saves(llm: Any) -> None:
+    """Wait for the workers' saves, then step the engine once. What a finished save reports
+    (its blocks freed, its KV events) rides the output of the engine's next step, and an offline
+    ``LLM`` does not step between ``generate`` calls: step it with a 1-token request, since vLLM
+    before 0.31 does not step an engine whose only requests wait on a connector's saves (the
+    step returns at once, and 0.9's ``LLMEngine.step`` asserts on it)."""
     from vllm import SamplingParams
 
+    wait_saves_idle(llm=llm)
     nudge = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [1]}], nudge, use_tqdm=False)
+
+
+def _reset_prefix_cache(llm: Any, timeout: float = 10.0) -> None:
+    """Reset vLLM's local prefix cache, stepping the engine until delayed frees are done
+    (blocks of a finished request stay held until the workers report its saves written)."""
     deadline = time.monotonic() + timeout
     while not _prefix_cache_reset(llm):
         if time.monotonic() > deadline:
             raise RuntimeError("vLLM's prefix cache could not be reset: blocks still held")
-        wait_saves_idle(llm=llm)
-        llm.generate([{"prompt_token_ids": [1]}], nudge, use_tqdm=False)
+        _step_after_saves(llm)
 
 
 def _prefix_cache_reset(llm: Any) -> bool:
@@ -277,9 +281,10 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
         cached = getattr(first_out[0], "num_cached_tokens", None)
         results.append({"prompt_len": len(ids), "ttft_s": ttft, "tokens": tokens,
                         "cached_tokens": cached, "rss_kb": _rss_kb()})
-    wait_saves_idle(llm=llm)
-    if args.kv_events:  # a save's KV events ride the stats of the engine step after it ended: one more
-        llm.generate([{"prompt_token_ids": [1]}], first, use_tqdm=False)
+    if args.kv_events:  # every save's KV events reach the scheduler side
+        _step_after_saves(llm)
+    else:
+        wait_saves_idle(llm=llm)
     return {"init_s": init_s, "results": results, "metrics": _metric_totals(llm),
             "connector": connector_counters(llm), "rss_kb": _rss_kb(),
             "kv_block_digests": _kv_block_digests(llm)}
