@@ -45,3 +45,20 @@ def test_mixed_reps_are_also_compared_pairwise_by_rep() -> None:
     ratios = table_mod.derive(report)["pool_ratios"]["ours"]
     assert ratios["mixed_paired_median_vs_none"] == round((0.95 + 1.0) / 2, 3)  # 0.5, .95, 1, 1.1
     assert ratios["mixed_paired_median_vs_none_reps1"] == 1.0  # 0.95, 1.0, 1.1
+
+
+def test_a_reference_writer_without_a_length_compares_only_the_lengths_it_wrote() -> None:
+    """The in-tree writer skips hits past --intree-max-len: with it the only writer (modes
+    none,intree at 32k, the H100 of 2026-12-06) the table raised KeyError '32000'."""
+    def measure(lengths: tuple[str, ...], tokens: list[int]) -> dict[str, Any]:
+        stat = {"p50": 0.01, "p99": 0.02, "max": 0.03, "n": 5}
+        return {"alone": stat, "during_load": stat, "load": {"ttft_s": 0.2, "cached": 0, "tokens": [1]},
+                "hits": {n: [{"ttft_s": 0.05, "cached": 0, "tokens": tokens, "again_tokens": tokens}]
+                         for n in lengths}}
+
+    report = {"writers": {"intree": {"write": {"tokens": {"load": [1], "hits": {"2048": [[7]]}}}}},
+              "runs": {"none": {"ready": {}, "measure": measure(("2048", "32000"), [7])}}}
+    row = table_mod.derive(report)["none"]
+    assert row["hit2048_tokens_equal_recompute"] == [True]
+    assert "hit32000_tokens_equal_recompute" not in row
+    assert row["hit32000_ttft_ms"] == [50.0]
