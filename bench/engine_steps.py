@@ -34,9 +34,15 @@ class Req:
     times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     cached: int = -1  #: vLLM's num_cached_tokens (prefix cache + connector), -1: not reported
+    step_add: int = -1  #: engine steps :func:`serve` had run when the request was added
+    step_first: int = -1  #: ... when its first token came (that step counted)
 
     def ttft(self) -> float:
         return self.times[0] - self.t_add
+
+    def ttft_steps(self) -> int:
+        """Engine steps from being added to the first token (-1: not served by :func:`serve`)."""
+        return self.step_first - self.step_add if self.step_first >= 0 else -1
 
     def itls(self) -> list[float]:
         return [b - a for a, b in zip(self.times, self.times[1:])]
@@ -54,11 +60,12 @@ def serve(engine: Any, reqs: list[Req], clients: int = 1, inject: tuple[int, Req
     from vllm.sampling_params import RequestOutputKind
 
     todo, live = list(reqs), {}
+    n_steps = 0
 
     def add(r: Req) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
                                 detokenize=detokenize, output_kind=RequestOutputKind.DELTA)
-        r.t_add = time.perf_counter()
+        r.t_add, r.step_add = time.perf_counter(), n_steps
         engine.add_request(r.rid, {"prompt_token_ids": r.prompt}, params)
         live[r.rid] = r
 
@@ -68,6 +75,7 @@ def serve(engine: Any, reqs: list[Req], clients: int = 1, inject: tuple[int, Req
         t_step = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        n_steps += 1
         if steps is not None:
             steps.append(now - t_step)
         for out in outputs:
@@ -75,6 +83,8 @@ def serve(engine: Any, reqs: list[Req], clients: int = 1, inject: tuple[int, Req
             if r is None:
                 continue
             new = list(out.outputs[0].token_ids)
+            if new and not r.times:
+                r.step_first = n_steps
             r.tokens += new
             r.times += [now] * len(new)
             if getattr(out, "num_cached_tokens", None) is not None:

@@ -153,6 +153,7 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
             Path(p["profile_hooks"], f"hooks-profile-{Path(spec['dir']).name}-mixed{rep}.txt").write_text(
                 HOOKS.take_profile())
         return {**closed_loop_stats(reqs), "cached": [r.cached for r in reqs], "settle_s": settle,
+                "ttft_s": [r.ttft() for r in reqs], "ttft_steps": [r.ttft_steps() for r in reqs],
                 "connector_delta": {k: v - before.get(k, 0) for k, v in after.items()
                                     if v != before.get(k, 0)},
                 "steps": {"n": len(steps), "sum_s": sum(steps), "p50_s": pct(steps, 0.5),

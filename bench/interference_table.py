@@ -91,6 +91,10 @@ def _mixed_row(reps: list[dict[str, Any]]) -> dict[str, Any]:
         "itl_p99_ms": statistics.median(m["itl_p99_s"] for m in reps) * 1e3,
         "reps": len(reps), "throughput_per_rep": [round(m["throughput_tok_s"], 1) for m in reps],
         "throughput_by_rep": {str(m["rep"]): m["throughput_tok_s"] for m in reps if "rep" in m}}
+    ttft_steps = [n for m in reps for n in m.get("ttft_steps", ()) if n >= 0]
+    if ttft_steps:  # where a longer TTFT comes from: more engine steps before the first token, or longer ones
+        row["ttft_steps_mean"] = statistics.fmean(ttft_steps)
+        row["ttft_steps_count"] = {str(k): ttft_steps.count(k) for k in sorted(set(ttft_steps))}
     delta: dict[str, int] = {}
     for m in reps:
         for name, value in (m.get("connector_delta") or {}).items():

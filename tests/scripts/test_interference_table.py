@@ -62,3 +62,11 @@ def test_a_reference_writer_without_a_length_compares_only_the_lengths_it_wrote(
     assert row["hit2048_tokens_equal_recompute"] == [True]
     assert "hit32000_tokens_equal_recompute" not in row
     assert row["hit32000_ttft_ms"] == [50.0]
+
+
+def test_mixed_reps_count_the_engine_steps_to_each_first_token() -> None:
+    report = {"writers": {}, "runs": {"ours": {"ready": {}, "mixed_reps": [
+        {**_rep(900.0, 4.0, 0.4), "ttft_steps": [2, 3, 2, -1]}, {**_rep(900.0, 4.0, 0.4), "ttft_steps": [4]}]}}}
+    row = table_mod.derive(report)["ours"]["mixed"]
+    assert row["ttft_steps_count"] == {"2": 2, "3": 1, "4": 1}  # -1 (never served) left out
+    assert row["ttft_steps_mean"] == 2.75
