@@ -391,3 +391,28 @@ def test_only_a_declined_hit_worth_exploring_asks_for_a_probe() -> None:
     assert not a.take_probe()
     assert a.decide(0, 16000, BS).reason == "slow_pool"
     assert a.take_probe()
+
+
+def test_two_prefills_decide_a_fresh_engines_short_hits() -> None:
+    """The H100 of 2026-12-06: a fresh reader had its load probe (256 / 512 / 1008 tokens in
+    5 / 10 / 16 ms), decodes of 11 ms and two warm-up prefills (1k 26.5 ms, 2k 47.8 ms); waiting
+    for a third, it claimed its 2k hits blind: 63-68 ms against 46 recomputed. Two decide:
+    the 2k hit is declined, the 8k and 16k hits (0.72 and 0.52 of their recompute) claimed."""
+    clock = Clock()
+    a = advisor(clock)
+    a.observe(steps=[(1.0, 100.0, 100.0, 0.0111)] * 9,
+              loads=[(256.0, 0.00477), (512.0, 0.00971), (1008.0, 0.01601)])
+    a.observe(steps=[(1024.0, 524288.0, 1024.0, 0.02653)])
+    assert a.decide(0, 2032, BS).reason == "unmeasured"  # one prefill fits nothing
+    a.observe(steps=[(2048.0, 2097152.0, 2048.0, 0.04779)])
+    d = a.decide(0, 2032, BS)
+    assert (d.tokens, d.reason) == (0, "slow_pool")
+    assert 0.030 < d.predicted_recompute < 0.040  # measured: 35.6 ms by the later, fuller fit
+    for hit in (7984, 15984):
+        d = a.decide(0, hit, BS)
+        assert (d.tokens, d.reason) == (hit, "claimed")
+
+
+def test_a_recompute_fit_needs_at_least_two_prefills() -> None:
+    with pytest.raises(ValueError, match="min_prefills"):
+        ClaimRules(min_prefills=1)

@@ -17,7 +17,7 @@ and a clock, so it is testable with a fake clock and made-up samples.
 * **Decision** — among prefixes of the hit (every chunk boundary, coarsened to at
   most :data:`CANDIDATES`), claim the one that saves the most time, and only if
   its load costs at most ``(1 - margin)`` of what recomputing it would. Without
-  enough samples of either kind the claim is made (the pool is assumed to pay
+  enough samples (three loads, two prefill steps) the claim is made (the pool is assumed to pay
   until measured; with CUDA KV a probe at start supplies the first load samples,
   :mod:`~mooncake_vllm.store.probe`). A prompt reaching further than any prefill step measured is
   weighed against a *floor* of its recompute (attention makes recompute grow
@@ -81,12 +81,19 @@ class ClaimRules:
     half_life: float = 60.0
     #: while declining, let one claim through this often (seconds) to measure the pool again
     explore_every: float = 5.0
-    #: samples each model needs before it decides anything
+    #: loads (and claimed loads' elapsed times) the load model needs before it decides anything
     min_samples: int = 3
+    #: prefill steps the recompute model needs: two fit it (``c1``, ``c2`` over the decodes'
+    #: ``c0``), and a third that lies is caught as an outlier against them. With three, the
+    #: H100's fresh reader of 2026-12-06 warmed up with a 1k and a 2k prefill claimed its 2k
+    #: hits blind at 1.43x their recompute; the two it had priced them at 36 ms, the load at 44
+    min_prefills: int = 2
 
     def __post_init__(self) -> None:
         if self.policy not in ("auto", "always", "never"):
             raise ValueError(f"load_policy: found {self.policy!r}, use auto, always or never")
+        if self.min_prefills < 2:
+            raise ValueError(f"min_prefills: found {self.min_prefills}, the recompute fit needs at least 2")
 
 
 @dataclass(frozen=True)
@@ -247,8 +254,7 @@ class ClaimAdvisor:
         their claims, one loader taking them in turn, where each recompute took ~50), or
         :data:`MEASURE_AFTER` unmeasured claims were made (a fresh engine's first hits stay
         claimed), at most one per ``explore_every``."""
-        prefills_unmeasured = (len(self.prefill.samples) < self.rules.min_samples
-                               or self.prefill.coefficients(now) is None)
+        prefills_unmeasured = not self._prefills_measured(now)
         if not (prefills_unmeasured and hit >= MIN_FIT
                 and len(self.loads.samples) >= self.rules.min_samples):
             return False
@@ -266,6 +272,11 @@ class ClaimAdvisor:
         if backlog > 0 or not self.background:
             return 0
         return max(0, (hit - MIN_FIT) // max(1, chunk) * chunk)
+
+    def _prefills_measured(self, now: float) -> bool:
+        """Whether the recompute model has its :attr:`ClaimRules.min_prefills` samples and a fit."""
+        return (len(self.prefill.samples) >= self.rules.min_prefills
+                and self.prefill.coefficients(now) is not None)
 
     def _last_measured(self) -> float:
         """When the pool was last measured: an explore or probe asked for, or a load's sample."""
@@ -289,10 +300,8 @@ class ClaimAdvisor:
     def _best(self, now: float, start: int, hit: int, chunk: int,
               backlog: int) -> tuple[int, float, float] | None:
         """The prefix that saves the most: ``(tokens, load s, recompute s)``; ``None`` unmeasured."""
-        if min(len(self.prefill.samples), len(self.loads.samples)) < self.rules.min_samples:
+        if len(self.loads.samples) < self.rules.min_samples or not self._prefills_measured(now):
             return None  # one slow first load (a pool busy with the first saves) says little
-        if self.prefill.coefficients(now) is None:
-            return None
         beyond = self.prefill.reaches_past(start + hit)
         recompute_of = self.prefill.recompute_floor if beyond else self.prefill.recompute
         chunks = max(1, hit // max(1, chunk))
