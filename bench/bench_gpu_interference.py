@@ -146,7 +146,7 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     def dump() -> None:
         report["table"] = derive(report)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1, default=str))
+        out.write_text(json.dumps(report, separators=(",", ":"), default=str) + "\n")  # compact: reports are committed
 
     from mooncake_vllm.demo.run import INSTANCE_ENV
 

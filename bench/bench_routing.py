@@ -461,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report = asyncio.run(_main(p, args.out, args.smoke, lambda m: print(f"[bench] {m}", file=sys.stderr)))
     name = ("bench_routing_smoke" if args.smoke else "bench_routing_dev" if args.dev else "bench_routing") + args.tag
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    # compact: committed reports travel with the tree to the GPU machine (64 MiB a call)
+    (args.out / f"{name}.json").write_text(json.dumps(report, separators=(",", ":")) + "\n")
     _plot(report, args.out / f"{name}.png")
     print(json.dumps(report["derived"], indent=2))
     return 0
