@@ -86,7 +86,7 @@ class ClaimRules:
     #: prefill steps the recompute model needs: two fit it (``c1``, ``c2`` over the decodes'
     #: ``c0``), and a third that lies is caught as an outlier against them. With three, the
     #: H100's fresh reader of 2026-12-06 warmed up with a 1k and a 2k prefill claimed its 2k
-    #: hits blind at 1.43x their recompute; the two it had priced them at 36 ms, the load at 44
+    #: hits blind at 1.43x their recompute; its two priced them at ~36 ms against a ~39 ms load
     min_prefills: int = 2
 
     def __post_init__(self) -> None:
