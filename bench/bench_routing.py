@@ -298,6 +298,8 @@ def _placement(results: list[dict[str, Any]], picks: list[dict[str, Any]], order
             left.remove(pick)
         usage = r.get("usage") or {}
         log.append({"conv": r["conv"], "turn": r["turn"], "ttft_s": r["ttft"], "sent_s": r["sent"],
+                    # to its last token: with sent_s and ttft_s, when it prefilled and when it decoded
+                    "latency_s": r.get("latency"),
                     "instance": order.index(pick["instance"]) if pick else None,
                     "loads": [pick["loads"].get(k) for k in order] if pick else None,
                     # the proxy's time from the request's send to its pick (tokenizing, choosing)

@@ -56,3 +56,17 @@ def test_main_prints_a_row_per_run_and_the_counts(tmp_path: Path, capsys: pytest
     assert "bench_routing-x" in out
     assert "kv_aware better than prefix in 1 runs: TTFT p50 0, TTFT mean 1, TTFT p99 1, req/s 1" in out
     assert "another instance idle / none idle" in out
+
+
+def test_later_turns_split_by_what_was_prefilling_and_decoding_on_their_instance() -> None:
+    """Requests in flight are not alike: one prefilling delays a new turn more than one decoding."""
+    def entry(turn: int, sent: float, ttft: float, latency: float | None, instance: int = 0) -> dict[str, Any]:
+        return {"turn": turn, "sent_s": sent, "ttft_s": ttft, "latency_s": latency, "instance": instance,
+                "pick_s": 0.01, "loads": [0, 0]}
+
+    log = [entry(0, 0.0, 1.0, 3.0),            # prefilling until 1.0, decoding until 3.0
+           entry(1, 0.5, 0.7, 1.0),            # picked at 0.51: one prefilling
+           entry(1, 2.0, 0.2, 2.5),            # picked at 2.01: one decoding (the first), the 0.5 one ended
+           entry(1, 2.0, 0.3, 2.5, instance=1),  # another instance: nothing on it
+           entry(1, 9.0, 5.0, None)]           # no latency_s (an older log): left out
+    assert table_mod.phases_at_pick(log) == {(0, 0): (1, 0.3), (0, 1): (1, 0.2), (1, 0): (1, 0.7)}
