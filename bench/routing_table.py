@@ -61,13 +61,20 @@ def load_at_pick(log: Iterable[dict[str, Any]], *, idle_elsewhere: bool = False)
     return {k: (len(v), statistics.median(v)) for k, v in sorted(got.items())}
 
 
-def phases_at_pick(log: list[dict[str, Any]]) -> dict[tuple[int, int], tuple[int, float]]:
+def phases_at_pick(logs: Iterable[list[dict[str, Any]]]) -> dict[tuple[int, int], tuple[int, float]]:
     """``(prefilling, decoding) on its instance at its pick (2 = 2+, 3 = 3+) -> (later turns,
-    their median TTFT)``: what was in flight, from the log's send, first-token and last-token
-    times (``latency_s``; entries without it are left out)."""
+    their median TTFT)`` over request logs of one run each (their clocks differ): what was in
+    flight, from the send, first-token and last-token times (``latency_s``; entries without it
+    are left out)."""
+    got: dict[tuple[int, int], list[float]] = {}
+    for log in logs:
+        _phases_of_run(log, got)
+    return {k: (len(v), statistics.median(v)) for k, v in sorted(got.items())}
+
+
+def _phases_of_run(log: list[dict[str, Any]], got: dict[tuple[int, int], list[float]]) -> None:
     timed = [r for r in log if r.get("latency_s") is not None and r["ttft_s"] is not None
              and r["instance"] is not None]
-    got: dict[tuple[int, int], list[float]] = {}
     for r in timed:
         if r["turn"] == 0:
             continue
@@ -76,7 +83,6 @@ def phases_at_pick(log: list[dict[str, Any]]) -> dict[tuple[int, int], tuple[int
         prefilling = sum(t < o["sent_s"] + o["ttft_s"] for o in on)
         decoding = sum(o["sent_s"] + o["ttft_s"] <= t < o["sent_s"] + o["latency_s"] for o in on)
         got.setdefault((min(prefilling, 2), min(decoding, 3)), []).append(r["ttft_s"])
-    return {k: (len(v), statistics.median(v)) for k, v in sorted(got.items())}
 
 
 def by_load_at_pick(reports: list[dict[str, Any]], policy: str, *,
@@ -118,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                           if idle and (n, False) in split)
         print(f"{policy} later turns by in-flight at pick, another instance idle / none idle: {cells}")
     for policy in (a, b):
-        log = [r for report in reports for name, run in report["runs"].items()
-               if name.split("#")[0] == policy for r in run.get("request_log") or ()]
-        phases = phases_at_pick(log)  # logs since 2026-12-06 have latency_s
+        logs = [run.get("request_log") or [] for report in reports for name, run in report["runs"].items()
+                if name.split("#")[0] == policy]
+        phases = phases_at_pick(logs)  # logs since 2026-12-06 have latency_s
         if phases:
             print(f"{policy} later turns by prefilling+decoding on their instance at pick: " + ", ".join(
                 f"p{p}d{d}: {k} turns {m:.3f} s" for (p, d), (k, m) in phases.items()))

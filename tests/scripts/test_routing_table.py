@@ -69,4 +69,6 @@ def test_later_turns_split_by_what_was_prefilling_and_decoding_on_their_instance
            entry(1, 2.0, 0.2, 2.5),            # picked at 2.01: one decoding (the first), the 0.5 one ended
            entry(1, 2.0, 0.3, 2.5, instance=1),  # another instance: nothing on it
            entry(1, 9.0, 5.0, None)]           # no latency_s (an older log): left out
-    assert table_mod.phases_at_pick(log) == {(0, 0): (1, 0.3), (0, 1): (1, 0.2), (1, 0): (1, 0.7)}
+    assert table_mod.phases_at_pick([log]) == {(0, 0): (1, 0.3), (0, 1): (1, 0.2), (1, 0): (1, 0.7)}
+    # a second run's log: its clock starts again, and its requests do not overlap the first's
+    assert table_mod.phases_at_pick([log, [entry(1, 0.5, 0.4, 1.0)]])[0, 0] == (2, 0.35)
