@@ -354,3 +354,23 @@ def test_live_batches_wait_while_a_partial_replay_gets_somewhere() -> None:
     router.on_batch(topic, 9, [_stored(DOC)])
     assert router.catch_up(topic, _ScriptedReplay([(7, 0, False)]))
     assert router.indexes[topic].last_seq == 9 and router.counters[("index_drops", "gap")] == 1
+
+
+def test_prefills_still_running_do_not_make_an_instance_silent() -> None:
+    """On a slow fleet several prompts reach an instance before its first prefill ends: only
+    prefills done without any event count (the 2-core box's bench fell back to prefix in two
+    of three repeats when routing itself counted)."""
+    router, policy = _router()
+    a, b = _fleet(2)
+    router.on_batch(a.key, 0, [_stored(DOC)])
+    keys = [_key([2000 + i] * 8) for i in range(6)]
+    for key in keys:
+        policy.select([a, b], key)  # routed, prefills running: nothing settled
+    assert router.counters[("fallbacks", "decode", "no_events")] == 0
+    assert sum(router.unheard_requests.values()) == 0
+    on_b = [k for k in keys if k.unheard.get("decode") == b.key]
+    assert len(on_b) >= router.silent_after  # the cost spread them: b got its share
+    router.on_batch(b.key, 0, [])  # b's first prefill ended and published
+    for key in keys:
+        router.settle("decode", key)
+    assert sum(router.unheard_requests.values()) == 0  # heard by the time they settled

@@ -66,6 +66,7 @@ class PromptKey:
     hashes: dict[int, list[int]] = field(default_factory=dict)  # block size -> normalised hashes
     predicted: dict[str, int] = field(default_factory=dict)  # instance kind -> predicted hit tokens
     charged: dict[str, tuple[str, float]] = field(default_factory=dict)  # kind -> (instance, queued work)
+    unheard: dict[str, str] = field(default_factory=dict)  # kind -> instance not heard yet when routed there
 
 
 class KvRouter:
@@ -85,7 +86,7 @@ class KvRouter:
         self.lost = ""  # why the event stream is down (cleared by the next batch)
         self.mean_prompt = 0.0
         self.heard: set[str] = set()  # instances whose events (live or replayed) arrived since they joined
-        self.unheard_requests: dict[str, int] = defaultdict(int)  # full-block prompts sent to one not heard
+        self.unheard_requests: dict[str, int] = defaultdict(int)  # full-block prefills done on one not heard
         self.silent_after = 3  # that many, and an instance not heard is taken for one that publishes nothing
         self.mean_work = 0.0  # predicted prefill work per routed request (recomputed-token units)
         #: the share of predicted pool tokens the instances really loaded (their own counters): they
@@ -316,7 +317,7 @@ class KvRouter:
                       if c.key not in self.heard and self.unheard_requests.get(c.key, 0) >= self.silent_after]
         if silent:
             self._log_once(f"silent:{silent[0]}", "kv_aware routes like prefix: instance %s published no KV "
-                           "events after %d requests of full blocks; start it with --kv-events-config (see "
+                           "events after %d prefills of full blocks; start it with --kv-events-config (see "
                            "--kv-events) or remove it", silent[0], self.unheard_requests.get(silent[0], 0))
             return None
         local, pool = self._hits(candidates, key, size)
@@ -411,23 +412,31 @@ class KvRouter:
         return self.backlog.left(inst.key) + per_request * (inst.in_flight + others) \
             + self.mean_work * others
 
-    def routed(self, inst: Instance, key: RoutingKey) -> None:
-        """``key`` went to ``inst`` (by prediction or fallback): count it against an instance
-        not heard yet when the prompt has a full block (vLLM publishes nothing for less), and
-        remember its last full block there (:attr:`sessions`)."""
+    def routed(self, inst: Instance, key: RoutingKey, kind: str = "decode") -> None:
+        """``key``'s ``kind`` request went to ``inst`` (by prediction or fallback): if the prompt
+        has a full block (vLLM publishes nothing for less) and ``inst`` was not heard yet, its
+        prefill will count against it once done (:meth:`settle`); remember its last full block
+        there (:attr:`sessions`)."""
         size = self.block_size()
         if not isinstance(key, PromptKey) or key.tokens is None or size is None or len(key.tokens) < size:
             return
         if inst.key not in self.heard:
-            self.unheard_requests[inst.key] += 1
+            key.unheard[kind] = inst.key
         self.sessions.record(inst.key, self._hashes(key, size))
 
     def settle(self, kind: str, key: RoutingKey) -> None:
-        """The prefill of ``key``'s ``kind`` request is done (its first token came back, or it
-        ended): its work no longer queues before others. Idempotent."""
-        charge = key.charged.pop(kind, None) if isinstance(key, PromptKey) else None
+        """The prefill of ``key``'s ``kind`` request is done (first token back, or it ended): its
+        work no longer queues, and an instance still not heard has one more prefill without events
+        (counted here, not when routed: on a slow fleet three prompts reach an instance before its
+        first prefill ends). Idempotent."""
+        if not isinstance(key, PromptKey):
+            return
+        charge = key.charged.pop(kind, None)
         if charge is not None:
             self.backlog.remove(*charge)
+        unheard = key.unheard.pop(kind, None)
+        if unheard is not None and unheard not in self.heard:
+            self.unheard_requests[unheard] += 1
 
     def observe(self, kind: str, key: RoutingKey, answer: Any) -> None:
         """Count what the instance reports it served from cache (``usage.prompt_tokens_details``)."""

@@ -118,7 +118,7 @@ class Router(Protocol):
     def decide(self, kind: str, candidates: Sequence[Instance], key: Any,
                start: int) -> Instance | None: ...
 
-    def routed(self, inst: Instance, key: Any) -> None: ...
+    def routed(self, inst: Instance, key: Any, kind: str = "decode") -> None: ...
 
     def holder(self, candidates: Sequence[Instance], key: Any) -> Instance | None: ...
 
@@ -230,13 +230,13 @@ class KvAwarePolicy(SchedulingPolicy):
         if not reason:
             pick = router.decide(self.kind, candidates, prefix, self._n % len(candidates))
             if pick is not None:
-                router.routed(pick, prefix)
+                router.routed(pick, prefix, self.kind)
                 return pick
             reason = "no_events"
         router.counters[("fallbacks", self.kind, reason)] += 1
         nothing_known = reason in ("no_events", "no_tokens") and router.block_size() is None
         pick = (self._spread if nothing_known else self._fallback).select(candidates, raw)
-        router.routed(pick, prefix)
+        router.routed(pick, prefix, self.kind)
         return pick
 
 
