@@ -25,6 +25,17 @@ from typing import Any
 __all__ = ["by_load_at_pick", "load_at_pick", "main", "per_run"]
 
 
+def _policy(run_name: str) -> str:
+    """The policy of a run named ``policy`` or ``policy#N`` (its N-th repeat)."""
+    return run_name.split("#")[0]
+
+
+def _logs(reports: list[dict[str, Any]], policy: str) -> list[list[dict[str, Any]]]:
+    """The request log of every run of ``policy`` (one list per run: their clocks differ)."""
+    return [run.get("request_log") or [] for report in reports for name, run in report["runs"].items()
+            if _policy(name) == policy]
+
+
 def _ttfts(run: dict[str, Any]) -> list[float]:
     return [r["ttft_s"] for r in run.get("request_log") or () if r["ttft_s"] is not None]
 
@@ -40,7 +51,7 @@ def per_run(report: dict[str, Any], policies: tuple[str, str]) -> dict[str, tupl
     for name, run in report["runs"].items():
         ttfts = _ttfts(run)
         if ttfts:
-            groups.setdefault(name.split("#")[0], []).append(
+            groups.setdefault(_policy(name), []).append(
                 (statistics.median(ttfts), statistics.fmean(ttfts), run["ttft_p99_s"], run["requests_per_s"]))
     if not all(p in groups for p in policies):
         return None
@@ -88,9 +99,7 @@ def _phases_of_run(log: list[dict[str, Any]], got: dict[tuple[int, int], list[fl
 def by_load_at_pick(reports: list[dict[str, Any]], policy: str, *,
                     idle_elsewhere: bool = False) -> dict[Any, tuple[int, float]]:
     """:func:`load_at_pick` over every run of ``policy`` (its repeats pooled)."""
-    return load_at_pick((r for report in reports for name, run in report["runs"].items()
-                         if name.split("#")[0] == policy for r in run.get("request_log") or ()),
-                        idle_elsewhere=idle_elsewhere)
+    return load_at_pick((r for log in _logs(reports, policy) for r in log), idle_elsewhere=idle_elsewhere)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                           if idle and (n, False) in split)
         print(f"{policy} later turns by in-flight at pick, another instance idle / none idle: {cells}")
     for policy in (a, b):
-        logs = [run.get("request_log") or [] for report in reports for name, run in report["runs"].items()
-                if name.split("#")[0] == policy]
-        phases = phases_at_pick(logs)  # logs since 2026-12-06 have latency_s
+        phases = phases_at_pick(_logs(reports, policy))  # logs since 2026-12-06 have latency_s
         if phases:
             print(f"{policy} later turns by prefilling+decoding on their instance at pick: " + ", ".join(
                 f"p{p}d{d}: {k} turns {m:.3f} s" for (p, d), (k, m) in phases.items()))

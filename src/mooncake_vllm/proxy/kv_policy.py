@@ -412,7 +412,7 @@ class KvRouter:
         return self.backlog.left(inst.key) + per_request * (inst.in_flight + others) \
             + self.mean_work * others
 
-    def routed(self, inst: Instance, key: RoutingKey, kind: str = "decode") -> None:
+    def routed(self, inst: Instance, key: RoutingKey, kind: str) -> None:
         """``key``'s ``kind`` request went to ``inst`` (by prediction or fallback): if the prompt
         has a full block (vLLM publishes nothing for less) and ``inst`` was not heard yet, its
         prefill will count against it once done (:meth:`settle`); remember its last full block
