@@ -9,7 +9,10 @@ during that load (from adding the request to its first token) vs alone. Then poo
 (``--clients`` closed-loop clients, one of ``--docs`` shared documents the writer put in the
 pool + a unique question each: throughput, TTFT p50/p99, ITL p99); misses (unique prompts,
 TTFT vs no connector: what saving every block costs). ``--pyspy``: py-spy samples mixed reps
-1 (the GIL holder) and 2 (every thread on a CPU, native frames) of ``--pyspy-modes``. Modes,
+1 (the GIL holder) and 2 (every thread on a CPU, native frames) of ``--pyspy-modes``.
+``--timeline-modes``: one more mixed rep of those modes under torch.profiler, a window of its
+steps as a chrome trace (CPU ops, CUDA kernels and copies, vLLM's and our hooks' ranges), read
+by bench/timeline_table.py. Modes,
 one fresh vLLM process each (the reader)::
 
     none       no connector: the 8k prompt is recomputed
@@ -100,8 +103,9 @@ def _prompts(args: argparse.Namespace) -> dict[str, Any]:
     warm_lens = [int(args.warm_len * (0.5, 1.0, 2.0)[i % 3]) for i in range(args.warm_prompts)]
     per_mode = {m: {"warm": [toks(n) for n in warm_lens],
                     "stream_alone": toks(64), "stream_loaded": toks(64),
+                    # one set per mixed rep, and the timeline's own last
                     "questions": [[toks(args.question_len) for _ in range(args.requests)]
-                                  for _ in range(args.mixed_reps)],
+                                  for _ in range(args.mixed_reps + 1)],
                     "misses": {str(n): [toks(n) for _ in range(args.miss_reps)]
                                for n in args.miss_lengths}}
                 for m in MODES}
@@ -138,7 +142,9 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     params = {"stream_tokens": args.stream_tokens, "save_timeout": 120.0, "extra_save_wait": 0.0,
               "out_tokens": args.out_tokens, "clients": args.clients,
               "degraded_seconds": args.degraded_seconds, "mixed_reps": args.mixed_reps,
-              "profile_hooks": str(Path(args.out).parent) if args.profile_hooks else ""}
+              "profile_hooks": str(Path(args.out).parent) if args.profile_hooks else "",
+              "torch_profile": {"dir": str(Path(args.out).parent), "skip": args.timeline_skip,
+                                "steps": args.timeline_steps}}
     report: dict[str, Any] = {"args": vars(args), "inject_after": INJECT_AFTER, "engine": engine,
                               "runs": {}, "writers": {}, "started": time.strftime("%F %T")}
     out = Path(args.out)
@@ -151,6 +157,8 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     from mooncake_vllm.demo.run import INSTANCE_ENV
 
     base_env = {**os.environ, **INSTANCE_ENV, "TMPDIR": str(work)}
+    if args.timeline_modes:  # vLLM's step scopes in the trace (every mode alike: same overhead)
+        base_env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     modes = [m for m in MODES if m in args.modes]
     writers = sorted({w for m in modes if (w := _writer_of(m))})
     procs: dict[str, EngineProcess] = {}
@@ -239,6 +247,15 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         for mode in modes:
             row = report["table"].get(mode, {}).get("mixed")
             print(f"[bench] {mode} mixed: {json.dumps(row)}"[:1500], flush=True)
+    for mode in [m for m in modes if m in args.timeline_modes and m in procs]:
+        try:
+            tl = procs[mode].run("timeline", args.measure_timeout + 120)
+            report["runs"][mode]["timeline"] = tl
+            print(f"[bench] {mode} timeline: {tl.get('trace')} {tl.get('gz_bytes')} B "
+                  f"{tl.get('error', '')}", flush=True)
+        except RuntimeError as exc:
+            report["runs"][mode]["timeline"] = {"error": str(exc)}
+        dump()
     for p in procs.values():
         p.close()
     report["finished"] = time.strftime("%F %T")
@@ -299,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-hooks", action="store_true",
                     help="cProfile inside our connector's hooks in mixed reps: "
                          "hooks-profile-MODE-mixedN.txt beside --out (timings then include its overhead)")
+    ap.add_argument("--timeline-modes", default="",
+                    help="after the mixed reps, one more under torch.profiler (CPU + CUDA) in these "
+                         "modes: timeline-MODE.json.gz beside --out (bench/timeline_table.py)")
+    ap.add_argument("--timeline-skip", type=int, default=40, help="timeline: engine steps before the window")
+    ap.add_argument("--timeline-steps", type=int, default=100, help="timeline: engine steps recorded")
     ap.add_argument("--local-stack", action="store_true", help="start a Mooncake stack (CPU dry run)")
     ap.add_argument("--seed", type=int, default=None,
                     help="prompts' seed (default: the time): runs on one pool never hit each other's prompts")
@@ -311,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     args.phases = args.phases.split(",")
     args.degraded_modes = [m for m in args.degraded_modes.split(",") if m]
     args.pyspy_modes = args.pyspy_modes.split(",")
+    args.timeline_modes = [m for m in args.timeline_modes.split(",") if m]
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-interference-"))
     if not args.local_stack:
         _run(args, work)

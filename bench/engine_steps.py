@@ -49,12 +49,14 @@ class Req:
 
 
 def serve(engine: Any, reqs: list[Req], clients: int = 1, inject: tuple[int, Req] | None = None,
-          detokenize: bool = True, steps: list[float] | None = None) -> None:
+          detokenize: bool = True, steps: list[float] | None = None,
+          after_step: Callable[[], Any] | None = None) -> None:
     """Closed loop: ``clients`` clients, each sending its next request once its last one ended.
 
     ``inject=(n, req)`` adds ``req`` (outside the loop) once ``reqs[0]`` has ``n`` tokens;
     ``detokenize=False`` for engines built with ``skip_tokenizer_init``; ``steps`` gets
-    every ``engine.step()``'s seconds.
+    every ``engine.step()``'s seconds; ``after_step`` is called after each (a profiler's
+    ``step``).
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -78,6 +80,8 @@ def serve(engine: Any, reqs: list[Req], clients: int = 1, inject: tuple[int, Req
         n_steps += 1
         if steps is not None:
             steps.append(now - t_step)
+        if after_step is not None:
+            after_step()
         for out in outputs:
             r = live.get(out.request_id)
             if r is None:
@@ -104,7 +108,8 @@ class HookTimer:
     ``{hook: [calls, seconds]}``: the connector's own per-step cost, beside the step times.
     With ``profile`` set, cProfile also runs inside the hooks (one profiler per thread, nothing
     outside a hook): ``take_profile()`` names where their time goes (the timings then include
-    cProfile's own overhead, so compare shares, not the totals)."""
+    cProfile's own overhead, so compare shares, not the totals). With ``annotate`` set, each
+    hook call is a ``mcv:<hook>`` range in a running torch profiler's trace."""
 
     HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
              "request_finished", "update_connector_output", "take_events", "get_kv_connector_stats",
@@ -116,6 +121,7 @@ class HookTimer:
         self.totals: dict[str, list[float]] = {}
         self._lock = threading.Lock()
         self.profile = False
+        self.annotate = False
         self._profilers: dict[int, cProfile.Profile] = {}
 
     def install(self, cls: type) -> None:
@@ -130,6 +136,11 @@ class HookTimer:
             prof = self._profiler() if self.profile else None
             t0 = time.perf_counter()
             try:
+                if self.annotate:
+                    import torch
+
+                    with torch.profiler.record_function(f"mcv:{name}"):
+                        return fn(*args, **kwargs)
                 if prof is None:
                     return fn(*args, **kwargs)
                 return prof.runcall(fn, *args, **kwargs)

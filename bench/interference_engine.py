@@ -29,8 +29,10 @@ INJECT_AFTER = 32  #: stream tokens before the 8k request arrives
 HOOKS = HookTimer()
 
 
-def _serve(engine: Any, reqs: list[Req], clients: int = 1, steps: list[float] | None = None) -> None:
-    serve(engine, reqs, clients=clients, detokenize=False, steps=steps)  # no tokenizer here
+def _serve(engine: Any, reqs: list[Req], clients: int = 1, steps: list[float] | None = None,
+           after_step: Callable[[], Any] | None = None) -> None:
+    serve(engine, reqs, clients=clients, detokenize=False, steps=steps,  # no tokenizer here
+          after_step=after_step)
 
 
 def _advisor() -> dict[str, Any] | None:
@@ -160,6 +162,28 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
                           "p99_s": pct(steps, 0.99)},
                 "hooks": HOOKS.take(), "rep": rep}
 
+    def timeline() -> dict[str, Any]:
+        """One more mixed rep (questions no rep asked) under torch.profiler: a window of its
+        steps as a gzipped chrome trace beside the driver's JSON (bench/timeline_table.py)."""
+        from torch_timeline import record
+
+        warm()
+        settle = _settle(llm, p["save_timeout"])
+        docs, steps, prof = pr["docs"], [], p["torch_profile"]
+        reqs = [req(docs[i % len(docs)] + q, p["out_tokens"])
+                for i, q in enumerate(pr["questions"][-1])]
+        trace = Path(prof["dir"], f"timeline-{Path(spec['dir']).name}.json")
+        HOOKS.annotate = True
+        try:
+            rec = record(lambda after: _serve(engine, reqs, p["clients"], steps=steps, after_step=after),
+                         trace, skip=prof["skip"], active=prof["steps"])
+        finally:
+            HOOKS.annotate = False
+        return {**closed_loop_stats(reqs), **rec, "settle_s": settle, "steps_s": steps,
+                "cached": [r.cached for r in reqs], "ttft_s": [r.ttft() for r in reqs],
+                # 0-based engine steps: ProfilerStep#N of the trace is step N
+                "add_step": [r.step_add for r in reqs], "first_step": [r.step_first - 1 for r in reqs]}
+
     def misses() -> dict[str, Any]:
         """Prompts nobody stored, back to back (each save runs beside the next prefill)."""
         from mooncake_vllm.demo.run import connector_counters, wait_saves_idle
@@ -184,7 +208,8 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         return {"requests": runs, "connector": connector_counters()}
 
     commands: dict[str, Callable[[], dict[str, Any]]] = {
-        "write": write, "measure": measure, "misses": misses, "degraded": degraded}
+        "write": write, "measure": measure, "misses": misses, "degraded": degraded,
+        "timeline": timeline}
     for rep in range(p["mixed_reps"]):
         commands[f"mixed{rep}"] = functools.partial(mixed, rep)
     return commands
