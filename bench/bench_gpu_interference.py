@@ -24,6 +24,9 @@ one fresh vLLM process each (the reader)::
                installed into, put first on that process's PYTHONPATH): A/B of a change
     ours-always  ours claiming every hit (``load_policy`` always)
     ours-1c    ours with one store client claiming every hit (the transfers before issue 24)
+    ours-split ours, the engine process started on half of the physical cores (every sibling
+               of each): our threads and Mooncake's move to the other half (v1/placement.py),
+               so no transfer shares a core or its caches' nearest level with vLLM's thread
     ours-never ours claiming nothing (``load_policy`` never): lookups and saves only
     ours-load  ours as ``kv_consumer``: lookups and loads, no saves
     noop       a connector whose every hook returns at once (bench/noop_connector.py): what
@@ -70,9 +73,9 @@ from interference_table import derive
 __all__ = ["main"]
 
 #: measured in this order
-MODES = ("ours", "ours-always", "ours-1c", "ours-prev", "ours-sync", "ours-never", "ours-load", "none",
+MODES = ("ours", "ours-split", "ours-always", "ours-1c", "ours-prev", "ours-sync", "ours-never", "ours-load", "none",
          "noop", "ours-zc", "intree")
-_EXTRA = {"ours": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
+_EXTRA = {"ours": {}, "ours-split": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
           "ours-never": {"load_policy": "never"},
           "ours-zc": {"gpu_path": "zero_copy"}, "ours-always": {"load_policy": "always"},
           "ours-1c": {"load_policy": "always", "store_clients": 1}}
@@ -124,6 +127,8 @@ def _mode_config(mode: str, prev_site: str = "") -> tuple[dict[str, Any] | None,
         return (kv_transfer_config("kv_both", connector="in-tree"),
                 {"MOONCAKE_VLLM_DISABLE": "1", "PYTHONHASHSEED": "0"})
     env = other_build_env(prev_site) if mode == "ours-prev" else {}
+    if mode == "ours-split":
+        env = {"MCV_BENCH_SPLIT_CORES": "1"}
     if mode == "ours-load":  # loads only: what saving costs a serving engine, by difference
         return kv_transfer_config("kv_consumer"), env
     return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), env

@@ -80,6 +80,24 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
+def _thread_affinity() -> dict[str, str]:
+    """Each thread's allowed CPUs (``first-last`` or a list), by thread name as in
+    :func:`_thread_cpu`: where our threads and Mooncake's run beside vLLM's."""
+    import threading
+
+    named = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, str] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = named.get(int(task.name)) or (task / "comm").read_text().strip()
+            cpus = sorted(os.sched_getaffinity(int(task.name)))
+        except OSError:
+            continue
+        text = f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else str(cpus)
+        out[name] = text
+    return out
+
+
 def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """CPU seconds per thread name between two :func:`_thread_cpu` calls (busiest first)."""
     delta = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
@@ -208,7 +226,8 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
                 "steps": {"n": len(steps), "sum_s": sum(steps), "p50_s": pct(steps, 0.5),
                           "p99_s": pct(steps, 0.99)},
                 "hooks": HOOKS.take(), "rep": rep, "gc": _gc_census(),
-                "thread_cpu_s": cpu, "rss_mib": _rss_mib()}
+                "thread_cpu_s": cpu, "rss_mib": _rss_mib(),
+                **({"thread_cpus": _thread_affinity()} if rep == 0 else {})}
 
     def timeline() -> dict[str, Any]:
         """One more mixed rep (questions no rep asked) under torch.profiler: a window of its
@@ -263,6 +282,27 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
     return commands
 
 
+def _physical_cores() -> list[set[int]]:
+    """This process's CPUs grouped by physical core (siblings together), from sysfs."""
+    cores: dict[str, set[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        key = path.read_text().strip() if path.exists() else str(cpu)
+        cores.setdefault(key, set()).add(cpu)
+    return list(cores.values())
+
+
+def _split_cores() -> dict[str, Any] | None:
+    """``MCV_BENCH_SPLIT_CORES=1``: this process (vLLM's threads, and every thread they start)
+    keeps the first half of the physical cores; our threads move to the rest when they start."""
+    if os.environ.get("MCV_BENCH_SPLIT_CORES") != "1":
+        return None
+    cores = _physical_cores()
+    mine = set().union(*cores[:max(1, len(cores) // 2)])
+    os.sched_setaffinity(0, mine)
+    return {"engine_cpus": sorted(mine), "physical_cores": [sorted(c) for c in cores]}
+
+
 def _worker(spec: dict[str, Any]) -> None:
     """One vLLM engine: ``ready`` once built, then one command per stdin line, results as files."""
     out, rc = Path(spec["dir"]), 0
@@ -270,11 +310,12 @@ def _worker(spec: dict[str, Any]) -> None:
         import vllm
         from vllm import LLM
 
+        split = _split_cores()
         t0 = time.perf_counter()
         llm = LLM(**spec["engine"], kv_transfer_config=spec["kv_config"])
         import mooncake_vllm
 
-        info = {"init_s": time.perf_counter() - t0, "vllm": vllm.__version__,
+        info = {"init_s": time.perf_counter() - t0, "vllm": vllm.__version__, "split": split,
                 "mooncake_vllm": str(Path(mooncake_vllm.__file__).parent)}
         try:
             info["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
