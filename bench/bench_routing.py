@@ -148,13 +148,12 @@ async def _turn(session: aiohttp.ClientSession, base: str, model: str, prompt: s
 
 
 async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, model: str,
-                      convs: list[dict[str, Any]], p: dict[str, Any], gate: float = 0.0) -> dict[str, Any]:
+                      convs: list[dict[str, Any]], p: dict[str, Any]) -> dict[str, Any]:
     server = ProxyServer(ProxyConfig(model=model, decode=[str(f.address) for f in fleet], port=0, flow="kv_both",
                                      scheduling=policy, kv_events=endpoint, health_interval=2.0,
                                      kv_replay=[f"{f.address}={f.replay}" for f in fleet],
                                      health_timeout=10.0,
                                      kv_queue_cap=p.get("kv_queue_cap", 0) if policy == "kv_aware" else 0,
-                                     prefill_gate=gate,
                                      # kv_aware tokenizes here: no /tokenize round trip per request
                                      tokenizer=model if policy == "kv_aware" and p.get("local_tokenizer")
                                      else None))
@@ -226,8 +225,7 @@ async def _run_policy(policy: str, fleet: list[ManagedProcess], endpoint: str, m
         "cpu_s": {k: round(v - cpu0.get(k, 0.0), 2) for k, v in sorted(cpu1.items())
                   if v - cpu0.get(k, 0.0) >= 0.01},
         "max_over_mean_load": max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) else None,
-        "proxy_kv_aware_counters": [ln for ln in metrics if ln.startswith(("mooncake_proxy_kv_aware_",
-                                                                             "mooncake_proxy_prefill_gate_"))
+        "proxy_kv_aware_counters": [ln for ln in metrics if ln.startswith("mooncake_proxy_kv_aware_")
                                     and ("_total" in ln or "pool_realized" in ln or "prefill_rate" in ln)],
         **_placement(results, picks, [str(f.address) for f in fleet], convs),
     }
@@ -388,11 +386,9 @@ async def _main(p: dict[str, Any], out: Path, smoke: bool, log: Callable[[str], 
                                            for i, f in enumerate(fleet)))
                 order = [c if r == 0 else f"{c}#{r + 1}" for r in range(p.get("repeats", 1)) for c in configs]
                 for seed, name in enumerate(order, start=1 if kind == "pool" else 1001):
-                    config = name.split("#")[0].removesuffix("-nopool")
-                    policy = config.removesuffix("-gate")  # kv_aware-gate: kv_aware behind --prefill-gate
-                    gate = p.get("prefill_gate", 0.0) if config.endswith("-gate") else 0.0
+                    policy = name.split("#")[0].removesuffix("-nopool")
                     log(f"{name}: {p['conversations']} conversations x {p['turns']} turns")
-                    runs[name] = await _run_policy(policy, fleet, endpoint, model, _workload(p, seed, tpw), p, gate)
+                    runs[name] = await _run_policy(policy, fleet, endpoint, model, _workload(p, seed, tpw), p)
                     log(json.dumps({k: v for k, v in runs[name].items()
                                     if k not in ("proxy_kv_aware_counters", "request_log")}))
             finally:
@@ -435,9 +431,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="kv_aware asks an instance's /tokenize per request (default: --tokenizer, the model's)")
     ap.add_argument("--kv-queue-cap", type=int, default=0,
                     help="kv_aware's --kv-queue-cap: requests on an instance beyond which it picks another")
-    ap.add_argument("--prefill-gate", type=float, default=0.0, metavar="S",
-                    help="configuration kv_aware-gate: kv_aware whose proxy holds a streamed request up to S s "
-                         "until the prefill ahead on its instance has its first token")
     ap.add_argument("--arrivals", type=float, default=0.0,
                     help="open loop: conversations start as a Poisson process of this many per second, "
                          "each running its turns back to back (default: --clients closed-loop clients)")
@@ -453,7 +446,6 @@ def main(argv: list[str] | None = None) -> int:
         p["configs"] = args.configs
     p["local_tokenizer"] = not args.remote_tokenize
     p["kv_queue_cap"] = args.kv_queue_cap
-    p["prefill_gate"] = args.prefill_gate
     if args.arrivals < 0:
         ap.error("--arrivals: give conversations per second (> 0), or leave it out for closed-loop clients")
     p["arrivals"] = args.arrivals

@@ -41,7 +41,6 @@ class ProxyConfig:
     tokenizer: str | None = None  # kv_aware: the served model's tokenizer dir (completions tokenized here)
     kv_replay: dict[str, str] | list[str] = field(default_factory=dict)  # kv_aware: host:port -> replay socket
     kv_queue_cap: int = 0  # kv_aware: requests on an instance beyond which it picks another; 0 = no cap
-    prefill_gate: float = 0.0  # a streamed request waits up to this (s) for the prefill ahead on its instance; 0 = no
     engine_metrics_interval: float = 1.0  # seconds between reads of each instance's /metrics; 0 = never
 
 

@@ -35,7 +35,6 @@ from mooncake_vllm.proxy import admin, engine_load, flows, kv_fallback, kv_polic
 from mooncake_vllm.proxy.config import ProxyConfig, config_from_env
 from mooncake_vllm.proxy.instances import Instance, InstancePool, parse_endpoint
 from mooncake_vllm.proxy.metrics import ProxyMetrics
-from mooncake_vllm.proxy.prefill_gate import GateTicket, PrefillGate
 from mooncake_vllm.proxy.scheduling import make_policy
 
 __all__ = ["ProxyConfig", "ProxyServer", "config_from_env"]
@@ -77,7 +76,6 @@ class ProxyServer:
         if config.kv_replay:
             self.config = config = replace(config, kv_replay=kv_policy.parse_replay(config.kv_replay))
         self.kv = kv_policy.attach(self)
-        self.gate = PrefillGate(config.prefill_gate) if config.prefill_gate > 0 else None
         if not config.unavailable_wait >= 0:
             raise ConfigError("--unavailable-wait", [ConfigProblem(
                 "--unavailable-wait", f"must be 0 or more seconds, found {config.unavailable_wait!r}",
@@ -342,10 +340,7 @@ class ProxyServer:
         for attempt in (0, 1):
             inst = await self.pick_waiting("decode", prefix)
             inst.acquire()
-            ticket: GateTicket | None = None
             try:
-                if stream and self.gate is not None:
-                    ticket = await self.gate.enter(inst.key)
                 async with self.session.post(inst.url + route, data=data, headers=headers) as up:
                     if up.status >= 400:
                         raise await self._error_from(inst, up, secrets)
@@ -355,25 +350,21 @@ class ProxyServer:
                         if self.kv is not None:
                             self.kv.observe("decode", prefix, flows.parse_prefill_answer("store", "", raw))
                         return web.Response(body=raw, status=up.status, content_type=up.content_type or None), up.status
-                    return await self._stream(request, inst, up, route, t0, prefix, ticket)
+                    return await self._stream(request, inst, up, route, t0, prefix)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 if (err := self._upstream_failure(inst, exc, last=attempt == 1, secrets=secrets)) is not None:
                     raise err from None
             finally:
-                if ticket is not None:
-                    ticket.release()
                 inst.release()
                 if self.kv is not None:
                     self.kv.settle("decode", prefix)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _stream(self, request: web.Request, inst: Instance, up: aiohttp.ClientResponse,
-                      route: str, t0: float, prefix: Any = b"",
-                      ticket: GateTicket | None = None) -> tuple[web.StreamResponse, int]:
+                      route: str, t0: float, prefix: Any = b"") -> tuple[web.StreamResponse, int]:
         """Relay an upstream stream; a break after the first byte ends with an SSE error event.
         Returns the response and the status to record (502 broken, 499 client gone). The first
-        byte ends the request's prefill (``kv_aware`` stops counting it as queued work; the next
-        request waiting at its instance's prefill gate goes)."""
+        byte ends the request's prefill (``kv_aware`` stops counting it as queued work)."""
         ctype = up.headers.get("Content-Type", _SSE)
         resp = web.StreamResponse(status=up.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
         first = True
@@ -383,8 +374,6 @@ class ProxyServer:
                     await resp.prepare(request)
                     self.metrics.observe_ttfb(route, time.perf_counter() - t0)
                     first = False
-                    if ticket is not None:
-                        ticket.release()
                     if self.kv is not None:
                         self.kv.settle("decode", prefix)
                 await resp.write(chunk)
@@ -481,8 +470,7 @@ class ProxyServer:
     async def handle_metrics(self, _request: web.Request) -> web.Response:
         text = (self.metrics.render(self.pool) + engine_load.render(self.pool)
                 + (self.kv.render() if self.kv is not None else "")
-                + (self.fallback.render() if self.fallback is not None else "")
-                + (self.gate.render() if self.gate is not None else ""))
+                + (self.fallback.render() if self.fallback is not None else ""))
         return web.Response(text=text, content_type="text/plain",
                             headers={"X-Content-Type-Options": "nosniff"})
 
