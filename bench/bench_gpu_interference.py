@@ -25,7 +25,7 @@ one fresh vLLM process each (the reader)::
     ours-always  ours claiming every hit (``load_policy`` always)
     ours-1c    ours with one store client claiming every hit (the transfers before issue 24)
     ours-split ours, the engine process started on half of the physical cores (every sibling
-               of each): our threads and Mooncake's move to the other half (v1/placement.py),
+               of each): our threads and Mooncake's move to the other half (placement.py),
                so no transfer shares a core or its caches' nearest level with vLLM's thread
     ours-never ours claiming nothing (``load_policy`` never): lookups and saves only
     ours-load  ours as ``kv_consumer``: lookups and loads, no saves

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from mooncake_vllm.placement import off_compute_cores
 from mooncake_vllm.stats import StoreStats
 from mooncake_vllm.store.breaker import Breaker
 
@@ -63,6 +64,7 @@ class PoolHealth:
                         self.address, why)
 
     def _run_probe(self) -> None:
+        off_compute_cores()
         try:
             ok = self._probe()
         except Exception:  # noqa: BLE001 - a probe that raises is a failed probe

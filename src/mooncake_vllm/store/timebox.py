@@ -15,6 +15,10 @@ whole process or machine stood still (a paused VM, an overloaded box) while the 
 itself needed only a moment more. The saves, save lookups, published markers and block
 transfers have one (a synchronous load — ``load_async`` off, or V0 — thus waits at most
 the grace longer on vLLM's thread); the scheduler's lookups do not.
+
+Workers start off vLLM's compute cores (:func:`~mooncake_vllm.placement.off_compute_cores`,
+unless the box names its own ``initializer``): a worker is started by whichever thread
+submits first, often vLLM's own (a lookup, a probe), and would otherwise share its cores.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from mooncake_vllm.errors import CallRejected, CallTimedOut
+from mooncake_vllm.placement import off_compute_cores
 from mooncake_vllm.store.codes import call
 
 __all__ = ["STALL_GRACE", "LateRelease", "TimeBox"]
@@ -51,7 +56,7 @@ class TimeBox:
         self.answered_in_grace = 0
         self._slots = threading.Semaphore(workers)
         self._pool = ThreadPoolExecutor(max_workers=workers + spare, thread_name_prefix=f"mcv-{name}",
-                                        initializer=initializer)
+                                        initializer=initializer or off_compute_cores)
         self._spare = spare
         self._abandoned: set[int] = set()  # ids of futures whose slot was handed on
         self._lock = threading.Lock()

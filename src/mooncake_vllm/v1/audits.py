@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mooncake_vllm.placement import off_compute_cores
 from mooncake_vllm.stats import Counters
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, leading
@@ -104,6 +105,7 @@ class AuditLane:
         thread.join(5.0)
 
     def _run(self) -> None:
+        off_compute_cores()
         while True:
             audit = self._asked.get()
             if audit is None:

@@ -16,8 +16,8 @@ from typing import Protocol
 
 from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.errors import StoreUnavailableError
+from mooncake_vllm.placement import off_compute_cores
 from mooncake_vllm.store import StoreClient
-from mooncake_vllm.v1.placement import off_compute_cores
 
 __all__ = ["ClientSource", "SharedClient", "shared_client"]
 

@@ -17,7 +17,7 @@ A ``tenant_id`` in the Mooncake config joins the key namespace.
 
 The pool's threads (save, load, Mooncake's client threads) run off vLLM's CPU
 compute cores, or below vLLM's priority where they share its cores
-(:mod:`~mooncake_vllm.v1.placement`; ``MOONCAKE_VLLM_THREAD_AFFINITY=off`` leaves
+(:mod:`~mooncake_vllm.placement`; ``MOONCAKE_VLLM_THREAD_AFFINITY=off`` leaves
 both alone, ``MOONCAKE_VLLM_THREAD_NICE`` sets how far below).
 """
 
@@ -38,6 +38,7 @@ from mooncake_vllm.compat.facts import installed_facts
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.logs import follow_vllm_logging
+from mooncake_vllm.placement import note_compute_cores, thread_nice
 from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.store.namespaces import clear_namespaces, register_namespaces
 from mooncake_vllm.v1.audits import AuditLane
@@ -49,7 +50,6 @@ from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
 from mooncake_vllm.v1.metrics import PoolStats, build_prom_metrics
 from mooncake_vllm.v1.namespace import expected_layout, rank_namespaces
 from mooncake_vllm.v1.nesting import adopt_failure_policy, check_stats_name, parent_config, required_layout
-from mooncake_vllm.v1.placement import thread_nice
 from mooncake_vllm.v1.refill import cached_block
 from mooncake_vllm.v1.scheduler import SchedulerLogic
 from mooncake_vllm.v1.telemetry import Telemetry
@@ -234,6 +234,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
+        # on vLLM's thread, after its CPU backend pinned its compute cores: where the pool's
+        # threads go (placement.py; the first of our threads to start would decide the same)
+        note_compute_cores()
         if not self._groups_checked:  # releases that give connectors no KVCacheConfig
             check_kv_caches(kv_caches, self._vllm_config, model=self.settings.model_id)
         self.worker.register_kv_caches(kv_caches)

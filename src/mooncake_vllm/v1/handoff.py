@@ -47,6 +47,7 @@ from mooncake_vllm.handoff_protocol import (
     parse_marker,
     report_params,
 )
+from mooncake_vllm.placement import off_compute_cores
 from mooncake_vllm.store.timebox import STALL_GRACE
 
 __all__ = [
@@ -212,6 +213,7 @@ class MarkerWaiter:
                 self._cond.notify_all()
 
     def _loop(self) -> None:
+        off_compute_cores()
         while True:
             with self._cond:
                 while not self._watches and not self._closed:

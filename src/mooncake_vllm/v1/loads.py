@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mooncake_vllm.placement import off_compute_cores
 from mooncake_vllm.v1.metadata import BlockJob
-from mooncake_vllm.v1.placement import off_compute_cores
 
 __all__ = ["BackgroundLoads", "LoadOrder"]
 

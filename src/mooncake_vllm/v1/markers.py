@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mooncake_vllm.placement import off_compute_cores
 from mooncake_vllm.store.timebox import STALL_GRACE
 
 __all__ = ["DueMarkers", "Marker", "due_now"]
@@ -88,6 +89,7 @@ class DueMarkers:
             self._cond.notify_all()
 
     def _loop(self) -> None:
+        off_compute_cores()
         while True:
             with self._cond:
                 while not self._stopping:

@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.handoff_protocol import handoff_key, marker_value
+from mooncake_vllm.placement import off_compute_cores
 from mooncake_vllm.store.health import FailureLog
 from mooncake_vllm.v1.markers import DueMarkers, Marker
 from mooncake_vllm.v1.metadata import BlockJob
-from mooncake_vllm.v1.placement import off_compute_cores
 
 if TYPE_CHECKING:
     from mooncake_vllm.v1.client import ClientSource

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.keys import KeyNamespace
 from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.placement import off_compute_cores
 from mooncake_vllm.stats import CounterNames, Counters
 from mooncake_vllm.v1.loads import BackgroundLoads, LoadOrder
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
@@ -149,6 +150,7 @@ class WorkerLogic:
             self._probing = True
 
         def run() -> None:
+            off_compute_cores()
             try:
                 assert self.layout is not None
                 bs = self.namespace.block_size

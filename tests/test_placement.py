@@ -7,16 +7,25 @@ import threading
 
 import pytest
 
+from mooncake_vllm import placement
 from mooncake_vllm.errors import ConfigError
-from mooncake_vllm.v1.placement import (
+from mooncake_vllm.placement import (
     DEFAULT_NICE,
     THREAD_AFFINITY_ENV,
     THREAD_NICE_ENV,
+    note_compute_cores,
     off_compute_cores,
     thread_nice,
 )
+from mooncake_vllm.store.timebox import TimeBox
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+
+
+@pytest.fixture(autouse=True)
+def _undecided(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test decides afresh (the process's decision is made once)."""
+    monkeypatch.setattr(placement, "_decided", None)
 
 
 def _placed(cores: set[int]) -> tuple[int, set[int], int]:
@@ -96,3 +105,89 @@ def test_the_connector_refuses_a_bad_value_at_start(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(THREAD_NICE_ENV, "99")
     with pytest.raises(ConfigError, match=THREAD_NICE_ENV):
         MooncakeStoreConnector(SimpleNamespace(), KVConnectorRole.WORKER)
+
+
+def _in_thread(fn: object, cores: set[int] | None = None) -> object:
+    """``fn()``'s value, run in a fresh thread (pinned to ``cores`` first, if given)."""
+    out: list[object] = []
+
+    def run() -> None:
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+        out.append(fn())  # type: ignore[operator]
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def _two_cores() -> tuple[int, set[int]]:
+    cores = _all_cores()
+    if len(cores) < 2 or set(range(os.cpu_count() or 1)) != cores:
+        pytest.skip("needs two cores this process may use")
+    return min(cores), cores - {min(cores)}
+
+
+def test_a_thread_started_by_a_moved_thread_stays_off_vllms_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save thread starts its put workers; deciding again from its own CPUs would have
+    sent them onto vLLM's (the split run on the H100, 2026-12-06: lane workers on 0-7)."""
+    monkeypatch.delenv(THREAD_AFFINITY_ENV, raising=False)
+    compute, others = _two_cores()
+
+    def vllm_thread() -> object:
+        note_compute_cores()
+
+        def save_thread() -> object:
+            off_compute_cores()
+            mine = os.sched_getaffinity(0)
+
+            def put_worker() -> object:
+                off_compute_cores()
+                return os.sched_getaffinity(0)
+
+            return mine, _in_thread(put_worker)
+
+        return _in_thread(save_thread)
+
+    assert _in_thread(vllm_thread, {compute}) == (others, others)
+
+
+def test_time_box_workers_started_from_vllms_thread_move_off_its_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup submitted on vLLM's thread starts the box's worker there; it moves."""
+    monkeypatch.delenv(THREAD_AFFINITY_ENV, raising=False)
+    compute, others = _two_cores()
+
+    def vllm_thread() -> object:
+        box = TimeBox("placement-test", 1)
+        try:
+            return box.run(10.0, lambda: os.sched_getaffinity(0))
+        finally:
+            box.close()
+
+    assert _in_thread(vllm_thread, {compute}) == others
+
+
+def test_lowered_once_whoever_starts_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sharing every core: a thread started by one already lowered ends ``step`` below
+    vLLM's, not twice that."""
+    monkeypatch.setenv(THREAD_NICE_ENV, "4")
+    monkeypatch.delenv(THREAD_AFFINITY_ENV, raising=False)
+    if set(range(os.cpu_count() or 1)) != _all_cores():
+        pytest.skip("this process may not run on every core: no thread can share all of them")
+    tid = threading.get_native_id
+
+    def vllm_thread() -> object:
+        base = os.getpriority(os.PRIO_PROCESS, tid())
+        note_compute_cores()
+
+        def ours() -> object:
+            off_compute_cores()
+            return os.getpriority(os.PRIO_PROCESS, tid()), _in_thread(
+                lambda: (off_compute_cores(), os.getpriority(os.PRIO_PROCESS, tid()))[1])
+
+        return base, _in_thread(ours)
+
+    base, (first, second) = _in_thread(vllm_thread)  # type: ignore[misc]
+    assert first == second == min(19, base + 4)
