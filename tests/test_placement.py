@@ -15,6 +15,7 @@ from mooncake_vllm.placement import (
     THREAD_NICE_ENV,
     note_compute_cores,
     off_compute_cores,
+    thread_affinity,
     thread_nice,
 )
 from mooncake_vllm.store.timebox import TimeBox
@@ -94,7 +95,18 @@ def test_thread_nice_values() -> None:
         assert err.value.fields == [THREAD_NICE_ENV] and repr(bad) in str(err.value)
 
 
-def test_the_connector_refuses_a_bad_value_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_thread_affinity_values() -> None:
+    assert thread_affinity({}) and thread_affinity({THREAD_AFFINITY_ENV: " On "})
+    assert not thread_affinity({THREAD_AFFINITY_ENV: "off"})
+    for bad in ("0", "false", "no", "of"):  # none of them may pass for off, or for on
+        with pytest.raises(ConfigError) as err:
+            thread_affinity({THREAD_AFFINITY_ENV: bad})
+        assert err.value.fields == [THREAD_AFFINITY_ENV] and repr(bad) in str(err.value)
+
+
+@pytest.mark.parametrize("name,value", [(THREAD_NICE_ENV, "99"), (THREAD_AFFINITY_ENV, "false")])
+def test_the_connector_refuses_a_bad_value_at_start(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                    value: str) -> None:
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
     from types import SimpleNamespace
 
@@ -102,8 +114,8 @@ def test_the_connector_refuses_a_bad_value_at_start(monkeypatch: pytest.MonkeyPa
 
     from mooncake_vllm.v1.connector import MooncakeStoreConnector
 
-    monkeypatch.setenv(THREAD_NICE_ENV, "99")
-    with pytest.raises(ConfigError, match=THREAD_NICE_ENV):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=name):
         MooncakeStoreConnector(SimpleNamespace(), KVConnectorRole.WORKER)
 
 

@@ -23,12 +23,26 @@ from collections.abc import Mapping
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 
 __all__ = ["THREAD_AFFINITY_ENV", "THREAD_NICE_ENV", "note_compute_cores", "off_compute_cores",
-           "thread_nice"]
+           "thread_affinity", "thread_nice"]
 
 THREAD_AFFINITY_ENV = "MOONCAKE_VLLM_THREAD_AFFINITY"
 THREAD_NICE_ENV = "MOONCAKE_VLLM_THREAD_NICE"
 DEFAULT_NICE = 10
 _MAX_NICE = 19
+
+
+def thread_affinity(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the pool's threads are placed (``on``, the default) or left alone (``off``);
+    :class:`ConfigError` on any other value (a ``0`` or ``false`` must not pass for ``off``)."""
+    raw = environ.get(THREAD_AFFINITY_ENV, "").strip()
+    if raw.lower() in ("", "on"):
+        return True
+    if raw.lower() == "off":
+        return False
+    raise ConfigError(f"${THREAD_AFFINITY_ENV}", [ConfigProblem(
+        THREAD_AFFINITY_ENV, f"must be on or off, found {raw!r}",
+        "unset it (default on: the pool's threads keep off vLLM's compute cores, or below its "
+        "priority), or off to leave their affinity and priority alone")])
 
 
 def thread_nice(environ: Mapping[str, str] = os.environ) -> int:
@@ -83,8 +97,11 @@ def note_compute_cores() -> None:
 def off_compute_cores() -> None:
     """Move the calling thread (one of the pool's) off vLLM's compute cores, or below its
     priority (as decided by :func:`note_compute_cores`). Idempotent."""
-    if os.environ.get(THREAD_AFFINITY_ENV, "on") == "off":
-        return
+    try:
+        if not thread_affinity():
+            return
+    except ConfigError:
+        return  # the connector refused it at start
     note_compute_cores()
     decided = _decided
     if decided is None:  # unreachable: note_compute_cores decided

@@ -38,7 +38,7 @@ from mooncake_vllm.compat.facts import installed_facts
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.errors import UnsupportedVersionError
 from mooncake_vllm.logs import follow_vllm_logging
-from mooncake_vllm.placement import note_compute_cores, thread_nice
+from mooncake_vllm.placement import note_compute_cores, thread_affinity, thread_nice
 from mooncake_vllm.settings import ConnectorSettings
 from mooncake_vllm.store.namespaces import clear_namespaces, register_namespaces
 from mooncake_vllm.v1.audits import AuditLane
@@ -131,7 +131,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         parent = parent_config(vllm_config)
         if parent is not None:
             check_stats_name(MooncakeStoreConnector, type(self).__name__)
-        thread_nice()  # a bad $MOONCAKE_VLLM_THREAD_NICE is refused at start, not in a thread
+        thread_affinity()  # a bad $MOONCAKE_VLLM_THREAD_AFFINITY or _NICE is refused at start,
+        thread_nice()  # not in a thread
         if _BASE_TAKES_KV_CACHE_CONFIG:
             super().__init__(vllm_config, role, kv_cache_config)
         else:  # pragma: no cover - vLLM < 0.11.1
