@@ -1,12 +1,12 @@
 """Where the pool's threads run: off vLLM's compute cores, or below vLLM's priority.
 
 vLLM's CPU backend may pin its worker to compute cores; the pool's threads (the
-save and load threads, the time-box workers they start, Mooncake's transfer
-threads) then move to the other cores. Where no core is free of vLLM's compute
-(vLLM does not pin, or pins every core), they run ``MOONCAKE_VLLM_THREAD_NICE``
-(default 10) nice levels below the thread that starts them, so that a transfer
-never takes a core from a forward pass on equal terms. Threads inherit their
-creator's priority, so the threads those threads start run below vLLM too.
+save, load, audit, hand-off and probe threads, every time-box worker, Mooncake's
+transfer threads) then move to the other cores. Where no core is free of vLLM's
+compute (vLLM does not pin, or pins every core), they run ``MOONCAKE_VLLM_THREAD_NICE``
+(default 10) nice levels below vLLM's thread, so that a transfer never takes a core
+from a forward pass on equal terms. Mooncake's own threads inherit the placement of
+ours that start them.
 
 Where they go is decided once per process, from the first thread that asks — one of
 vLLM's (the connector notes it when it starts, :func:`note_compute_cores`): a thread of
