@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PKG
 
 #: the runtime vLLM loads: it must work without any tooling package
 RUNTIME = {"v0", "v1", "store", "keys", "config", "codec", "layout", "errors", "stats",
-           "addresses", "compat", "settings", "logs", "files", "handoff_protocol"}
+           "addresses", "compat", "settings", "logs", "files", "handoff_protocol", "placement"}
 #: tooling: command lines, services, checker, proxy, demo, metadata tools
 TOOLING = {"checker", "proxy", "services", "demo", "cli", "metadata", "httpsafe", "inventory"}
 #: no exceptions: the redis bridge the store starts lives in the runtime (store/bridge.py)
