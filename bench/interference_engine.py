@@ -20,6 +20,7 @@ from typing import Any
 
 from degraded import degraded_loop
 from engine_steps import HookTimer, Req, closed_loop_stats, interference, pct, serve
+from proc_census import cpu_delta, gc_census, rss_mib, thread_affinity, thread_cpu
 
 __all__ = ["INJECT_AFTER", "main"]
 
@@ -45,71 +46,6 @@ def _advisor() -> dict[str, Any] | None:
         if getattr(inst, "scheduler", None) is not None:
             return inst.scheduler.claims.snapshot()
     return None
-
-
-def _gc_census(top: int = 12) -> dict[str, Any]:
-    """Objects the collector tracks, the commonest types, and its passes so far: a count that
-    grows rep by rep is a leak, and each full pass then walks more (every step slows)."""
-    import collections
-    import gc
-
-    objs = gc.get_objects()
-    kinds = collections.Counter(type(o).__name__ for o in objs)
-    out = {"objects": len(objs), "types": dict(kinds.most_common(top)),
-           "passes": [s["collections"] for s in gc.get_stats()], "frozen": gc.get_freeze_count()}
-    del objs
-    return out
-
-
-def _thread_cpu() -> dict[str, float]:
-    """CPU seconds each thread of this process has used, summed by thread name (Linux /proc):
-    the difference between two calls says which threads ran meanwhile (Mooncake's C++
-    threads and ours beside vLLM's engine thread). Python threads go by their names."""
-    import threading
-
-    ticks = os.sysconf("SC_CLK_TCK")
-    named = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            comm = named.get(int(task.name)) or (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the thread ended meanwhile
-        out[comm] = out.get(comm, 0.0) + (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
-    return out
-
-
-def _thread_affinity() -> dict[str, str]:
-    """Each thread's allowed CPUs (``first-last`` or a list), by thread name as in
-    :func:`_thread_cpu`: where our threads and Mooncake's run beside vLLM's."""
-    import threading
-
-    named = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, str] = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            name = named.get(int(task.name)) or (task / "comm").read_text().strip()
-            cpus = sorted(os.sched_getaffinity(int(task.name)))
-        except OSError:
-            continue
-        text = f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else str(cpus)
-        out[name] = text
-    return out
-
-
-def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """CPU seconds per thread name between two :func:`_thread_cpu` calls (busiest first)."""
-    delta = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
-    return dict(sorted(((k, v) for k, v in delta.items() if v > 0), key=lambda kv: -kv[1]))
-
-
-def _rss_mib() -> float:
-    """This process's resident memory (MiB)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return -1.0
 
 
 def _counters() -> dict[str, int]:
@@ -212,9 +148,9 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         HOOKS.take()
         HOOKS.take_profile()
         HOOKS.profile = bool(p.get("profile_hooks"))
-        before, cpu0 = _counters(), _thread_cpu()
+        before, cpu0 = _counters(), thread_cpu()
         _serve(engine, reqs, p["clients"], steps=steps)
-        after, cpu = _counters(), _cpu_delta(cpu0, _thread_cpu())
+        after, cpu = _counters(), cpu_delta(cpu0, thread_cpu())
         HOOKS.profile = False
         if p.get("profile_hooks"):  # where the hooks' time went, beside the driver's JSON
             Path(p["profile_hooks"], f"hooks-profile-{Path(spec['dir']).name}-mixed{rep}.txt").write_text(
@@ -225,9 +161,9 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
                                     if v != before.get(k, 0)},
                 "steps": {"n": len(steps), "sum_s": sum(steps), "p50_s": pct(steps, 0.5),
                           "p99_s": pct(steps, 0.99)},
-                "hooks": HOOKS.take(), "rep": rep, "gc": _gc_census(),
-                "thread_cpu_s": cpu, "rss_mib": _rss_mib(),
-                **({"thread_cpus": _thread_affinity()} if rep == 0 else {})}
+                "hooks": HOOKS.take(), "rep": rep, "gc": gc_census(),
+                "thread_cpu_s": cpu, "rss_mib": rss_mib(),
+                **({"thread_cpus": thread_affinity()} if rep == 0 else {})}
 
     def timeline() -> dict[str, Any]:
         """One more mixed rep (questions no rep asked) under torch.profiler: a window of its
