@@ -138,13 +138,19 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         res["connector"] = connector_counters()
         return res
 
-    def mixed(rep: int = 0) -> dict[str, Any]:
-        """One rep: the documents only in the pool (vLLM's prefix cache reset first), new questions."""
+    def ready_rep(questions: list[list[int]]) -> tuple[float, list[Req]]:
+        """Before a mixed rep: the warm-up misses (once), every block free again, and one
+        request per question, each behind its shared document (round robin): the settle
+        seconds and the requests."""
         warm()
         settle = _settle(llm, p["save_timeout"])
-        docs, steps = pr["docs"], []
-        questions = pr["questions"][rep % len(pr["questions"])]
-        reqs = [req(docs[i % len(docs)] + q, p["out_tokens"]) for i, q in enumerate(questions)]
+        docs = pr["docs"]
+        return settle, [req(docs[i % len(docs)] + q, p["out_tokens"]) for i, q in enumerate(questions)]
+
+    def mixed(rep: int = 0) -> dict[str, Any]:
+        """One rep: the documents only in the pool (vLLM's prefix cache reset first), new questions."""
+        settle, reqs = ready_rep(pr["questions"][rep % len(pr["questions"])])
+        steps: list[float] = []
         HOOKS.take()
         HOOKS.take_profile()
         HOOKS.profile = bool(p.get("profile_hooks"))
@@ -170,11 +176,9 @@ def _commands(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
         steps as a gzipped chrome trace beside the driver's JSON (bench/timeline_table.py)."""
         from torch_timeline import record
 
-        warm()
-        settle = _settle(llm, p["save_timeout"])
-        docs, steps, prof = pr["docs"], [], p["torch_profile"]
-        reqs = [req(docs[i % len(docs)] + q, p["out_tokens"])
-                for i, q in enumerate(pr["questions"][-1])]
+        settle, reqs = ready_rep(pr["questions"][-1])
+        steps: list[float] = []
+        prof = p["torch_profile"]
         trace = Path(prof["dir"], f"timeline-{Path(spec['dir']).name}.json")
         HOOKS.annotate = True
         try:
