@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from mooncake_vllm.addresses import MetadataURL
 from mooncake_vllm.config import StoreConfig
 from mooncake_vllm.errors import StoreUnavailableError
+from mooncake_vllm.placement import off_compute_cores
 from mooncake_vllm.store.codes import call
 
 __all__ = ["CLIENT_ENV_DEFAULTS", "OFFLOAD_ENV_DEFAULTS", "OpenedStore", "open_store", "pick_local_hostname",
@@ -135,35 +136,50 @@ def _setup(config: StoreConfig, metadata: str, timeout: float,
     if store_factory is None:
         from mooncake.store import MooncakeDistributedStore
         store_factory = MooncakeDistributedStore
-    store = store_factory()
     args = (hostname, metadata, config.global_segment_size, config.local_buffer_size,
             config.protocol, config.device_name, config.master_server_address)
     kwargs: dict[str, Any] = {}
-    if config.ssd_offload and config.global_segment_size > 0:
+    offload = config.ssd_offload and config.global_segment_size > 0
+    if offload:
         # this process holds pool memory: it offloads that memory to its disk (Mooncake >= 0.3.11)
-        if "enable_ssd_offload" not in (getattr(store.setup, "__doc__", None) or ""):
-            raise StoreUnavailableError(
-                f"enable_ssd_offload in {config.source}: this Mooncake release's setup() has no disk tier; "
-                f"install mooncake-transfer-engine >= 0.3.11, or remove enable_ssd_offload")
         kwargs = {"enable_ssd_offload": True, "ssd_offload_path": config.ssd_offload_path}
         for name, value in OFFLOAD_ENV_DEFAULTS.items():
             os.environ.setdefault(name, value)
+    made: list[Any] = []
     result: list[Any] = []
-    worker = threading.Thread(target=lambda: result.append(call(lambda: store.setup(*args, **kwargs))),
-                              name="mcv-setup", daemon=True)
+
+    def set_up() -> None:
+        # Mooncake starts its threads in the constructor and in setup(), and they keep the
+        # CPUs of the thread that called: off vLLM's compute cores first (a lane opened from
+        # vLLM's thread put a client's TCP thread on them: the split run on the H100, 2026-12-06)
+        off_compute_cores()
+        store = call(store_factory)
+        made.append(store)
+        if isinstance(store, BaseException):
+            return
+        if offload and "enable_ssd_offload" not in (getattr(store.setup, "__doc__", None) or ""):
+            made[0] = StoreUnavailableError(
+                f"enable_ssd_offload in {config.source}: this Mooncake release's setup() has no disk tier; "
+                f"install mooncake-transfer-engine >= 0.3.11, or remove enable_ssd_offload")
+            return
+        result.append(call(lambda: store.setup(*args, **kwargs)))
+
+    worker = threading.Thread(target=set_up, name="mcv-setup", daemon=True)
     worker.start()
     worker.join(timeout)
+    if made and isinstance(made[0], BaseException):
+        raise made[0]
     if worker.is_alive():
         raise StoreUnavailableError(
             f"Mooncake setup against master {config.master_server_address} did not finish "
             f"within {timeout:.0f} s: the port answers but the master does not; check that "
             f"it is a mooncake_master of the same release as this client")
     rc = result[0] if result else None
-    if isinstance(rc, BaseException) or rc != 0:
+    if not made or isinstance(rc, BaseException) or rc != 0:
         raise StoreUnavailableError(
             f"Mooncake setup failed (returned {rc!r}) for master "
             f"{config.master_server_address}, metadata {metadata}, protocol "
             f"{config.protocol}; check that master and client are the same Mooncake "
             f"release and that local_hostname {hostname!r} is an address of this host")
     log.debug("connected to Mooncake master %s as %s", config.master_server_address, hostname)
-    return store
+    return made[0]
