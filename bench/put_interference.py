@@ -1,0 +1,242 @@
+"""Does a put slow vLLM's thread through its process (the GIL) or through the machine?
+
+Issue 24's timeline found every op on vLLM's engine thread 10-15 % slower while a step's
+saves were put, with the pool's threads on other cores. This probe separates the causes
+in one run: a main thread runs a launch-bound "step" (Python between small torch ops,
+CUDA where there is a GPU, then a sync: what an eager forward looks like to the CPU) over
+and over, pinned to one core, while, in turn:
+
+    quiet     nothing else
+    threads   ``--workers`` threads of this process put 2 MiB blocks from registered
+              pinned memory with Mooncake's ``batch_put_from`` at ``--rates`` (MB/s, all
+              workers together), each with its own store client: what our save lanes do
+    procs     the same puts from as many child processes (each its own interpreter and GIL)
+    copy      threads of this process copying the same bytes host to host with torch (the
+              GIL released): memory traffic with no network stack and no Mooncake
+
+Conditions are interleaved for ``--rounds`` rounds; each reports the step's median, mean
+and p90 and its ratio to the quiet median of its round. Threads slower than processes
+means the in-process part (the GIL, the allocator) costs vLLM's thread; both equally slow
+means the machine (caches, memory, the TCP stack) does. The pool is ``$MOONCAKE_CONFIG_PATH``
+(scripts/gpu/mc_up.sh)::
+
+    python3 bench/put_interference.py --out $OUT/put_interference.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "summarize"]
+
+BLOCK = 2 << 20
+BATCH = 8
+
+
+def _torch_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pinned(nbytes: int) -> Any:
+    import torch
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf.pin_memory() if torch.cuda.is_available() else buf
+
+
+class _Putter:
+    """One store client putting ``BATCH`` blocks a call from its own registered buffer."""
+
+    def __init__(self, name: str) -> None:
+        from mooncake_vllm.config import load_store_config
+        from mooncake_vllm.store.connect import open_store
+
+        self.name = name
+        self.store = open_store(load_store_config(), timeout=60).store
+        self.buf = _pinned(BATCH * BLOCK)
+        if self.store.register_buffer(self.buf.data_ptr(), BATCH * BLOCK) != 0:
+            raise RuntimeError("register_buffer failed")
+        self.ptrs = [self.buf.data_ptr() + i * BLOCK for i in range(BATCH)]
+
+    def run(self, tag: str, seconds: float, rate: float) -> int:
+        """Put at ``rate`` bytes/s for ``seconds``; the bytes put."""
+        put, i, start = 0, 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            keys = [f"put-interference/{tag}/{self.name}/{i}/{j}" for j in range(BATCH)]
+            codes = self.store.batch_put_from(keys, self.ptrs, [BLOCK] * BATCH)
+            put += BLOCK * sum(1 for c in codes if c == 0)
+            i += 1
+            ahead = start + put / rate - time.perf_counter()
+            if ahead > 0:
+                time.sleep(ahead)
+        for j in range(i):  # leave the pool as found
+            for k in range(BATCH):
+                self.store.remove(f"put-interference/{tag}/{self.name}/{j}/{k}")
+        return put
+
+
+def _proc_main(name: str, cpus: list[int], jobs: Any, done: Any) -> None:
+    os.sched_setaffinity(0, cpus)
+    putter = _Putter(name)
+    done.put(("ready", 0))
+    while (job := jobs.get()) is not None:
+        done.put((name, putter.run(*job)))
+
+
+def _copy(seconds: float, rate: float, cpus: list[int], out: list[int]) -> None:
+    import torch
+    os.sched_setaffinity(0, cpus)
+    src, dst = _pinned(BATCH * BLOCK), torch.empty(BATCH * BLOCK, dtype=torch.uint8)
+    moved, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        dst.copy_(src)
+        moved += BATCH * BLOCK
+        ahead = start + moved / rate - time.perf_counter()
+        if ahead > 0:
+            time.sleep(ahead)
+    out.append(moved)
+
+
+def _steps(seconds: float, ops: int, device: str) -> list[float]:
+    """The main thread's emulated engine steps (ms each) for ``seconds``."""
+    import torch
+    x = torch.ones(4096, device=device)
+    table: dict[int, float] = {}
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        for i in range(ops):
+            table[i % 64] = table.get(i % 64, 0.0) + i * 0.5  # the Python between ops
+            x = torch.add(x, 1.0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        else:
+            float(x[0])
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def summarize(conditions: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per condition: median / mean / p90 step ms and the median's ratio to its round's quiet."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    quiet: dict[int, float] = {}
+    for c in conditions:
+        med = statistics.median(c["steps_ms"])
+        if c["name"] == "quiet":
+            quiet[c["round"]] = med
+    for c in conditions:
+        steps = sorted(c["steps_ms"])
+        med = statistics.median(steps)
+        rows.setdefault(c["name"], []).append({
+            "round": c["round"], "median_ms": round(med, 3), "mean_ms": round(statistics.fmean(steps), 3),
+            "p90_ms": round(steps[int(0.9 * (len(steps) - 1))], 3),
+            "vs_quiet": round(med / quiet[c["round"]], 3) if c["round"] in quiet else None,
+            "MBps": round(c.get("bytes", 0) / c["seconds"] / 1e6, 1)})
+    return {name: {"rounds": r, "vs_quiet_median": round(statistics.median(
+        x["vs_quiet"] for x in r if x["vs_quiet"] is not None), 3) if any(
+        x["vs_quiet"] is not None for x in r) else None} for name, r in rows.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="put_interference.json")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--rates", default="400,1600", help="MB/s of all workers together")
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ops", type=int, default=1000, help="torch ops per emulated step")
+    ap.add_argument("--local-stack", action="store_true", help="start a Mooncake stack (CPU dry run)")
+    args = ap.parse_args()
+    if not args.local_stack:
+        _run(args)
+        return
+    import tempfile
+
+    from mooncake_vllm.services import LocalStack
+
+    work = Path(tempfile.mkdtemp(prefix="put-interference-"))
+    with LocalStack(work / "stack", segment_size=2 << 30, local_buffer_size=256 << 20) as stack:
+        cfg = work / "mooncake_config.json"
+        cfg.write_text(json.dumps(stack.config()))
+        os.environ.update({**stack.env(), "MOONCAKE_CONFIG_PATH": str(cfg),
+                           "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"})
+        _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    main_cpu, others = cores[:1], cores[1:] or cores
+    device = _torch_device()
+    ctx = mp.get_context("spawn")
+    jobs, done = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_proc_main, args=(f"p{i}", others, jobs, done), daemon=True)
+             for i in range(args.workers)]
+    for p in procs:
+        p.start()
+    threads: list[_Putter] = []
+
+    def _open() -> None:  # Mooncake's own threads start here: they keep this thread's CPUs
+        os.sched_setaffinity(0, others)
+        threads.extend(_Putter(f"t{i}") for i in range(args.workers))
+    opener = threading.Thread(target=_open)
+    opener.start()
+    opener.join()
+    if len(threads) < args.workers:
+        raise RuntimeError("a store client of this process did not open")
+    os.sched_setaffinity(0, main_cpu)  # this thread only: the emulated engine thread
+    for _ in procs:
+        done.get(timeout=120)
+    _steps(1.0, args.ops, device)  # warm-up
+    conditions: list[dict[str, Any]] = []
+    rates = [float(r) * 1e6 for r in args.rates.split(",")]
+    for rnd in range(args.rounds):
+        plan = [("quiet", 0.0)] + [(kind, r) for r in rates for kind in ("threads", "procs", "copy")]
+        for name, rate in plan:
+            tag, per = f"{name}-{rnd}-{int(rate)}", rate / args.workers
+            moved: list[int] = []
+            if name == "threads":
+                def _run(p: _Putter, tag: str = tag, per: float = per) -> None:
+                    os.sched_setaffinity(0, others)
+                    moved.append(p.run(tag, args.seconds, per))
+                bg = [threading.Thread(target=_run, args=(p,)) for p in threads]
+            elif name == "copy":
+                bg = [threading.Thread(target=_copy, args=(args.seconds, per, others, moved))
+                      for _ in range(args.workers)]
+            else:
+                bg = []
+                for _ in (procs if name == "procs" else ()):
+                    jobs.put((tag, args.seconds, per))
+            for t in bg:
+                t.start()
+            steps = _steps(args.seconds, args.ops, device)
+            for t in bg:
+                t.join()
+            if name == "procs":
+                moved = [done.get(timeout=120)[1] for _ in procs]
+            label = name if name == "quiet" else f"{name}@{int(rate / 1e6)}"
+            conditions.append({"name": label, "round": rnd, "seconds": args.seconds,
+                               "steps_ms": steps, "bytes": sum(moved)})
+            print(f"{label:14s} round {rnd}: step median {statistics.median(steps):.3f} ms, "
+                  f"{sum(moved) / args.seconds / 1e6:.0f} MB/s", flush=True)
+    for _ in procs:
+        jobs.put(None)
+    result = {"device": device, "cores": len(cores), "workers": args.workers, "ops": args.ops,
+              "summary": summarize(conditions), "conditions": conditions}
+    Path(args.out).write_text(json.dumps(result))
+    for name, row in result["summary"].items():
+        print(f"{name:14s} step median vs quiet {row['vs_quiet_median']}  (rounds: "
+              + ", ".join(f"{r['median_ms']} ms / mean {r['mean_ms']} / p90 {r['p90_ms']}"
+                          for r in row["rounds"]) + ")")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""bench/put_interference.py: its table, and its putter against a real pool."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mooncake_vllm.config import load_store_config
+from mooncake_vllm.services import LocalStack
+from mooncake_vllm.store.connect import open_store
+from tests.scripts._load import load_script
+
+probe = load_script("bench/put_interference.py")
+
+
+def _cond(name: str, rnd: int, steps: list[float], nbytes: int = 0) -> dict[str, object]:
+    return {"name": name, "round": rnd, "seconds": 2.0, "steps_ms": steps, "bytes": nbytes}
+
+
+def test_each_condition_is_compared_with_the_quiet_of_its_own_round() -> None:
+    summary = probe.summarize([
+        _cond("quiet", 0, [10.0, 10.0, 10.0]), _cond("threads@400", 0, [20.0, 20.0, 30.0], 800_000_000),
+        _cond("quiet", 1, [5.0, 5.0, 5.0]), _cond("threads@400", 1, [5.0, 6.0, 7.0], 800_000_000)])
+    rounds = summary["threads@400"]["rounds"]
+    assert [r["vs_quiet"] for r in rounds] == [2.0, 1.2]
+    assert summary["threads@400"]["vs_quiet_median"] == 1.6
+    assert rounds[0]["MBps"] == 400.0 and rounds[0]["p90_ms"] == 20.0
+    assert summary["quiet"]["vs_quiet_median"] == 1.0
+
+
+def test_the_putter_keeps_its_rate_and_leaves_the_pool_as_found(
+        module_local_stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(module_local_stack.config_path))
+    putter = probe._Putter("test")
+    rate = 40e6
+    start = time.perf_counter()
+    put = putter.run("rate", 0.5, rate)
+    took = time.perf_counter() - start
+    assert took >= 0.5
+    assert 0.5 * rate <= put <= 0.6 * rate + probe.BATCH * probe.BLOCK  # paced, not flat out
+    reader = open_store(load_store_config(module_local_stack.config_path), timeout=10).store
+    assert reader.is_exist("put-interference/rate/test/0/0") != 1  # removed after the run
+    assert putter.run("kept", 0.01, rate) > 0
+    assert reader.is_exist("put-interference/kept/test/0/0") != 1
+    assert putter.store.put("put-interference/control", b"x") == 0
+    assert reader.is_exist("put-interference/control") == 1  # the check can see a key
+    putter.store.remove("put-interference/control")
