@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "summarize"]
+__all__ = ["interrupts", "main", "summarize"]
 
 BLOCK = 2 << 20
 BATCH = 8
@@ -105,6 +105,30 @@ def _copy(seconds: float, rate: float, cpus: list[int], out: list[int]) -> None:
     out.append(moved)
 
 
+#: /proc/interrupts rows counted per condition: IPIs that interrupt a core running this
+#: process's threads (a TLB shootdown reaches every core its address space runs on)
+IPI_ROWS = ("TLB", "CAL", "RES")
+
+
+def interrupts(cpu: int, text: str | None = None) -> dict[str, int]:
+    """This CPU's count of each :data:`IPI_ROWS` row of ``/proc/interrupts`` (``{}`` without it)."""
+    if text is None:
+        try:
+            text = Path("/proc/interrupts").read_text()
+        except OSError:
+            return {}
+    lines = text.splitlines()
+    cpus = lines[0].split() if lines else []
+    column = cpus.index(f"CPU{cpu}") if f"CPU{cpu}" in cpus else None
+    out: dict[str, int] = {}
+    for line in lines[1:]:
+        name, _, rest = line.partition(":")
+        fields = rest.split()
+        if name.strip() in IPI_ROWS and column is not None and column < len(fields):
+            out[name.strip()] = int(fields[column])
+    return out
+
+
 def _steps(seconds: float, ops: int, device: str) -> list[float]:
     """The main thread's emulated engine steps (ms each) for ``seconds``."""
     import torch
@@ -140,7 +164,8 @@ def summarize(conditions: list[dict[str, Any]]) -> dict[str, Any]:
             "round": c["round"], "median_ms": round(med, 3), "mean_ms": round(statistics.fmean(steps), 3),
             "p90_ms": round(steps[int(0.9 * (len(steps) - 1))], 3),
             "vs_quiet": round(med / quiet[c["round"]], 3) if c["round"] in quiet else None,
-            "MBps": round(c.get("bytes", 0) / c["seconds"] / 1e6, 1)})
+            "MBps": round(c.get("bytes", 0) / c["seconds"] / 1e6, 1),
+            "ipis_per_s": {k: round(v / c["seconds"]) for k, v in c.get("ipis", {}).items()}})
     return {name: {"rounds": r, "vs_quiet_median": round(statistics.median(
         x["vs_quiet"] for x in r if x["vs_quiet"] is not None), 3) if any(
         x["vs_quiet"] is not None for x in r) else None} for name, r in rows.items()}
@@ -217,16 +242,20 @@ def _run(args: argparse.Namespace) -> None:
                     jobs.put((tag, args.seconds, per))
             for t in bg:
                 t.start()
+            before = interrupts(main_cpu[0])
             steps = _steps(args.seconds, args.ops, device)
+            after = interrupts(main_cpu[0])
             for t in bg:
                 t.join()
             if name == "procs":
                 moved = [done.get(timeout=120)[1] for _ in procs]
             label = name if name == "quiet" else f"{name}@{int(rate / 1e6)}"
+            ipis = {k: after[k] - before.get(k, 0) for k in after}
             conditions.append({"name": label, "round": rnd, "seconds": args.seconds,
-                               "steps_ms": steps, "bytes": sum(moved)})
+                               "steps_ms": steps, "bytes": sum(moved), "ipis": ipis})
             print(f"{label:14s} round {rnd}: step median {statistics.median(steps):.3f} ms, "
-                  f"{sum(moved) / args.seconds / 1e6:.0f} MB/s", flush=True)
+                  f"{sum(moved) / args.seconds / 1e6:.0f} MB/s, IPIs on the main core {ipis}",
+                  flush=True)
     for _ in procs:
         jobs.put(None)
     result = {"device": device, "cores": len(cores), "workers": args.workers, "ops": args.ops,
@@ -235,7 +264,7 @@ def _run(args: argparse.Namespace) -> None:
     for name, row in result["summary"].items():
         print(f"{name:14s} step median vs quiet {row['vs_quiet_median']}  (rounds: "
               + ", ".join(f"{r['median_ms']} ms / mean {r['mean_ms']} / p90 {r['p90_ms']}"
-                          for r in row["rounds"]) + ")")
+                          f" / IPIs/s {r['ipis_per_s']}" for r in row["rounds"]) + ")")
 
 
 if __name__ == "__main__":

@@ -46,3 +46,13 @@ def test_the_putter_keeps_its_rate_and_leaves_the_pool_as_found(
     assert putter.store.put("put-interference/control", b"x") == 0
     assert reader.is_exist("put-interference/control") == 1  # the check can see a key
     putter.store.remove("put-interference/control")
+
+
+def test_interrupts_reads_one_cpus_column_of_the_ipi_rows() -> None:
+    text = ("           CPU0       CPU1\n"
+            "  0:         10          0   IO-APIC   2-edge      timer\n"
+            "RES:        300        400   Rescheduling interrupts\n"
+            "CAL:         50         60   Function call interrupts\n"
+            "TLB:          7          9   TLB shootdowns\n")
+    assert probe.interrupts(1, text) == {"RES": 400, "CAL": 60, "TLB": 9}
+    assert probe.interrupts(5, text) == {}  # no such CPU
