@@ -13,6 +13,9 @@ and over, pinned to one core, while, in turn:
     procs     the same puts from as many child processes (each its own interpreter and GIL)
     copy      threads of this process copying the same bytes host to host with torch (the
               GIL released): memory traffic with no network stack and no Mooncake
+    ours      our store client's own save path in this process (capture of a request's 6
+              blocks of 2 MiB from a KV cache on the GPU where there is one, checksums,
+              framing, puts striped over ``--workers`` store clients), one save thread
 
 Conditions are interleaved for ``--rounds`` rounds; each reports the step's median, mean
 and p90 and its ratio to the quiet median of its round. Threads slower than processes
@@ -80,6 +83,42 @@ class _Putter:
         for j in range(i):  # leave the pool as found
             for k in range(BATCH):
                 self.store.remove(f"put-interference/{tag}/{self.name}/{j}/{k}")
+        return put
+
+
+class _OursSaver:
+    """Our :class:`~mooncake_vllm.store.StoreClient` saving a request's blocks at a time."""
+
+    BLOCKS = 6  # one request's ~96 new tokens of an 8B-class model (mixed serving's saves)
+
+    def __init__(self, lanes: int, device: str) -> None:
+        import torch
+
+        from mooncake_vllm.config import load_store_config
+        from mooncake_vllm.layout import BlockLayout
+        from mooncake_vllm.store import StagingSizes, StoreClient
+
+        # 32 layers of [2, blocks, 16 tokens, 8 heads, 128] bf16: 2 MiB a block, as the 8B model
+        self.kv = [torch.zeros(2, 64, 16, 8, 128, dtype=torch.bfloat16, device=device)
+                   for _ in range(32)]
+        self.layout = BlockLayout.from_kv_caches(self.kv)
+        self.client = StoreClient.connect(load_store_config(), timeout=60,
+                                          staging=StagingSizes(save_cuda=256 << 20, load=64 << 20))
+        self.client.register_layout(self.layout, clients=lanes)
+
+    def run(self, tag: str, seconds: float, rate: float) -> int:
+        """Save ``BLOCKS`` blocks a time at ``rate`` bytes/s for ``seconds``; the bytes stored."""
+        nbytes = self.layout.block_nbytes
+        put, i, start = 0, 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            keys = [f"put-interference-ours/{tag}/{i}/{j}" for j in range(self.BLOCKS)]
+            ids = [(i * self.BLOCKS + j) % 64 for j in range(self.BLOCKS)]
+            put += nbytes * self.client.put_blocks(keys, self.layout, ids)
+            i += 1
+            ahead = start + i * self.BLOCKS * nbytes / rate - time.perf_counter()
+            if ahead > 0:
+                time.sleep(ahead)
+        self.client.remove_matching(f"put-interference-ours/{tag}/.*")
         return put
 
 
@@ -218,13 +257,17 @@ def _run(args: argparse.Namespace) -> None:
     if len(threads) < args.workers:
         raise RuntimeError("a store client of this process did not open")
     os.sched_setaffinity(0, main_cpu)  # this thread only: the emulated engine thread
+    from mooncake_vllm.placement import note_compute_cores
+    note_compute_cores()  # as the connector does on vLLM's thread: ours go to the other cores
+    ours = _OursSaver(args.workers, device)
     for _ in procs:
         done.get(timeout=120)
     _steps(1.0, args.ops, device)  # warm-up
     conditions: list[dict[str, Any]] = []
     rates = [float(r) * 1e6 for r in args.rates.split(",")]
     for rnd in range(args.rounds):
-        plan = [("quiet", 0.0)] + [(kind, r) for r in rates for kind in ("threads", "procs", "copy")]
+        plan = [("quiet", 0.0)] + [(kind, r) for r in rates
+                                   for kind in ("threads", "procs", "copy", "ours")]
         for name, rate in plan:
             tag, per = f"{name}-{rnd}-{int(rate)}", rate / args.workers
             moved: list[int] = []
@@ -233,6 +276,12 @@ def _run(args: argparse.Namespace) -> None:
                     os.sched_setaffinity(0, others)
                     moved.append(p.run(tag, args.seconds, per))
                 bg = [threading.Thread(target=_run, args=(p,)) for p in threads]
+            elif name == "ours":
+                def _save(tag: str = tag, rate: float = rate) -> None:
+                    from mooncake_vllm.placement import off_compute_cores
+                    off_compute_cores()
+                    moved.append(ours.run(tag, args.seconds, rate))
+                bg = [threading.Thread(target=_save, name="mcv-save")]
             elif name == "copy":
                 bg = [threading.Thread(target=_copy, args=(args.seconds, per, others, moved))
                       for _ in range(args.workers)]
@@ -258,6 +307,7 @@ def _run(args: argparse.Namespace) -> None:
                   flush=True)
     for _ in procs:
         jobs.put(None)
+    ours.client.close()
     result = {"device": device, "cores": len(cores), "workers": args.workers, "ops": args.ops,
               "summary": summarize(conditions), "conditions": conditions}
     Path(args.out).write_text(json.dumps(result))

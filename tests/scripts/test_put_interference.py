@@ -56,3 +56,21 @@ def test_interrupts_reads_one_cpus_column_of_the_ipi_rows() -> None:
             "TLB:          7          9   TLB shootdowns\n")
     assert probe.interrupts(1, text) == {"RES": 400, "CAL": 60, "TLB": 9}
     assert probe.interrupts(5, text) == {}  # no such CPU
+
+
+def test_our_saver_stores_at_its_rate_and_removes_what_it_stored(
+        module_local_stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(module_local_stack.config_path))
+    saver = probe._OursSaver(2, "cpu")
+    try:
+        assert saver.client.lanes == 2
+        rate = 40e6
+        stored = saver.run("rate", 0.5, rate)
+        block = saver.layout.block_nbytes
+        assert 0.5 * rate <= stored <= 0.5 * rate + 2 * saver.BLOCKS * block
+        assert saver.client.exists(["put-interference-ours/rate/0/0"]) == [False]  # removed
+        assert saver.client.put_blocks(["put-interference-ours/control"], saver.layout, [0]) == 1
+        assert saver.client.exists(["put-interference-ours/control"]) == [True]  # the check sees keys
+    finally:
+        saver.client.remove_matching("put-interference-ours/.*")
+        saver.client.close()
