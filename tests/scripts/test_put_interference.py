@@ -33,19 +33,23 @@ def test_the_putter_keeps_its_rate_and_leaves_the_pool_as_found(
         module_local_stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(module_local_stack.config_path))
     putter = probe._Putter("test")
-    rate = 40e6
-    start = time.perf_counter()
-    put = putter.run("rate", 0.5, rate)
-    took = time.perf_counter() - start
-    assert took >= 0.5
-    assert 0.5 * rate <= put <= 0.6 * rate + probe.BATCH * probe.BLOCK  # paced, not flat out
     reader = open_store(load_store_config(module_local_stack.config_path), timeout=10).store
-    assert reader.is_exist("put-interference/rate/test/0/0") != 1  # removed after the run
-    assert putter.run("kept", 0.01, rate) > 0
-    assert reader.is_exist("put-interference/kept/test/0/0") != 1
-    assert putter.store.put("put-interference/control", b"x") == 0
-    assert reader.is_exist("put-interference/control") == 1  # the check can see a key
-    putter.store.remove("put-interference/control")
+    try:
+        rate = 40e6
+        start = time.perf_counter()
+        put = putter.run("rate", 0.5, rate)
+        took = time.perf_counter() - start
+        assert took >= 0.5
+        assert 0.5 * rate <= put <= 0.6 * rate + probe.BATCH * probe.BLOCK  # paced, not flat out
+        assert reader.is_exist("put-interference/rate/test/0/0") != 1  # removed after the run
+        assert putter.run("kept", 0.01, rate) > 0
+        assert reader.is_exist("put-interference/kept/test/0/0") != 1
+        assert putter.store.put("put-interference/control", b"x") == 0
+        assert reader.is_exist("put-interference/control") == 1  # the check can see a key
+        putter.store.remove("put-interference/control")
+    finally:
+        reader.close()
+        putter.store.close()
 
 
 def test_interrupts_reads_one_cpus_column_of_the_ipi_rows() -> None:
