@@ -168,8 +168,13 @@ def interrupts(cpu: int, text: str | None = None) -> dict[str, int]:
     return out
 
 
-def _steps(seconds: float, ops: int, device: str) -> list[float]:
-    """The main thread's emulated engine steps (ms each) for ``seconds``."""
+def _steps(seconds: float, ops: int, device: str, python_only: bool = False) -> list[float]:
+    """The main thread's emulated engine steps (ms each) for ``seconds``. ``python_only``:
+    Python alone, never releasing the GIL itself — a step then runs longer only by what other
+    threads of this process take of the GIL (switch requests every ``sys.getswitchinterval()``)
+    and what the OS takes of its core."""
+    if python_only:
+        return _python_steps(seconds, ops * 20)
     import torch
     x = torch.ones(4096, device=device)
     table: dict[int, float] = {}
@@ -184,6 +189,18 @@ def _steps(seconds: float, ops: int, device: str) -> list[float]:
             torch.cuda.synchronize()
         else:
             float(x[0])
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def _python_steps(seconds: float, ops: int) -> list[float]:
+    table: dict[int, float] = {}
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        for i in range(ops):
+            table[i % 64] = table.get(i % 64, 0.0) + i * 0.5
         times.append((time.perf_counter() - t) * 1e3)
     return times
 
@@ -218,6 +235,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ops", type=int, default=1000, help="torch ops per emulated step")
+    ap.add_argument("--python-only", action="store_true",
+                    help="the main thread runs Python alone (no torch op releases the GIL): its "
+                         "steps then grow only by the GIL other threads of the process take")
     ap.add_argument("--local-stack", action="store_true", help="start a Mooncake stack (CPU dry run)")
     args = ap.parse_args()
     if not args.local_stack:
@@ -262,7 +282,7 @@ def _run(args: argparse.Namespace) -> None:
     ours = _OursSaver(args.workers, device)
     for _ in procs:
         done.get(timeout=120)
-    _steps(1.0, args.ops, device)  # warm-up
+    _steps(1.0, args.ops, device, args.python_only)  # warm-up
     conditions: list[dict[str, Any]] = []
     rates = [float(r) * 1e6 for r in args.rates.split(",")]
     for rnd in range(args.rounds):
@@ -292,7 +312,7 @@ def _run(args: argparse.Namespace) -> None:
             for t in bg:
                 t.start()
             before = interrupts(main_cpu[0])
-            steps = _steps(args.seconds, args.ops, device)
+            steps = _steps(args.seconds, args.ops, device, args.python_only)
             after = interrupts(main_cpu[0])
             for t in bg:
                 t.join()
@@ -309,6 +329,7 @@ def _run(args: argparse.Namespace) -> None:
         jobs.put(None)
     ours.client.close()
     result = {"device": device, "cores": len(cores), "workers": args.workers, "ops": args.ops,
+              "python_only": args.python_only,
               "summary": summarize(conditions), "conditions": conditions}
     Path(args.out).write_text(json.dumps(result))
     for name, row in result["summary"].items():
