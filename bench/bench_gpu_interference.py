@@ -27,6 +27,8 @@ one fresh vLLM process each (the reader)::
     ours-split ours, the engine process started on half of the physical cores (every sibling
                of each): our threads and Mooncake's move to the other half (placement.py),
                so no transfer shares a core or its caches' nearest level with vLLM's thread
+    ours-noput ours whose saves are captured and committed but put nothing (the bench
+               replaces the store client's ``put_ticket``): ours minus the transfers
     ours-never ours claiming nothing (``load_policy`` never): lookups and saves only
     ours-load  ours as ``kv_consumer``: lookups and loads, no saves
     noop       a connector whose every hook returns at once (bench/noop_connector.py): what
@@ -73,9 +75,9 @@ from interference_table import derive
 __all__ = ["main"]
 
 #: measured in this order
-MODES = ("ours", "ours-split", "ours-always", "ours-1c", "ours-prev", "ours-sync", "ours-never", "ours-load", "none",
-         "noop", "ours-zc", "intree")
-_EXTRA = {"ours": {}, "ours-split": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
+MODES = ("ours", "ours-split", "ours-noput", "ours-always", "ours-1c", "ours-prev", "ours-sync",
+         "ours-never", "ours-load", "none", "noop", "ours-zc", "intree")
+_EXTRA = {"ours": {}, "ours-split": {}, "ours-noput": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
           "ours-never": {"load_policy": "never"},
           "ours-zc": {"gpu_path": "zero_copy"}, "ours-always": {"load_policy": "always"},
           "ours-1c": {"load_policy": "always", "store_clients": 1}}
@@ -129,6 +131,8 @@ def _mode_config(mode: str, prev_site: str = "") -> tuple[dict[str, Any] | None,
     env = other_build_env(prev_site) if mode == "ours-prev" else {}
     if mode == "ours-split":
         env = {"MCV_BENCH_SPLIT_CORES": "1"}
+    if mode == "ours-noput":
+        env = {"MCV_BENCH_DISCARD_PUTS": "1"}
     if mode == "ours-load":  # loads only: what saving costs a serving engine, by difference
         return kv_transfer_config("kv_consumer"), env
     return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), env

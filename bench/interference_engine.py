@@ -243,6 +243,21 @@ def _split_cores() -> dict[str, Any] | None:
     return {"engine_cpus": sorted(mine), "physical_cores": [sorted(c) for c in cores]}
 
 
+def _discard_puts() -> bool:
+    """``MCV_BENCH_DISCARD_PUTS=1``: saves are captured and committed as usual, but their
+    puts store nothing (``put_ticket`` returns at once): what capturing costs, without the
+    transfers. A bench device only: nothing of it is in the package."""
+    if os.environ.get("MCV_BENCH_DISCARD_PUTS") != "1":
+        return False
+    from mooncake_vllm.store import client
+
+    def discard(transport: Any, paths: Any, ticket: Any, todo: list[int]) -> int:
+        return 0
+
+    client.put_ticket = discard  # type: ignore[assignment]
+    return True
+
+
 def _worker(spec: dict[str, Any]) -> None:
     """One vLLM engine: ``ready`` once built, then one command per stdin line, results as files."""
     out, rc = Path(spec["dir"]), 0
@@ -251,11 +266,13 @@ def _worker(spec: dict[str, Any]) -> None:
         from vllm import LLM
 
         split = _split_cores()
+        discarding = _discard_puts()
         t0 = time.perf_counter()
         llm = LLM(**spec["engine"], kv_transfer_config=spec["kv_config"])
         import mooncake_vllm
 
         info = {"init_s": time.perf_counter() - t0, "vllm": vllm.__version__, "split": split,
+                "puts_discarded": discarding,
                 "mooncake_vllm": str(Path(mooncake_vllm.__file__).parent)}
         try:
             info["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
