@@ -35,6 +35,7 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,15 +174,19 @@ def _steps(seconds: float, ops: int, device: str, python_only: bool = False) -> 
     Python alone, never releasing the GIL itself — a step then runs longer only by what other
     threads of this process take of the GIL (switch requests every ``sys.getswitchinterval()``)
     and what the OS takes of its core."""
+    table: dict[int, float] = {}
+
+    def python_step() -> None:
+        for i in range(ops * 20):
+            table[i % 64] = table.get(i % 64, 0.0) + i * 0.5
+
     if python_only:
-        return _python_steps(seconds, ops * 20)
+        return _timed(seconds, python_step)
     import torch
     x = torch.ones(4096, device=device)
-    table: dict[int, float] = {}
-    times: list[float] = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
+
+    def step() -> None:
+        nonlocal x
         for i in range(ops):
             table[i % 64] = table.get(i % 64, 0.0) + i * 0.5  # the Python between ops
             x = torch.add(x, 1.0)
@@ -189,18 +194,17 @@ def _steps(seconds: float, ops: int, device: str, python_only: bool = False) -> 
             torch.cuda.synchronize()
         else:
             float(x[0])
-        times.append((time.perf_counter() - t) * 1e3)
-    return times
+
+    return _timed(seconds, step)
 
 
-def _python_steps(seconds: float, ops: int) -> list[float]:
-    table: dict[int, float] = {}
+def _timed(seconds: float, step: Callable[[], None]) -> list[float]:
+    """``step()`` over and over for ``seconds``; each one's ms."""
     times: list[float] = []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t = time.perf_counter()
-        for i in range(ops):
-            table[i % 64] = table.get(i % 64, 0.0) + i * 0.5
+        step()
         times.append((time.perf_counter() - t) * 1e3)
     return times
 
