@@ -18,10 +18,12 @@ and over, pinned to one core, while, in turn:
               framing, puts striped over ``--workers`` store clients), one save thread
 
 Conditions are interleaved for ``--rounds`` rounds; each reports the step's median, mean
-and p90 and its ratio to the quiet median of its round. Threads slower than processes
-means the in-process part (the GIL, the allocator) costs vLLM's thread; both equally slow
-means the machine (caches, memory, the TCP stack) does. The pool is ``$MOONCAKE_CONFIG_PATH``
-(scripts/gpu/mc_up.sh)::
+and p90, its ratio to the quiet median of its round and the IPIs that reached the pinned
+core (TLB shootdowns, function calls, reschedules). Threads slower than processes means the
+in-process part (the GIL, the allocator, a shared address space) costs vLLM's thread; both
+equally slow means the machine (caches, memory, the TCP stack) does. ``--python-only``: the
+main thread runs Python alone, so it grows only by the GIL others take (and its core).
+The pool is ``$MOONCAKE_CONFIG_PATH`` (scripts/gpu/mc_up.sh), or ``--local-stack`` starts one::
 
     python3 bench/put_interference.py --out $OUT/put_interference.json
 """
