@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["interrupts", "main", "summarize"]
+__all__ = ["in_process_excess", "interrupts", "main", "summarize"]
 
 BLOCK = 2 << 20
 BATCH = 8
@@ -233,6 +233,19 @@ def summarize(conditions: list[dict[str, Any]]) -> dict[str, Any]:
         x["vs_quiet"] is not None for x in r) else None} for name, r in rows.items()}
 
 
+def in_process_excess(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per rate: how much more the same bytes cost the pinned thread from this process than from
+    other processes (``threads`` and ``ours`` over ``procs``, their medians vs quiet): above 1,
+    sharing vLLM's process is the cost; at 1, the machine is."""
+    out: dict[str, dict[str, float]] = {}
+    for name, row in summary.items():
+        kind, _, rate = name.partition("@")
+        procs = summary.get(f"procs@{rate}", {}).get("vs_quiet_median")
+        if kind in ("threads", "ours") and procs and row["vs_quiet_median"] is not None:
+            out.setdefault(rate, {})[f"{kind}/procs"] = round(row["vs_quiet_median"] / procs, 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="put_interference.json")
@@ -337,11 +350,14 @@ def _run(args: argparse.Namespace) -> None:
     result = {"device": device, "cores": len(cores), "workers": args.workers, "ops": args.ops,
               "python_only": args.python_only,
               "summary": summarize(conditions), "conditions": conditions}
+    result["in_process_excess"] = in_process_excess(result["summary"])
     Path(args.out).write_text(json.dumps(result))
     for name, row in result["summary"].items():
         print(f"{name:14s} step median vs quiet {row['vs_quiet_median']}  (rounds: "
               + ", ".join(f"{r['median_ms']} ms / mean {r['mean_ms']} / p90 {r['p90_ms']}"
                           f" / IPIs/s {r['ipis_per_s']}" for r in row["rounds"]) + ")")
+    for rate, ratios in result["in_process_excess"].items():
+        print(f"in-process excess @{rate} MB/s: {ratios}")
 
 
 if __name__ == "__main__":

@@ -78,3 +78,10 @@ def test_our_saver_stores_at_its_rate_and_removes_what_it_stored(
     finally:
         saver.client.remove_matching("put-interference-ours/.*")
         saver.client.close()
+
+
+def test_in_process_excess_divides_this_process_by_other_processes() -> None:
+    summary = {"quiet": {"vs_quiet_median": 1.0}, "threads@400": {"vs_quiet_median": 1.2},
+               "procs@400": {"vs_quiet_median": 1.0}, "ours@400": {"vs_quiet_median": 1.5},
+               "copy@400": {"vs_quiet_median": 1.1}, "threads@1600": {"vs_quiet_median": 2.0}}
+    assert probe.in_process_excess(summary) == {"400": {"threads/procs": 1.2, "ours/procs": 1.5}}
