@@ -116,7 +116,10 @@ class _OursSaver:
         while time.perf_counter() - start < seconds:
             keys = [f"put-interference-ours/{tag}/{i}/{j}" for j in range(self.BLOCKS)]
             ids = [(i * self.BLOCKS + j) % 64 for j in range(self.BLOCKS)]
-            put += nbytes * self.client.put_blocks(keys, self.layout, ids)
+            # as the connector captures: vLLM's stream does not wait for the copy (the probe
+            # never changes the blocks, so no fence is ordered before their reuse)
+            ticket = self.client.prepare_save(keys, self.layout, ids, defer_fence=True)
+            put += nbytes * self.client.commit_save(ticket)
             i += 1
             ahead = start + i * self.BLOCKS * nbytes / rate - time.perf_counter()
             if ahead > 0:
