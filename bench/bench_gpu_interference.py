@@ -81,6 +81,8 @@ _EXTRA = {"ours": {}, "ours-split": {}, "ours-noput": {}, "ours-prev": {}, "ours
           "ours-never": {"load_policy": "never"},
           "ours-zc": {"gpu_path": "zero_copy"}, "ours-always": {"load_policy": "always"},
           "ours-1c": {"load_policy": "always", "store_clients": 1}}
+#: the reader's environment: bench devices inside its process (interference_engine.py)
+_ENV = {"ours-split": {"MCV_BENCH_SPLIT_CORES": "1"}, "ours-noput": {"MCV_BENCH_DISCARD_PUTS": "1"}}
 
 
 def _writer_of(mode: str) -> str | None:
@@ -128,11 +130,7 @@ def _mode_config(mode: str, prev_site: str = "") -> tuple[dict[str, Any] | None,
     if mode == "intree":
         return (kv_transfer_config("kv_both", connector="in-tree"),
                 {"MOONCAKE_VLLM_DISABLE": "1", "PYTHONHASHSEED": "0"})
-    env = other_build_env(prev_site) if mode == "ours-prev" else {}
-    if mode == "ours-split":
-        env = {"MCV_BENCH_SPLIT_CORES": "1"}
-    if mode == "ours-noput":
-        env = {"MCV_BENCH_DISCARD_PUTS": "1"}
+    env = other_build_env(prev_site) if mode == "ours-prev" else dict(_ENV.get(mode, {}))
     if mode == "ours-load":  # loads only: what saving costs a serving engine, by difference
         return kv_transfer_config("kv_consumer"), env
     return kv_transfer_config("kv_both", extra=_EXTRA[mode] or None), env

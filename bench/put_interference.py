@@ -58,6 +58,19 @@ def _pinned(nbytes: int) -> Any:
     return buf.pin_memory() if torch.cuda.is_available() else buf
 
 
+def _paced(seconds: float, rate: float, unit: int, step: Callable[[int], int]) -> tuple[int, int]:
+    """``step(i)`` for i = 0, 1, ... for ``seconds``, each moving ``unit`` bytes, at ``rate``
+    bytes/s (sleeping when ahead); how many steps ran, and the sum of what they returned."""
+    done, steps, start = 0, 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        done += step(steps)
+        steps += 1
+        ahead = start + steps * unit / rate - time.perf_counter()
+        if ahead > 0:
+            time.sleep(ahead)
+    return steps, done
+
+
 class _Putter:
     """One store client putting ``BATCH`` blocks a call from its own registered buffer."""
 
@@ -74,19 +87,16 @@ class _Putter:
 
     def run(self, tag: str, seconds: float, rate: float) -> int:
         """Put at ``rate`` bytes/s for ``seconds``; the bytes put."""
-        put, i, start = 0, 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
+        def put(i: int) -> int:
             keys = [f"put-interference/{tag}/{self.name}/{i}/{j}" for j in range(BATCH)]
             codes = self.store.batch_put_from(keys, self.ptrs, [BLOCK] * BATCH)
-            put += BLOCK * sum(1 for c in codes if c == 0)
-            i += 1
-            ahead = start + put / rate - time.perf_counter()
-            if ahead > 0:
-                time.sleep(ahead)
-        for j in range(i):  # leave the pool as found
+            return BLOCK * sum(1 for c in codes if c == 0)
+
+        calls, stored = _paced(seconds, rate, BATCH * BLOCK, put)
+        for j in range(calls):  # leave the pool as found
             for k in range(BATCH):
                 self.store.remove(f"put-interference/{tag}/{self.name}/{j}/{k}")
-        return put
+        return stored
 
 
 class _OursSaver:
@@ -112,20 +122,18 @@ class _OursSaver:
     def run(self, tag: str, seconds: float, rate: float) -> int:
         """Save ``BLOCKS`` blocks a time at ``rate`` bytes/s for ``seconds``; the bytes stored."""
         nbytes = self.layout.block_nbytes
-        put, i, start = 0, 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
+
+        def save(i: int) -> int:
             keys = [f"put-interference-ours/{tag}/{i}/{j}" for j in range(self.BLOCKS)]
             ids = [(i * self.BLOCKS + j) % 64 for j in range(self.BLOCKS)]
             # as the connector captures: vLLM's stream does not wait for the copy (the probe
             # never changes the blocks, so no fence is ordered before their reuse)
             ticket = self.client.prepare_save(keys, self.layout, ids, defer_fence=True)
-            put += nbytes * self.client.commit_save(ticket)
-            i += 1
-            ahead = start + i * self.BLOCKS * nbytes / rate - time.perf_counter()
-            if ahead > 0:
-                time.sleep(ahead)
+            return nbytes * self.client.commit_save(ticket)
+
+        _, stored = _paced(seconds, rate, self.BLOCKS * nbytes, save)
         self.client.remove_matching(f"put-interference-ours/{tag}/.*")
-        return put
+        return stored
 
 
 def _proc_main(name: str, cpus: list[int], jobs: Any, done: Any) -> None:
@@ -136,18 +144,31 @@ def _proc_main(name: str, cpus: list[int], jobs: Any, done: Any) -> None:
         done.put((name, putter.run(*job)))
 
 
+def _put_off(putter: _Putter, tag: str, seconds: float, rate: float, cpus: list[int],
+             out: list[int]) -> None:
+    """A thread of this process putting through its own store client, on ``cpus``."""
+    os.sched_setaffinity(0, cpus)
+    out.append(putter.run(tag, seconds, rate))
+
+
+def _save_placed(ours: _OursSaver, tag: str, seconds: float, rate: float, out: list[int]) -> None:
+    """Our save thread, placed as the connector places its threads."""
+    from mooncake_vllm.placement import off_compute_cores
+
+    off_compute_cores()
+    out.append(ours.run(tag, seconds, rate))
+
+
 def _copy(seconds: float, rate: float, cpus: list[int], out: list[int]) -> None:
     import torch
     os.sched_setaffinity(0, cpus)
     src, dst = _pinned(BATCH * BLOCK), torch.empty(BATCH * BLOCK, dtype=torch.uint8)
-    moved, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+
+    def copy(_: int) -> int:
         dst.copy_(src)
-        moved += BATCH * BLOCK
-        ahead = start + moved / rate - time.perf_counter()
-        if ahead > 0:
-            time.sleep(ahead)
-    out.append(moved)
+        return BATCH * BLOCK
+
+    out.append(_paced(seconds, rate, BATCH * BLOCK, copy)[1])
 
 
 #: /proc/interrupts rows counted per condition: IPIs that interrupt a core running this
@@ -313,23 +334,18 @@ def _run(args: argparse.Namespace) -> None:
         for name, rate in plan:
             tag, per = f"{name}-{rnd}-{int(rate)}", rate / args.workers
             moved: list[int] = []
+            bg: list[threading.Thread] = []
             if name == "threads":
-                def _run(p: _Putter, tag: str = tag, per: float = per) -> None:
-                    os.sched_setaffinity(0, others)
-                    moved.append(p.run(tag, args.seconds, per))
-                bg = [threading.Thread(target=_run, args=(p,)) for p in threads]
+                bg = [threading.Thread(target=_put_off, args=(p, tag, args.seconds, per, others, moved))
+                      for p in threads]
             elif name == "ours":
-                def _save(tag: str = tag, rate: float = rate) -> None:
-                    from mooncake_vllm.placement import off_compute_cores
-                    off_compute_cores()
-                    moved.append(ours.run(tag, args.seconds, rate))
-                bg = [threading.Thread(target=_save, name="mcv-save")]
+                bg = [threading.Thread(target=_save_placed, args=(ours, tag, args.seconds, rate, moved),
+                                       name="mcv-save")]
             elif name == "copy":
                 bg = [threading.Thread(target=_copy, args=(args.seconds, per, others, moved))
                       for _ in range(args.workers)]
-            else:
-                bg = []
-                for _ in (procs if name == "procs" else ()):
+            elif name == "procs":
+                for _ in procs:
                     jobs.put((tag, args.seconds, per))
             for t in bg:
                 t.start()
