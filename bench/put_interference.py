@@ -13,15 +13,20 @@ and over, pinned to one core, while, in turn:
     procs     the same puts from as many child processes (each its own interpreter and GIL)
     copy      threads of this process copying the same bytes host to host with torch (the
               GIL released): memory traffic with no network stack and no Mooncake
-    ours      our store client's own save path in this process (capture of a request's 6
-              blocks of 2 MiB from a KV cache on the GPU where there is one, checksums,
-              framing, puts striped over ``--workers`` store clients), one save thread
+    capture   our connector's capture of a request's 6 blocks of 2 MiB (a KV cache on the GPU
+              where there is one) on the main thread between its steps, as vLLM's thread
+              captures in ``wait_for_save``; a save thread placed as the connector's hands
+              the slots back without putting (the bench's ``ours-noput``)
+    ours      the same captures, and the save thread puts them as the connector does
+              (checksums, framing, puts over ``--workers`` store clients): ``ours`` over
+              ``capture`` is what our puts cost vLLM's thread from inside its process
 
 Conditions are interleaved for ``--rounds`` rounds; each reports the step's median, mean
 and p90, its ratio to the quiet median of its round and the IPIs that reached the pinned
 core (TLB shootdowns, function calls, reschedules). Threads slower than processes means the
 in-process part (the GIL, the allocator, a shared address space) costs vLLM's thread; both
-equally slow means the machine (caches, memory, the TCP stack) does. ``--python-only``: the
+equally slow means the machine (caches, memory, the TCP stack) does. ``--kinds`` picks the
+conditions. ``--python-only``: the
 main thread runs Python alone, so it grows only by the GIL others take (and its core).
 The pool is ``$MOONCAKE_CONFIG_PATH`` (scripts/gpu/mc_up.sh), or ``--local-stack`` starts one::
 
@@ -45,6 +50,8 @@ __all__ = ["in_process_excess", "interrupts", "main", "summarize"]
 
 BLOCK = 2 << 20
 BATCH = 8
+#: the conditions a round runs after ``quiet`` (module docstring)
+KINDS = ("threads", "procs", "copy", "capture", "ours")
 
 
 def _torch_device() -> str:
@@ -119,21 +126,61 @@ class _OursSaver:
                                           staging=StagingSizes(save_cuda=256 << 20, load=64 << 20))
         self.client.register_layout(self.layout, clients=lanes)
 
-    def run(self, tag: str, seconds: float, rate: float) -> int:
-        """Save ``BLOCKS`` blocks a time at ``rate`` bytes/s for ``seconds``; the bytes stored."""
-        nbytes = self.layout.block_nbytes
+    def capture(self, tag: str, i: int) -> Any:
+        """Capture save ``i`` of ``tag`` on this thread, as the connector captures: vLLM's
+        stream does not wait for the copy (the probe never changes the blocks, so no fence
+        is ordered before their reuse)."""
+        keys = [f"put-interference-ours/{tag}/{i}/{j}" for j in range(self.BLOCKS)]
+        ids = [(i * self.BLOCKS + j) % 64 for j in range(self.BLOCKS)]
+        return self.client.prepare_save(keys, self.layout, ids, defer_fence=True)
 
-        def save(i: int) -> int:
-            keys = [f"put-interference-ours/{tag}/{i}/{j}" for j in range(self.BLOCKS)]
-            ids = [(i * self.BLOCKS + j) % 64 for j in range(self.BLOCKS)]
-            # as the connector captures: vLLM's stream does not wait for the copy (the probe
-            # never changes the blocks, so no fence is ordered before their reuse)
-            ticket = self.client.prepare_save(keys, self.layout, ids, defer_fence=True)
-            return nbytes * self.client.commit_save(ticket)
+    def start(self, tag: str, rate: float, put: bool) -> _SaveRun:
+        """Saves at ``rate`` bytes/s captured by the caller's thread, put (or, without ``put``,
+        handed back) by a save thread."""
+        return _SaveRun(self, tag, rate, put)
 
-        _, stored = _paced(seconds, rate, self.BLOCKS * nbytes, save)
-        self.client.remove_matching(f"put-interference-ours/{tag}/.*")
-        return stored
+
+class _SaveRun:
+    """The connector's save path in the probe: :meth:`between_steps` captures on the calling
+    (engine) thread when a save is due; a save thread, placed as the connector places its
+    threads, commits each capture (or discards it) in order."""
+
+    def __init__(self, saver: _OursSaver, tag: str, rate: float, put: bool) -> None:
+        import queue
+
+        self.saver, self.tag, self.put = saver, tag, put
+        self.unit = saver.BLOCKS * saver.layout.block_nbytes
+        self.interval = self.unit / rate
+        self.captured, self.stored = 0, 0
+        self.tickets: queue.Queue[Any] = queue.Queue()
+        self.thread = threading.Thread(target=self._commit_all, name="mcv-save")
+        self.start_at = time.perf_counter()
+        self.thread.start()
+
+    def between_steps(self) -> None:
+        """Capture the saves now due (the engine thread's share of saving)."""
+        while self.start_at + self.captured * self.interval <= time.perf_counter():
+            self.tickets.put(self.saver.capture(self.tag, self.captured))
+            self.captured += 1
+
+    def _commit_all(self) -> None:
+        from mooncake_vllm.placement import off_compute_cores
+
+        off_compute_cores()
+        client, nbytes = self.saver.client, self.saver.layout.block_nbytes
+        while (ticket := self.tickets.get()) is not None:
+            if self.put:
+                self.stored += nbytes * client.commit_save(ticket)
+            else:
+                self.stored += nbytes * len(ticket.keys)
+                client.discard(ticket)
+
+    def finish(self) -> int:
+        """Stop; the bytes stored (put, or captured and handed back); the pool left as found."""
+        self.tickets.put(None)
+        self.thread.join()
+        self.saver.client.remove_matching(f"put-interference-ours/{self.tag}/.*")
+        return self.stored
 
 
 def _proc_main(name: str, cpus: list[int], jobs: Any, done: Any) -> None:
@@ -149,14 +196,6 @@ def _put_off(putter: _Putter, tag: str, seconds: float, rate: float, cpus: list[
     """A thread of this process putting through its own store client, on ``cpus``."""
     os.sched_setaffinity(0, cpus)
     out.append(putter.run(tag, seconds, rate))
-
-
-def _save_placed(ours: _OursSaver, tag: str, seconds: float, rate: float, out: list[int]) -> None:
-    """Our save thread, placed as the connector places its threads."""
-    from mooncake_vllm.placement import off_compute_cores
-
-    off_compute_cores()
-    out.append(ours.run(tag, seconds, rate))
 
 
 def _copy(seconds: float, rate: float, cpus: list[int], out: list[int]) -> None:
@@ -195,14 +234,18 @@ def interrupts(cpu: int, text: str | None = None) -> dict[str, int]:
     return out
 
 
-def _steps(seconds: float, ops: int, device: str, python_only: bool = False) -> list[float]:
+def _steps(seconds: float, ops: int, device: str, python_only: bool = False,
+           between: Callable[[], None] | None = None) -> list[float]:
     """The main thread's emulated engine steps (ms each) for ``seconds``. ``python_only``:
     Python alone, never releasing the GIL itself — a step then runs longer only by what other
     threads of this process take of the GIL (switch requests every ``sys.getswitchinterval()``)
-    and what the OS takes of its core."""
+    and what the OS takes of its core. ``between``: run at each step's start, inside its time
+    (the connector's capture on vLLM's thread)."""
     table: dict[int, float] = {}
+    before = between or (lambda: None)
 
     def python_step() -> None:
+        before()
         for i in range(ops * 20):
             table[i % 64] = table.get(i % 64, 0.0) + i * 0.5
 
@@ -213,6 +256,7 @@ def _steps(seconds: float, ops: int, device: str, python_only: bool = False) -> 
 
     def step() -> None:
         nonlocal x
+        before()
         for i in range(ops):
             table[i % 64] = table.get(i % 64, 0.0) + i * 0.5  # the Python between ops
             x = torch.add(x, 1.0)
@@ -236,37 +280,53 @@ def _timed(seconds: float, step: Callable[[], None]) -> list[float]:
 
 
 def summarize(conditions: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per condition: median / mean / p90 step ms and the median's ratio to its round's quiet."""
+    """Per condition: median / mean / p90 step ms and their ratios to its round's quiet
+    (``vs_quiet_median``, ``vs_quiet_mean``: the median over rounds of each). The median is
+    the typical step; the mean carries the rare steps that capture, and all the time lost."""
     rows: dict[str, list[dict[str, Any]]] = {}
-    quiet: dict[int, float] = {}
+    quiet: dict[int, tuple[float, float]] = {}
     for c in conditions:
-        med = statistics.median(c["steps_ms"])
         if c["name"] == "quiet":
-            quiet[c["round"]] = med
+            quiet[c["round"]] = (statistics.median(c["steps_ms"]), statistics.fmean(c["steps_ms"]))
     for c in conditions:
         steps = sorted(c["steps_ms"])
-        med = statistics.median(steps)
+        med, mean = statistics.median(steps), statistics.fmean(steps)
+        q = quiet.get(c["round"])
         rows.setdefault(c["name"], []).append({
-            "round": c["round"], "median_ms": round(med, 3), "mean_ms": round(statistics.fmean(steps), 3),
+            "round": c["round"], "median_ms": round(med, 3), "mean_ms": round(mean, 3),
             "p90_ms": round(steps[int(0.9 * (len(steps) - 1))], 3),
-            "vs_quiet": round(med / quiet[c["round"]], 3) if c["round"] in quiet else None,
+            "vs_quiet": round(med / q[0], 3) if q else None,
+            "mean_vs_quiet": round(mean / q[1], 3) if q else None,
             "MBps": round(c.get("bytes", 0) / c["seconds"] / 1e6, 1),
             "ipis_per_s": {k: round(v / c["seconds"]) for k, v in c.get("ipis", {}).items()}})
-    return {name: {"rounds": r, "vs_quiet_median": round(statistics.median(
-        x["vs_quiet"] for x in r if x["vs_quiet"] is not None), 3) if any(
-        x["vs_quiet"] is not None for x in r) else None} for name, r in rows.items()}
+
+    def over_rounds(r: list[dict[str, Any]], key: str) -> float | None:
+        got = [x[key] for x in r if x[key] is not None]
+        return round(statistics.median(got), 3) if got else None
+    return {name: {"rounds": r, "vs_quiet_median": over_rounds(r, "vs_quiet"),
+                   "vs_quiet_mean": over_rounds(r, "mean_vs_quiet")} for name, r in rows.items()}
 
 
 def in_process_excess(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per rate: how much more the same bytes cost the pinned thread from this process than from
-    other processes (``threads`` and ``ours`` over ``procs``, their medians vs quiet): above 1,
-    sharing vLLM's process is the cost; at 1, the machine is."""
+    """Per rate, what the same puts cost the pinned thread from inside its process beyond what
+    they cost from other processes: ``threads`` over ``procs`` (Mooncake's calls alone) and
+    ``ours`` over ``capture`` (our save thread's puts, the captures on both sides), beside
+    ``procs`` itself (over quiet: the machine's share); each of the step's median and, after
+    ``mean:``, of its mean. A ratio above ``procs`` means sharing vLLM's process is the cost;
+    at or below it, the machine is."""
     out: dict[str, dict[str, float]] = {}
+    pairs = {"threads": "procs", "ours": "capture"}
     for name, row in summary.items():
         kind, _, rate = name.partition("@")
-        procs = summary.get(f"procs@{rate}", {}).get("vs_quiet_median")
-        if kind in ("threads", "ours") and procs and row["vs_quiet_median"] is not None:
-            out.setdefault(rate, {})[f"{kind}/procs"] = round(row["vs_quiet_median"] / procs, 3)
+        for stat, prefix in (("vs_quiet_median", ""), ("vs_quiet_mean", "mean:")):
+            mine = row.get(stat)
+            if mine is None:
+                continue
+            if kind == "procs":
+                out.setdefault(rate, {})[f"{prefix}procs"] = mine
+            base = summary.get(f"{pairs.get(kind)}@{rate}", {}).get(stat)
+            if base:
+                out.setdefault(rate, {})[f"{prefix}{kind}/{pairs[kind]}"] = round(mine / base, 3)
     return out
 
 
@@ -277,6 +337,8 @@ def main() -> None:
     ap.add_argument("--rates", default="400,1600", help="MB/s of all workers together")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help=f"conditions besides quiet, in their order in a round ({', '.join(KINDS)})")
     ap.add_argument("--ops", type=int, default=1000, help="torch ops per emulated step")
     ap.add_argument("--python-only", action="store_true",
                     help="the main thread runs Python alone (no torch op releases the GIL): its "
@@ -328,19 +390,19 @@ def _run(args: argparse.Namespace) -> None:
     _steps(1.0, args.ops, device, args.python_only)  # warm-up
     conditions: list[dict[str, Any]] = []
     rates = [float(r) * 1e6 for r in args.rates.split(",")]
+    kinds = [k for k in args.kinds.split(",") if k]
+    if unknown := set(kinds) - set(KINDS):
+        raise SystemExit(f"--kinds: no condition {sorted(unknown)} (choose from {', '.join(KINDS)})")
     for rnd in range(args.rounds):
-        plan = [("quiet", 0.0)] + [(kind, r) for r in rates
-                                   for kind in ("threads", "procs", "copy", "ours")]
+        plan = [("quiet", 0.0)] + [(kind, r) for r in rates for kind in kinds]
         for name, rate in plan:
             tag, per = f"{name}-{rnd}-{int(rate)}", rate / args.workers
             moved: list[int] = []
             bg: list[threading.Thread] = []
+            saves = ours.start(tag, rate, put=name == "ours") if name in ("capture", "ours") else None
             if name == "threads":
                 bg = [threading.Thread(target=_put_off, args=(p, tag, args.seconds, per, others, moved))
                       for p in threads]
-            elif name == "ours":
-                bg = [threading.Thread(target=_save_placed, args=(ours, tag, args.seconds, rate, moved),
-                                       name="mcv-save")]
             elif name == "copy":
                 bg = [threading.Thread(target=_copy, args=(args.seconds, per, others, moved))
                       for _ in range(args.workers)]
@@ -350,10 +412,13 @@ def _run(args: argparse.Namespace) -> None:
             for t in bg:
                 t.start()
             before = interrupts(main_cpu[0])
-            steps = _steps(args.seconds, args.ops, device, args.python_only)
+            steps = _steps(args.seconds, args.ops, device, args.python_only,
+                           saves.between_steps if saves else None)
             after = interrupts(main_cpu[0])
             for t in bg:
                 t.join()
+            if saves is not None:
+                moved = [saves.finish()]
             if name == "procs":
                 moved = [done.get(timeout=120)[1] for _ in procs]
             label = name if name == "quiet" else f"{name}@{int(rate / 1e6)}"
@@ -372,7 +437,8 @@ def _run(args: argparse.Namespace) -> None:
     result["in_process_excess"] = in_process_excess(result["summary"])
     Path(args.out).write_text(json.dumps(result))
     for name, row in result["summary"].items():
-        print(f"{name:14s} step median vs quiet {row['vs_quiet_median']}  (rounds: "
+        print(f"{name:14s} step median vs quiet {row['vs_quiet_median']}, mean "
+              f"{row['vs_quiet_mean']}  (rounds: "
               + ", ".join(f"{r['median_ms']} ms / mean {r['mean_ms']} / p90 {r['p90_ms']}"
                           f" / IPIs/s {r['ipis_per_s']}" for r in row["rounds"]) + ")")
     for rate, ratios in result["in_process_excess"].items():

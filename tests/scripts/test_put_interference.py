@@ -25,6 +25,8 @@ def test_each_condition_is_compared_with_the_quiet_of_its_own_round() -> None:
     rounds = summary["threads@400"]["rounds"]
     assert [r["vs_quiet"] for r in rounds] == [2.0, 1.2]
     assert summary["threads@400"]["vs_quiet_median"] == 1.6
+    assert [r["mean_vs_quiet"] for r in rounds] == [2.333, 1.2]  # the slow step counts here
+    assert summary["threads@400"]["vs_quiet_mean"] == 1.767
     assert rounds[0]["MBps"] == 400.0 and rounds[0]["p90_ms"] == 20.0
     assert summary["quiet"]["vs_quiet_median"] == 1.0
 
@@ -62,17 +64,32 @@ def test_interrupts_reads_one_cpus_column_of_the_ipi_rows() -> None:
     assert probe.interrupts(5, text) == {}  # no such CPU
 
 
-def test_our_saver_stores_at_its_rate_and_removes_what_it_stored(
+def _paced_steps(run: object, seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        run.between_steps()  # type: ignore[attr-defined]
+        time.sleep(0.005)  # the rest of an engine step
+
+
+def test_our_saves_are_captured_by_the_stepping_thread_and_put_or_handed_back_by_another(
         module_local_stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(module_local_stack.config_path))
     saver = probe._OursSaver(2, "cpu")
     try:
         assert saver.client.lanes == 2
-        rate = 40e6
-        stored = saver.run("rate", 0.5, rate)
-        block = saver.layout.block_nbytes
-        assert 0.5 * rate <= stored <= 0.5 * rate + 2 * saver.BLOCKS * block
+        block, rate = saver.layout.block_nbytes, 40e6
+        put = saver.start("rate", rate, put=True)
+        _paced_steps(put, 0.5)
+        assert put.thread.is_alive() and put.thread.name == "mcv-save"
+        assert saver.client.exists(["put-interference-ours/rate/0/0"]) == [True]  # really put
+        stored = put.finish()
+        assert 0.5 * rate <= stored <= 0.5 * rate + 2 * saver.BLOCKS * block  # paced, not flat out
+        assert stored == put.captured * saver.BLOCKS * block  # every capture was put
         assert saver.client.exists(["put-interference-ours/rate/0/0"]) == [False]  # removed
+        held = saver.start("held", rate, put=False)
+        _paced_steps(held, 0.2)
+        assert held.finish() == held.captured * saver.BLOCKS * block > 0
+        assert saver.client.exists(["put-interference-ours/held/0/0"]) == [False]  # never put
         assert saver.client.put_blocks(["put-interference-ours/control"], saver.layout, [0]) == 1
         assert saver.client.exists(["put-interference-ours/control"]) == [True]  # the check sees keys
     finally:
@@ -80,8 +97,11 @@ def test_our_saver_stores_at_its_rate_and_removes_what_it_stored(
         saver.client.close()
 
 
-def test_in_process_excess_divides_this_process_by_other_processes() -> None:
+def test_in_process_excess_sets_each_in_process_mover_against_its_pair() -> None:
     summary = {"quiet": {"vs_quiet_median": 1.0}, "threads@400": {"vs_quiet_median": 1.2},
-               "procs@400": {"vs_quiet_median": 1.0}, "ours@400": {"vs_quiet_median": 1.5},
+               "procs@400": {"vs_quiet_median": 1.1}, "ours@400": {"vs_quiet_median": 1.5},
+               "capture@400": {"vs_quiet_median": 1.25, "vs_quiet_mean": 1.6},
                "copy@400": {"vs_quiet_median": 1.1}, "threads@1600": {"vs_quiet_median": 2.0}}
-    assert probe.in_process_excess(summary) == {"400": {"threads/procs": 1.2, "ours/procs": 1.5}}
+    summary["ours@400"]["vs_quiet_mean"] = 2.0
+    assert probe.in_process_excess(summary) == {
+        "400": {"threads/procs": 1.091, "procs": 1.1, "ours/capture": 1.2, "mean:ours/capture": 1.25}}
