@@ -343,8 +343,14 @@ def main() -> None:
     ap.add_argument("--python-only", action="store_true",
                     help="the main thread runs Python alone (no torch op releases the GIL): its "
                          "steps then grow only by the GIL other threads of the process take")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run (s; Python's default 0.005): how long "
+                         "a thread waiting for the GIL lets its holder run on")
     ap.add_argument("--local-stack", action="store_true", help="start a Mooncake stack (CPU dry run)")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        import sys
+        sys.setswitchinterval(args.switch_interval)
     if not args.local_stack:
         _run(args)
         return
@@ -431,7 +437,9 @@ def _run(args: argparse.Namespace) -> None:
     for _ in procs:
         jobs.put(None)
     ours.client.close()
+    import sys
     result = {"device": device, "cores": len(cores), "workers": args.workers, "ops": args.ops,
+              "switch_interval": sys.getswitchinterval(),
               "python_only": args.python_only,
               "summary": summarize(conditions), "conditions": conditions}
     result["in_process_excess"] = in_process_excess(result["summary"])
