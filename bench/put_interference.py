@@ -234,6 +234,30 @@ def interrupts(cpu: int, text: str | None = None) -> dict[str, int]:
     return out
 
 
+def thread_cpu(text_of: Callable[[str], str] | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) each thread of this process has used, summed by thread name
+    (``/proc/self/task/*/stat``; ``{}`` without it), the calling thread apart as ``(caller)``:
+    the threads that took the time."""
+    tick = os.sysconf("SC_CLK_TCK")
+    read = text_of or (lambda path: Path(path).read_text())
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = read(f"/proc/self/task/{tid}/stat")
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        if tid == str(threading.get_native_id()):
+            name = "(caller)"
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _steps(seconds: float, ops: int, device: str, python_only: bool = False,
            between: Callable[[], None] | None = None) -> list[float]:
     """The main thread's emulated engine steps (ms each) for ``seconds``. ``python_only``:
@@ -417,10 +441,10 @@ def _run(args: argparse.Namespace) -> None:
                     jobs.put((tag, args.seconds, per))
             for t in bg:
                 t.start()
-            before = interrupts(main_cpu[0])
+            before, cpu_before = interrupts(main_cpu[0]), thread_cpu()
             steps = _steps(args.seconds, args.ops, device, args.python_only,
                            saves.between_steps if saves else None)
-            after = interrupts(main_cpu[0])
+            after, cpu_after = interrupts(main_cpu[0]), thread_cpu()
             for t in bg:
                 t.join()
             if saves is not None:
@@ -429,10 +453,15 @@ def _run(args: argparse.Namespace) -> None:
                 moved = [done.get(timeout=120)[1] for _ in procs]
             label = name if name == "quiet" else f"{name}@{int(rate / 1e6)}"
             ipis = {k: after[k] - before.get(k, 0) for k in after}
+            busy = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in cpu_after.items()}
+            busy = dict(sorted(((k, v) for k, v in busy.items() if v >= 0.05),
+                               key=lambda kv: -kv[1])[:8])
             conditions.append({"name": label, "round": rnd, "seconds": args.seconds,
-                               "steps_ms": steps, "bytes": sum(moved), "ipis": ipis})
+                               "steps_ms": steps, "bytes": sum(moved), "ipis": ipis,
+                               "threads_cpu_s": busy})
             print(f"{label:14s} round {rnd}: step median {statistics.median(steps):.3f} ms, "
-                  f"{sum(moved) / args.seconds / 1e6:.0f} MB/s, IPIs on the main core {ipis}",
+                  f"{sum(moved) / args.seconds / 1e6:.0f} MB/s, IPIs on the main core {ipis}, "
+                  f"busiest threads (CPU s) {busy}",
                   flush=True)
     for _ in procs:
         jobs.put(None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -69,6 +70,24 @@ def _paced_steps(run: object, seconds: float) -> None:
     while time.perf_counter() < end:
         run.between_steps()  # type: ignore[attr-defined]
         time.sleep(0.005)  # the rest of an engine step
+
+
+def test_thread_cpu_sums_user_and_system_time_by_thread_name() -> None:
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {"1": f"1 (python3) S {' '.join(['0'] * 10)} {3 * tick} {tick} 0",
+             "2": f"2 (mc (tcp) io) S {' '.join(['0'] * 10)} {tick} 0 0",
+             "3": f"3 (mc (tcp) io) S {' '.join(['0'] * 10)} 0 {tick} 0"}
+    real = probe.os.listdir
+    try:
+        probe.os.listdir = lambda path: list(stats)
+        got = probe.thread_cpu(lambda path: stats[path.split("/")[4]])
+    finally:
+        probe.os.listdir = real
+    assert got == {"python3": 4.0, "mc (tcp) io": 2.0}  # a name with parentheses and spaces
+    burn = time.process_time() + 0.1
+    while time.process_time() < burn:
+        pass
+    assert probe.thread_cpu()["(caller)"] >= 0.1  # this thread, for real
 
 
 def test_our_saves_are_captured_by_the_stepping_thread_and_put_or_handed_back_by_another(
