@@ -258,6 +258,21 @@ def thread_cpu(text_of: Callable[[str], str] | None = None) -> dict[str, float]:
     return out
 
 
+def sharing_core(cpu: int) -> list[str]:
+    """Names of this process's threads, the caller's apart, allowed to run on ``cpu``."""
+    out = []
+    me = str(threading.get_native_id())
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            allowed = os.sched_getaffinity(int(tid))
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if tid != me and cpu in allowed:
+            out.append(name)
+    return out
+
+
 def _steps(seconds: float, ops: int, device: str, python_only: bool = False,
            between: Callable[[], None] | None = None) -> list[float]:
     """The main thread's emulated engine steps (ms each) for ``seconds``. ``python_only``:
@@ -402,6 +417,12 @@ def _run(args: argparse.Namespace) -> None:
     for p in procs:
         p.start()
     threads: list[_Putter] = []
+    # as the connector does on vLLM's thread, before any thread of ours starts: the first
+    # thread to ask decides which cores are "compute" (one of the putters' openers asking
+    # first sent every thread of ours onto the main core)
+    from mooncake_vllm.placement import note_compute_cores
+    os.sched_setaffinity(0, main_cpu)  # this thread only: the emulated engine thread
+    note_compute_cores()
 
     def _open() -> None:  # Mooncake's own threads start here: they keep this thread's CPUs
         os.sched_setaffinity(0, others)
@@ -411,13 +432,13 @@ def _run(args: argparse.Namespace) -> None:
     opener.join()
     if len(threads) < args.workers:
         raise RuntimeError("a store client of this process did not open")
-    os.sched_setaffinity(0, main_cpu)  # this thread only: the emulated engine thread
-    from mooncake_vllm.placement import note_compute_cores
-    note_compute_cores()  # as the connector does on vLLM's thread: ours go to the other cores
     ours = _OursSaver(args.workers, device)
     for _ in procs:
         done.get(timeout=120)
     _steps(1.0, args.ops, device, args.python_only)  # warm-up
+    beside = sharing_core(main_cpu[0])
+    print(f"threads of this process allowed on the main core besides it: {len(beside)} "
+          f"{sorted(set(beside))}", flush=True)
     conditions: list[dict[str, Any]] = []
     rates = [float(r) * 1e6 for r in args.rates.split(",")]
     kinds = [k for k in args.kinds.split(",") if k]
@@ -468,7 +489,7 @@ def _run(args: argparse.Namespace) -> None:
     ours.client.close()
     import sys
     result = {"device": device, "cores": len(cores), "workers": args.workers, "ops": args.ops,
-              "switch_interval": sys.getswitchinterval(),
+              "switch_interval": sys.getswitchinterval(), "sharing_main_core": beside,
               "python_only": args.python_only,
               "summary": summarize(conditions), "conditions": conditions}
     result["in_process_excess"] = in_process_excess(result["summary"])

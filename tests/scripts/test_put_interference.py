@@ -90,6 +90,29 @@ def test_thread_cpu_sums_user_and_system_time_by_thread_name() -> None:
     assert probe.thread_cpu()["(caller)"] >= 0.1  # this thread, for real
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_sharing_core_names_the_other_threads_allowed_on_a_core() -> None:
+    import threading
+
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    ready, stop = threading.Event(), threading.Event()
+
+    def pinned() -> None:
+        os.sched_setaffinity(0, {second})
+        ready.set()
+        stop.wait(10)
+
+    t = threading.Thread(target=pinned)
+    t.start()
+    ready.wait(10)
+    try:
+        # the pinned thread is allowed on the second core only; the caller is never counted
+        assert len(probe.sharing_core(first)) == len(probe.sharing_core(second)) - 1
+    finally:
+        stop.set()
+        t.join()
+
+
 def test_our_saves_are_captured_by_the_stepping_thread_and_put_or_handed_back_by_another(
         module_local_stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(module_local_stack.config_path))
