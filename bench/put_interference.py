@@ -185,7 +185,14 @@ class _SaveRun:
 
 def _proc_main(name: str, cpus: list[int], jobs: Any, done: Any) -> None:
     os.sched_setaffinity(0, cpus)
+    # this process has no engine thread: placing "off the compute cores" from here would send
+    # its Mooncake threads onto every core but ``cpus`` (the main core among them); they keep
+    # ``cpus``
+    os.environ["MOONCAKE_VLLM_THREAD_AFFINITY"] = "off"
     putter = _Putter(name)
+    main_cpu = min(set(range(os.cpu_count() or 1)) - set(cpus), default=None)
+    if main_cpu is not None and (beside := sharing_core(main_cpu)):
+        print(f"{name}: {len(beside)} thread(s) allowed on the main core", flush=True)
     done.put(("ready", 0))
     while (job := jobs.get()) is not None:
         done.put((name, putter.run(*job)))
@@ -419,7 +426,8 @@ def _run(args: argparse.Namespace) -> None:
     threads: list[_Putter] = []
     # as the connector does on vLLM's thread, before any thread of ours starts: the first
     # thread to ask decides which cores are "compute" (one of the putters' openers asking
-    # first sent every thread of ours onto the main core)
+    # first sent every thread of ours onto the main core); the module notes the process's
+    # cores when imported, before this thread narrows to one, as vLLM's plugin loader does
     from mooncake_vllm.placement import note_compute_cores
     os.sched_setaffinity(0, main_cpu)  # this thread only: the emulated engine thread
     note_compute_cores()
@@ -436,6 +444,9 @@ def _run(args: argparse.Namespace) -> None:
     for _ in procs:
         done.get(timeout=120)
     _steps(1.0, args.ops, device, args.python_only)  # warm-up
+    warm = ours.start("warm-up", 100e6, put=True)  # the lanes' first puts open their connections
+    _steps(2.0, args.ops, device, args.python_only, warm.between_steps)
+    warm.finish()
     beside = sharing_core(main_cpu[0])
     print(f"threads of this process allowed on the main core besides it: {len(beside)} "
           f"{sorted(set(beside))}", flush=True)

@@ -77,6 +77,47 @@ def test_a_spare_core_moves_the_thread_instead(monkeypatch: pytest.MonkeyPatch) 
     assert placed == cores - {compute} and after == before
 
 
+def test_the_threads_never_leave_the_cores_the_process_was_given(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``taskset -c 4-7 vllm serve``: vLLM computes on all four given cores; the pool's
+    threads stay on them, below its priority, not on cores the operator kept from it."""
+    monkeypatch.delenv(THREAD_NICE_ENV, raising=False)
+    monkeypatch.delenv(THREAD_AFFINITY_ENV, raising=False)
+    cores = _all_cores()
+    if len(cores) < 2:
+        pytest.skip("needs two cores this process may use")
+    given = frozenset({min(cores)})
+    monkeypatch.setattr(placement, "_process_cpus", given)
+    before, placed, after = _placed(set(given))
+    assert placed == given  # not moved to the cores the process was not given
+    assert after == min(19, before + DEFAULT_NICE)
+
+
+def test_the_other_cores_are_the_given_ones_vllm_does_not_compute_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(THREAD_AFFINITY_ENV, raising=False)
+    cores = sorted(_all_cores())
+    if len(cores) < 3:
+        pytest.skip("needs three cores this process may use")
+    monkeypatch.setattr(placement, "_process_cpus", frozenset(cores[:2]))  # given two of them
+    before, placed, after = _placed({cores[0]})  # vLLM pinned its worker to one
+    assert placed == {cores[1]} and after == before  # the other given core, not cores[2:]
+
+
+def test_the_process_cores_are_noted_when_vllm_loads_the_plugin() -> None:
+    """The plugin entry point notes them: at vLLM's start, before a worker thread is pinned."""
+    import subprocess
+    import sys
+
+    if len(_all_cores()) < 2:
+        pytest.skip("needs two cores this process may use")
+    code = ("import os; from mooncake_vllm.compat.registration import register; register(); "
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "  # vLLM pins its worker
+            "import mooncake_vllm.placement as p; print(sorted(p._process_cpus))")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert got.stdout.strip() == str(sorted(_all_cores())), got.stderr[-2000:]
+
+
 @pytest.mark.parametrize("env", [{THREAD_NICE_ENV: "0"}, {THREAD_AFFINITY_ENV: "off"}])
 def test_switched_off_leaves_priority_alone(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
     for name, value in env.items():

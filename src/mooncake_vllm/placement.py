@@ -12,6 +12,12 @@ Where they go is decided once per process, from the first thread that asks — o
 vLLM's (the connector notes it when it starts, :func:`note_compute_cores`): a thread of
 ours that starts another (the save thread its put workers, a time-box its workers) has
 already moved, and deciding from its CPUs would send the new thread onto vLLM's.
+
+"The other cores" are the process's own: those its first thread to import this module
+could use (vLLM's plugin loader imports it at start, before its CPU backend pins a
+worker). A process the operator gave cores 4-7 (``taskset``, a cpuset) keeps the pool's
+threads on 4-7 — below vLLM's priority where vLLM computes on all four — and never moves
+them to cores the process was not given.
 """
 
 from __future__ import annotations
@@ -72,8 +78,18 @@ class _Decision:
         self.cpus, self.base_nice = cpus, base_nice
 
 
+def _thread_cpus() -> frozenset[int]:
+    """The calling thread's CPUs (empty where the platform cannot say)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux, or a cpuset forbids asking
+        return frozenset()
+
+
 _lock = threading.Lock()
 _decided: _Decision | None = None
+#: the cores this process was given, as the first thread to import this module saw them
+_process_cpus: frozenset[int] = _thread_cpus()
 
 
 def note_compute_cores() -> None:
@@ -83,10 +99,7 @@ def note_compute_cores() -> None:
     with _lock:
         if _decided is not None:
             return
-        try:
-            others = frozenset(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
-        except (AttributeError, OSError):  # not Linux, or a cpuset forbids asking
-            others = frozenset()
+        others = _process_cpus - _thread_cpus()
         try:
             base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         except (AttributeError, OSError):

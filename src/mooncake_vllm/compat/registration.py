@@ -161,6 +161,9 @@ def _warn_in_tree_mooncake(version: str) -> None:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point. Never raises."""
     try:
+        # the process's cores, noted before vLLM's CPU backend pins a worker thread: the
+        # pool's threads never leave them (placement.py)
+        import mooncake_vllm.placement  # noqa: F401
         follow_vllm_logging()
         try:
             if installed_facts() is None:
