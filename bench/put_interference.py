@@ -266,13 +266,15 @@ def thread_cpu(text_of: Callable[[str], str] | None = None) -> dict[str, float]:
 
 
 def sharing_core(cpu: int) -> list[str]:
-    """Names of this process's threads, the caller's apart, allowed to run on ``cpu``."""
+    """Names of this process's threads (Python's where it has one), the caller's apart,
+    allowed to run on ``cpu``."""
     out = []
     me = str(threading.get_native_id())
+    python_names = {str(t.native_id): t.name for t in threading.enumerate()}
     for tid in os.listdir("/proc/self/task"):
         try:
             allowed = os.sched_getaffinity(int(tid))
-            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            name = python_names.get(tid) or Path(f"/proc/self/task/{tid}/comm").read_text().strip()
         except OSError:
             continue
         if tid != me and cpu in allowed:
