@@ -29,6 +29,8 @@ one fresh vLLM process each (the reader)::
                so no transfer shares a core or its caches' nearest level with vLLM's thread
     ours-noput ours whose saves are captured and committed but put nothing (the bench
                replaces the store client's ``put_ticket``): ours minus the transfers
+    ours-repeat ours with "save_admission": "repeat" (a block is stored the second time it
+               is saved; a first save leaves a mark): unique suffixes put no KV
     ours-never ours claiming nothing (``load_policy`` never): lookups and saves only
     ours-load  ours as ``kv_consumer``: lookups and loads, no saves
     noop       a connector whose every hook returns at once (bench/noop_connector.py): what
@@ -75,9 +77,10 @@ from interference_table import derive
 __all__ = ["main"]
 
 #: measured in this order
-MODES = ("ours", "ours-split", "ours-noput", "ours-always", "ours-1c", "ours-prev", "ours-sync",
+MODES = ("ours", "ours-split", "ours-noput", "ours-repeat", "ours-always", "ours-1c", "ours-prev", "ours-sync",
          "ours-never", "ours-load", "none", "noop", "ours-zc", "intree")
-_EXTRA = {"ours": {}, "ours-split": {}, "ours-noput": {}, "ours-prev": {}, "ours-sync": {"load_async": False},
+_EXTRA = {"ours": {}, "ours-split": {}, "ours-noput": {}, "ours-repeat": {"save_admission": "repeat"},
+          "ours-prev": {}, "ours-sync": {"load_async": False},
           "ours-never": {"load_policy": "never"},
           "ours-zc": {"gpu_path": "zero_copy"}, "ours-always": {"load_policy": "always"},
           "ours-1c": {"load_policy": "always", "store_clients": 1}}

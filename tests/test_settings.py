@@ -32,13 +32,13 @@ def test_every_documented_key_is_read() -> None:
         "kv_consumer", model_id="shared", mooncake_config_path="/etc/mc.json",
         load_failure_policy="fail", save_queue_size=8, connect_timeout=2, layout_variant="amx",
         load_async=False, gpu_path="zero_copy", handoff_timeout=0, cache_prefix="weights-v2",
-        load_policy="never", store_clients=3))
+        load_policy="never", store_clients=3, save_admission="repeat"))
     assert s == ConnectorSettings(kv_role="kv_consumer", model_id="shared",
                                   mooncake_config_path="/etc/mc.json", load_failure_policy="fail",
                                   save_queue_size=8, connect_timeout=2.0, layout_variant="amx",
                                   load_async=False, gpu_path="zero_copy", handoff_timeout=0.0,
                                   cache_prefix="weights-v2", load_policy="never",
-                                  store_clients=3)
+                                  store_clients=3, save_admission="repeat")
     assert s.clients_for_worker() == 3
     assert ConnectorSettings.from_vllm_config(_vllm_config()).handoff_timeout == 5.0
     with pytest.raises(AttributeError):
@@ -92,6 +92,8 @@ def test_bad_cache_prefix_is_refused_naming_the_field(bad: object) -> None:
 @pytest.mark.parametrize("key,value,says", [
     ("load_policy", "sometimes", '"auto"'),
     ("load_policy", None, '"always" or "never"'),
+    ("save_admission", "twice", '"repeat"'),
+    ("save_admission", True, '"all"'),
     ("store_clients", 0, "from 1 to 16"),
     ("store_clients", 17, "from 1 to 16"),
     ("store_clients", True, "whole number"),

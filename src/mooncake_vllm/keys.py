@@ -49,6 +49,7 @@ __all__ = [
     "chunk_keys",
     "model_id",
     "parse_registry_key",
+    "seen_key",
 ]
 
 KEY_PREFIX = "mcv"
@@ -289,6 +290,16 @@ def chunk_hex_digests(token_ids: Sequence[int], block_size: int,
     reused (the same values, computed once per process)."""
     return [text for _, text in _chain(token_ids, block_size, extras,
                                           memo if memo is not None else DigestMemo())]
+
+
+def seen_key(block_key: str) -> str:
+    """The mark a first save of chunk ``block_key`` (``mcv/<ns>/<32 hex>``) leaves under
+    ``save_admission: "repeat"``: ``mcv/<ns>/seen/<32 hex>`` — in the namespace (removed
+    with it), never a chunk key, never read as KV."""
+    prefix, _, digest = block_key.rpartition("/")
+    if not prefix or not digest:
+        raise ValueError(f"not a chunk key: {block_key!r}")
+    return f"{prefix}/seen/{digest}"
 
 
 def chunk_keys(

@@ -36,6 +36,8 @@ _POLICIES = ("recompute", "fail")
 GPU_PATHS = ("auto", "staged", "zero_copy")
 #: ``load_policy`` values (v1.claims decides what ``auto`` claims)
 LOAD_POLICIES = ("auto", "always", "never")
+#: ``save_admission`` values (store.client decides what ``repeat`` stores)
+SAVE_ADMISSIONS = ("all", "repeat")
 #: the most store clients one worker opens (each is a transfer engine with its own threads)
 MAX_STORE_CLIENTS = 16
 _FIELD = "kv_connector_extra_config"
@@ -158,6 +160,17 @@ KEYS: tuple[ExtraKey, ...] = (
              "recomputes them (a slow or degraded pool stops being claimed and is probed again now "
              "and then; declined claims are counted by reason, `vllm:mooncake_vllm_declined_tokens`), "
              '`"always"` claims every hit, `"never"` only saves'),
+    ExtraKey("save_admission", "all", _choice(SAVE_ADMISSIONS),
+             'use "all" (store every new block) or "repeat" (store a block the second time it is '
+             "saved)",
+             'which new blocks a worker stores: `"all"` every one (a prompt is in the pool after its '
+             'first prefill, for every instance), `"repeat"` a block only once the pool has seen it '
+             "saved before — its first save leaves a small mark (`mcv/<ns>/seen/<chunk>`), the next "
+             "save of that block by any instance stores it. Unique suffixes (a RAG question, the "
+             "last turn of a chat) then cost the pool a mark instead of their KV (~2 MiB a block "
+             "on an 8B-class model); the price is that the second instance to compute a prefix "
+             "recomputes it once. A decode hand-off's blocks and refills of vLLM's prefix cache "
+             "are always stored. Deferred blocks are counted (`saves_first_seen`). V0 and V1"),
     ExtraKey("store_clients", "auto", _clients, 'omit it ("auto": one per 4 cores) or set e.g. 4',
              "store clients (Mooncake transfer engines) each worker stripes its loads and saves over, "
              f'1 to {MAX_STORE_CLIENTS}; `"auto"` = one per 4 cores, 1 to 4 (one client moves ~3 GB/s '
@@ -199,6 +212,7 @@ class ConnectorSettings:
     handoff_timeout: float = _default("handoff_timeout")
     cache_prefix: str = _default("cache_prefix")
     load_policy: str = _default("load_policy")
+    save_admission: str = _default("save_admission")
     #: store clients a worker stripes transfers over; 0 = ``"auto"`` (:func:`auto_store_clients`)
     store_clients: int = _default("store_clients")
 

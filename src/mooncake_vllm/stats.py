@@ -94,7 +94,7 @@ STORE_COUNTERS = CounterNames(
         "lookup_errors", "load_failed", "load_no_slot", "lost_segment_reads",
         "unverifiable_on_gpu", "timeouts", "rejected", "saves_skipped", "saves_abandoned",
         "saves_dropped_no_slot", "save_raced", "put_retries_full", "holders_suspended", "holders_dropped",
-        "saves_held_back", "puts_slow"}),
+        "saves_held_back", "puts_slow", "saves_first_seen", "seen_marks_put", "seen_marks_failed"}),
     families=(r"(put|get)_failed_[a-z_]+", r"miss_[a-z_]+"))  # miss_<cause>: store/misses.py
 
 

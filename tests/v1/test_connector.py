@@ -32,7 +32,7 @@ from instances import upsert_raw as _upsert
 from mooncake_vllm import codec
 from mooncake_vllm.config import load_store_config
 from mooncake_vllm.demo.run import kv_transfer_config, run_instance
-from mooncake_vllm.keys import chunk_keys
+from mooncake_vllm.keys import chunk_keys, seen_key
 from mooncake_vllm.services import LocalStack, start_vllm_server
 from mooncake_vllm.store import StoreClient
 
@@ -120,6 +120,27 @@ def test_cross_instance_hit_is_token_identical(run: Any, saved: dict, reference:
     assert b["connector"]["worker_loaded_blocks"] == (9 if LOADS else 0)
     assert b["connector"]["worker_failed_blocks"] == 0
 
+
+
+def test_repeat_admission_stores_a_prefix_the_second_time_it_is_computed(
+        run: Any, client: StoreClient) -> None:
+    """``save_admission: "repeat"``: the first instance leaves marks, the second stores the
+    KV, the third loads it; every output the same."""
+    prompt = _prompt(31, 200)
+    cfg = kv_transfer_config("kv_both", extra={"save_admission": "repeat"})
+    first = run("repeat-1", [prompt], kv_config=cfg)
+    keys = chunk_keys(_namespace(first["log"]), prompt)
+    assert len(keys) == 6
+    assert not any(client.exists(keys)), "a first sighting stored KV"
+    assert all(client.exists([seen_key(k) for k in keys]))
+    assert first["connector"]["store_saves_first_seen"] == 6
+    second = run("repeat-2", [prompt], kv_config=cfg)
+    assert all(client.exists(keys)), "the second instance did not store the prefix"
+    assert second["connector"]["store_blocks_put"] == 6
+    third = run("repeat-3", [prompt], kv_config=cfg)
+    assert _tokens(second) == _tokens(third) == _tokens(first)
+    assert _hits(first) == _hits(second) == 0
+    assert _hits(third) == (_claimable(prompt) if LOADS else 0)
 
 
 def _framed_random(key: str, fingerprint: str, nbytes: int, seed: int) -> bytes:

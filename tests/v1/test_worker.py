@@ -66,6 +66,7 @@ class _GatedClient:
         self.deferred: list[bool] = []
         self.captures: list[list[str]] = []
         self.captured_blocks: list[list[int]] = []
+        self.admissions: list[tuple[str, set[str]]] = []
 
     def register_layout(self, layout: Any, gpu_path: str = "auto", clients: int = 1) -> None:
         pass
@@ -74,8 +75,10 @@ class _GatedClient:
         return self.snapshot
 
     def prepare_save(self, keys: list[str], layout: Any, block_ids: list[int], *,
-                     defer_fence: bool = False) -> SaveTicket:
+                     defer_fence: bool = False, admission: str = "all",
+                     always: Any = ()) -> SaveTicket:
         self.deferred.append(defer_fence)
+        self.admissions.append((admission, set(always)))
         self.captures.append(list(keys))
         self.captured_blocks.append(list(block_ids))
         fence = None
@@ -131,6 +134,25 @@ def workers() -> Any:
     yield made.append
     for w in made:
         w.shutdown(timeout=2)
+
+
+def test_repeat_admission_always_stores_hand_offs_and_refills(workers: Any) -> None:
+    client = _GatedClient(snapshot=True)
+    client.gate.set()
+    w = WorkerLogic(_ns("admit"), EXPECTED, _Source(client), can_load=True, can_save=True,
+                    save_admission="repeat")
+    workers(w)
+    w.register_kv_caches(_cache(0))
+    plain, handoff, refill = ([f"{b:032x}" for b in blocks] for blocks in ([1, 2], [3], [4]))
+    w.wait_for_save(MooncakeConnectorMetadata(
+        saves=[BlockJob("a", plain, [1, 2]), BlockJob("h", handoff, [3]),
+               BlockJob("r", refill, [4], unheld=True)],
+        handoffs={"h": ("ab" * 16, handoff)}))
+    _wait_idle(w)
+    held, unheld = client.admissions  # the step's held saves in one capture, the refill apart
+    assert held == ("repeat", set(w.keys(handoff)))  # the decode reads every hand-off chunk
+    assert unheld == ("repeat", set(w.keys(refill)))
+    assert client.captures[0] == w.keys(plain) + w.keys(handoff)
 
 
 def test_finished_only_after_saves_and_only_for_saving_requests(workers: Any) -> None:

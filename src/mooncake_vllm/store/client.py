@@ -25,13 +25,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from mooncake_vllm import codec
 from mooncake_vllm.compat.detect import mooncake_is_cuda_build
 from mooncake_vllm.config import StoreConfig
+from mooncake_vllm.keys import seen_key
 from mooncake_vllm.layout import BlockLayout
+from mooncake_vllm.settings import SAVE_ADMISSIONS
 from mooncake_vllm.stats import StoreStats
 from mooncake_vllm.store.codes import Code
 from mooncake_vllm.store.connect import open_store
@@ -256,21 +258,27 @@ class StoreClient:
         return not self._paths_for(layout).zero_copy_save
 
     def prepare_save(self, keys: Sequence[str], layout: BlockLayout,
-                     block_ids: Sequence[int], *, defer_fence: bool = False) -> SaveTicket:
+                     block_ids: Sequence[int], *, defer_fence: bool = False,
+                     admission: str = "all", always: Iterable[str] = ()) -> SaveTicket:
         """Capture a save now (no pool call): a snapshot, or checksums of the blocks.
 
         ``defer_fence`` (a caller that keeps the blocks until it frees them): a CUDA
         snapshot's read of the blocks is not waited for by vLLM's stream; the caller
-        must ``ticket.fence.order()`` before vLLM may reuse them.
+        must ``ticket.fence.order()`` before vLLM may reuse them. ``admission``
+        (``save_admission``): ``"repeat"`` stores a new block only if it was saved before
+        (:meth:`commit_save`), except the keys in ``always``.
         """
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
+        if admission not in SAVE_ADMISSIONS:
+            raise ValueError(f"save admission {admission!r}: use one of {', '.join(SAVE_ADMISSIONS)}")
         paths = self._paths_for(layout)
         if not keys or not self.transport.admits() or time.monotonic() < self.transport.full_until:
             if keys:
                 self.stats.add("saves_skipped", len(keys))
             return SaveTicket([], [], layout, snapshot=True)
         ticket = paths.capture(list(keys), list(block_ids), defer_fence=defer_fence)
+        ticket.repeat_only, ticket.always = admission == "repeat", frozenset(always)
         if ticket.dropped:
             self.stats.add("saves_dropped_no_slot", ticket.dropped)
             self.failures.warn("slots", f"mooncake-vllm: {ticket.dropped} block save(s) dropped: "
@@ -281,7 +289,8 @@ class StoreClient:
     def commit_save(self, ticket: SaveTicket) -> int:
         """Put a captured save (existing keys are skipped); how many blocks were new.
 
-        The puts are striped over the store clients (:mod:`~mooncake_vllm.store.puts`)."""
+        The puts are striped over the store clients (:mod:`~mooncake_vllm.store.puts`).
+        A ``repeat_only`` ticket stores only the blocks saved before (:meth:`_admitted`)."""
         paths = self._paths_for(ticket.layout)
         try:
             if not ticket.keys or not self.transport.admits():
@@ -289,19 +298,61 @@ class StoreClient:
             present = self._exists(ticket.keys, self.transport.save_lookups)
             todo = [i for i, p in enumerate(present) if not p]
             self.stats.add("skipped_existing", len(ticket.keys) - len(todo))
+            if ticket.repeat_only and todo:
+                todo = self._admitted(ticket, todo)
             return put_ticket(self.transport, paths, ticket, todo)
         finally:
             if not ticket.abandoned:
                 paths.release(ticket)
+
+    def _admitted(self, ticket: SaveTicket, todo: list[int]) -> list[int]:
+        """``save_admission: "repeat"``: the positions of ``todo`` to store — those whose mark
+        is in the pool (saved before, by any instance) and those in ``ticket.always``. The
+        others are first sightings: their marks are put instead (``saves_first_seen``); where
+        the pool does not answer, none of them is stored (``saves_skipped``)."""
+        ask = [i for i in todo if ticket.keys[i] not in ticket.always]
+        if not ask:
+            return todo
+        seen = self._answer([seen_key(ticket.keys[i]) for i in ask], self.transport.save_lookups)
+        if seen is None:
+            self.stats.add("saves_skipped", len(ask))
+            first = set(ask)
+        else:
+            first = {i for i, s in zip(ask, seen) if not s}
+            if first:
+                self.stats.add("saves_first_seen", len(first))
+                self._mark_seen([seen_key(ticket.keys[i]) for i in sorted(first)])
+        return [i for i in todo if i not in first]
+
+    def _mark_seen(self, marks: list[str]) -> None:
+        """Put the (empty, framed) ``marks`` in one time-boxed call (``seen_marks_put``; a
+        failed one, ``seen_marks_failed``, leaves its block a first sighting next time too)."""
+        t = self.transport
+        values = [codec.frame_value(mark, b"") for mark in marks]
+
+        def put() -> list[int]:
+            batch = getattr(t.store, "put_batch", None)  # Mooncake >= 0.3.5
+            if batch is None:
+                return [t.store.put(mark, value) for mark, value in zip(marks, values)]
+            rc = batch(marks, values)
+            return list(rc) if isinstance(rc, (list, tuple)) else [rc] * len(marks)
+
+        codes = t.run(t.control, t.op_timeout, put)
+        ok = 0 if isinstance(codes, BaseException) else sum(
+            1 for c in codes if c in (Code.OK, Code.OBJECT_ALREADY_EXISTS))
+        if ok:
+            t.stats.add("seen_marks_put", ok)
+        if ok < len(marks):
+            t.stats.add("seen_marks_failed", len(marks) - ok)
 
     def discard(self, ticket: SaveTicket) -> None:
         """Drop a captured save without putting it (its slots are handed back)."""
         self._paths_for(ticket.layout).release(ticket)
 
     def put_blocks(self, keys: Sequence[str], layout: BlockLayout,
-                   block_ids: Sequence[int]) -> int:
+                   block_ids: Sequence[int], *, admission: str = "all") -> int:
         """Store blocks under ``keys`` now (capture + put); returns how many were new."""
-        return self.commit_save(self.prepare_save(keys, layout, block_ids))
+        return self.commit_save(self.prepare_save(keys, layout, block_ids, admission=admission))
 
     # ------------------------------------------------------------------ loads
     def remove_matching(self, pattern: str) -> int | None:

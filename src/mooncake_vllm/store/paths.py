@@ -124,6 +124,10 @@ class SaveTicket:
     pool: SlotPool | None = None
     done: bool = False
     abandoned: bool = False  #: a put outlived its deadline: its late return frees the slots
+    #: ``save_admission`` ``"repeat"``: a new block is stored only once its mark is in the
+    #: pool (its first save puts the mark instead), except the keys in ``always``
+    repeat_only: bool = False
+    always: frozenset[str] = frozenset()
 
 
 class LayoutPaths:

@@ -141,7 +141,8 @@ class MooncakeStoreConnector(KVConnectorBase):
                 continue
             keys = chunk_keys(self.namespace, span.tokens)
             if keys and self.namespace.stores:  # MLA: TP rank 0 stores for every rank
-                self.store.put_blocks(keys, layout, list(span.block_ids))
+                self.store.put_blocks(keys, layout, list(span.block_ids),
+                                      admission=self.settings.save_admission)
             if hidden is not None and layout.kind == "nhd":
                 tail = Tail.gather(kv_caches, span.tail_slots, hidden[span.end - 1])
                 self.store.put_value(tail_key(self.namespace, span.tokens), tail.pack())

@@ -200,7 +200,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                       gpu_path=settings.gpu_path,
                                       store_clients=settings.clients_for_worker(),
                                       marker_due=settings.marker_due(),
-                                      load_probe=settings.load_policy == "auto")
+                                      load_probe=settings.load_policy == "auto",
+                                      save_admission=settings.save_admission)
             self.telemetry.attach_worker(self.worker)
         self.shared.start()
         INSTANCES.add(self)
