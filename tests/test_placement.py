@@ -104,6 +104,18 @@ def test_the_other_cores_are_the_given_ones_vllm_does_not_compute_on(
     assert placed == {cores[1]} and after == before  # the other given core, not cores[2:]
 
 
+def test_an_openmp_binding_means_the_first_thread_may_already_be_narrowed() -> None:
+    """vLLM's CPU backend starts each worker with GOMP_CPU_AFFINITY: torch's OpenMP runtime
+    pins the worker's first thread when it loads, before the plugin notes anything — the
+    spare cores are then counted from every core, or the pool's threads would share the
+    compute core (the 1P1D fleet test's prefill lost its puts that way)."""
+    every = frozenset(range(os.cpu_count() or 1))
+    assert placement.process_cpus({}, frozenset({1})) == {1}  # taskset -c 1: honoured
+    for name in placement.OMP_BINDINGS:
+        assert placement.process_cpus({name: "0"}, frozenset({0})) == every
+    assert placement.process_cpus({"GOMP_CPU_AFFINITY": ""}, frozenset({1})) == {1}
+
+
 def test_the_process_cores_are_noted_when_vllm_loads_the_plugin() -> None:
     """The plugin entry point notes them: at vLLM's start, before a worker thread is pinned."""
     import subprocess

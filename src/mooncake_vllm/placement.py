@@ -17,7 +17,10 @@ already moved, and deciding from its CPUs would send the new thread onto vLLM's.
 could use (vLLM's plugin loader imports it at start, before its CPU backend pins a
 worker). A process the operator gave cores 4-7 (``taskset``, a cpuset) keeps the pool's
 threads on 4-7 — below vLLM's priority where vLLM computes on all four — and never moves
-them to cores the process was not given.
+them to cores the process was not given. A vLLM CPU worker is the exception: vLLM starts
+it with an OpenMP binding (``GOMP_CPU_AFFINITY``, ...) that narrows its first thread when
+torch loads, before any plugin runs; there "the process's cores" are every core, as
+before (with ``taskset`` around such a worker the pool's threads may leave its cores).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from collections.abc import Mapping
 
 from mooncake_vllm.errors import ConfigError, ConfigProblem
 
-__all__ = ["THREAD_AFFINITY_ENV", "THREAD_NICE_ENV", "note_compute_cores", "off_compute_cores",
+__all__ = ["OMP_BINDINGS", "THREAD_AFFINITY_ENV", "THREAD_NICE_ENV", "note_compute_cores",
+           "off_compute_cores", "process_cpus",
            "thread_affinity", "thread_nice"]
 
 THREAD_AFFINITY_ENV = "MOONCAKE_VLLM_THREAD_AFFINITY"
@@ -86,10 +90,28 @@ def _thread_cpus() -> frozenset[int]:
         return frozenset()
 
 
+#: OpenMP settings that bind a process's first thread to CPUs when the runtime loads (vLLM's
+#: CPU backend sets one for each worker it starts: that worker is narrowed before any plugin
+#: can note the process's cores)
+OMP_BINDINGS = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES")
+
+
+def process_cpus(environ: Mapping[str, str] = os.environ,
+                 thread_cpus: frozenset[int] | None = None) -> frozenset[int]:
+    """The cores this process was given: the calling thread's (call it before vLLM pins any:
+    ``taskset -c 4-7`` or a cpuset gives every thread 4-7), unless an OpenMP binding in
+    ``environ`` may already have narrowed it — then every core (a cpuset still limits where
+    a thread can be moved)."""
+    mine = _thread_cpus() if thread_cpus is None else thread_cpus
+    if any(environ.get(name) for name in OMP_BINDINGS):
+        return frozenset(range(os.cpu_count() or 1)) | mine
+    return mine
+
+
 _lock = threading.Lock()
 _decided: _Decision | None = None
 #: the cores this process was given, as the first thread to import this module saw them
-_process_cpus: frozenset[int] = _thread_cpus()
+_process_cpus: frozenset[int] = process_cpus()
 
 
 def note_compute_cores() -> None:
