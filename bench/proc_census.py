@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_delta", "gc_census", "rss_mib", "thread_affinity", "thread_cpu"]
+__all__ = ["cpu_delta", "gc_census", "rss_mib", "thread_affinity", "thread_cpu", "threads_allowed_on"]
 
 
 def gc_census(top: int = 12) -> dict[str, Any]:
@@ -75,6 +75,19 @@ def thread_affinity() -> dict[str, list[str]]:
             continue
         if text not in out.setdefault(name, []):
             out[name].append(text)
+    return out
+
+
+def threads_allowed_on(cpu: int) -> list[str]:
+    """Names of the threads allowed on ``cpu``, the calling thread's apart."""
+    me = str(threading.get_native_id())
+    out = []
+    for name, task in _threads():
+        try:
+            if task.name != me and cpu in os.sched_getaffinity(int(task.name)):
+                out.append(name)
+        except OSError:
+            continue
     return out
 
 

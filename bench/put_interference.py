@@ -46,6 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from proc_census import cpu_delta, thread_cpu, threads_allowed_on
+
 __all__ = ["in_process_excess", "interrupts", "main", "summarize"]
 
 BLOCK = 2 << 20
@@ -191,7 +193,7 @@ def _proc_main(name: str, cpus: list[int], jobs: Any, done: Any) -> None:
     os.environ["MOONCAKE_VLLM_THREAD_AFFINITY"] = "off"
     putter = _Putter(name)
     main_cpu = min(set(range(os.cpu_count() or 1)) - set(cpus), default=None)
-    if main_cpu is not None and (beside := sharing_core(main_cpu)):
+    if main_cpu is not None and (beside := threads_allowed_on(main_cpu)):
         print(f"{name}: {len(beside)} thread(s) allowed on the main core", flush=True)
     done.put(("ready", 0))
     while (job := jobs.get()) is not None:
@@ -238,47 +240,6 @@ def interrupts(cpu: int, text: str | None = None) -> dict[str, int]:
         fields = rest.split()
         if name.strip() in IPI_ROWS and column is not None and column < len(fields):
             out[name.strip()] = int(fields[column])
-    return out
-
-
-def thread_cpu(text_of: Callable[[str], str] | None = None) -> dict[str, float]:
-    """CPU seconds (user + system) each thread of this process has used, summed by thread name
-    (``/proc/self/task/*/stat``; ``{}`` without it), the calling thread apart as ``(caller)``:
-    the threads that took the time."""
-    tick = os.sysconf("SC_CLK_TCK")
-    read = text_of or (lambda path: Path(path).read_text())
-    out: dict[str, float] = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            stat = read(f"/proc/self/task/{tid}/stat")
-        except OSError:
-            continue  # the thread ended
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        if tid == str(threading.get_native_id()):
-            name = "(caller)"
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def sharing_core(cpu: int) -> list[str]:
-    """Names of this process's threads (Python's where it has one), the caller's apart,
-    allowed to run on ``cpu``."""
-    out = []
-    me = str(threading.get_native_id())
-    python_names = {str(t.native_id): t.name for t in threading.enumerate()}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            allowed = os.sched_getaffinity(int(tid))
-            name = python_names.get(tid) or Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-        except OSError:
-            continue
-        if tid != me and cpu in allowed:
-            out.append(name)
     return out
 
 
@@ -449,7 +410,7 @@ def _run(args: argparse.Namespace) -> None:
     warm = ours.start("warm-up", 100e6, put=True)  # the lanes' first puts open their connections
     _steps(2.0, args.ops, device, args.python_only, warm.between_steps)
     warm.finish()
-    beside = sharing_core(main_cpu[0])
+    beside = threads_allowed_on(main_cpu[0])
     print(f"threads of this process allowed on the main core besides it: {len(beside)} "
           f"{sorted(set(beside))}", flush=True)
     conditions: list[dict[str, Any]] = []
@@ -487,9 +448,7 @@ def _run(args: argparse.Namespace) -> None:
                 moved = [done.get(timeout=120)[1] for _ in procs]
             label = name if name == "quiet" else f"{name}@{int(rate / 1e6)}"
             ipis = {k: after[k] - before.get(k, 0) for k in after}
-            busy = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in cpu_after.items()}
-            busy = dict(sorted(((k, v) for k, v in busy.items() if v >= 0.05),
-                               key=lambda kv: -kv[1])[:8])
+            busy = {k: v for k, v in list(cpu_delta(cpu_before, cpu_after).items())[:8] if v >= 0.05}
             conditions.append({"name": label, "round": rnd, "seconds": args.seconds,
                                "steps_ms": steps, "bytes": sum(moved), "ipis": ipis,
                                "threads_cpu_s": busy})

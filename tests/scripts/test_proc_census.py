@@ -61,3 +61,26 @@ def test_the_collector_census_counts_what_it_tracks() -> None:
     assert out["types"].get("Marker", 0) >= 5000 and out["objects"] >= 5000
     assert len(out["passes"]) == 3 and census.rss_mib() > 0
     del keep
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_threads_allowed_on_names_the_other_threads_allowed_on_a_core() -> None:
+    import threading
+
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    ready, stop = threading.Event(), threading.Event()
+
+    def pinned() -> None:
+        os.sched_setaffinity(0, {second})
+        ready.set()
+        stop.wait(10)
+
+    t = threading.Thread(target=pinned)
+    t.start()
+    ready.wait(10)
+    try:
+        # the pinned thread is allowed on the second core only; the caller is never counted
+        assert len(census.threads_allowed_on(first)) == len(census.threads_allowed_on(second)) - 1
+    finally:
+        stop.set()
+        t.join()

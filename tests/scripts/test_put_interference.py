@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -70,47 +69,6 @@ def _paced_steps(run: object, seconds: float) -> None:
     while time.perf_counter() < end:
         run.between_steps()  # type: ignore[attr-defined]
         time.sleep(0.005)  # the rest of an engine step
-
-
-def test_thread_cpu_sums_user_and_system_time_by_thread_name() -> None:
-    tick = os.sysconf("SC_CLK_TCK")
-    stats = {"1": f"1 (python3) S {' '.join(['0'] * 10)} {3 * tick} {tick} 0",
-             "2": f"2 (mc (tcp) io) S {' '.join(['0'] * 10)} {tick} 0 0",
-             "3": f"3 (mc (tcp) io) S {' '.join(['0'] * 10)} 0 {tick} 0"}
-    real = probe.os.listdir
-    try:
-        probe.os.listdir = lambda path: list(stats)
-        got = probe.thread_cpu(lambda path: stats[path.split("/")[4]])
-    finally:
-        probe.os.listdir = real
-    assert got == {"python3": 4.0, "mc (tcp) io": 2.0}  # a name with parentheses and spaces
-    burn = time.process_time() + 0.1
-    while time.process_time() < burn:
-        pass
-    assert probe.thread_cpu()["(caller)"] >= 0.1  # this thread, for real
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_sharing_core_names_the_other_threads_allowed_on_a_core() -> None:
-    import threading
-
-    first, second = sorted(os.sched_getaffinity(0))[:2]
-    ready, stop = threading.Event(), threading.Event()
-
-    def pinned() -> None:
-        os.sched_setaffinity(0, {second})
-        ready.set()
-        stop.wait(10)
-
-    t = threading.Thread(target=pinned)
-    t.start()
-    ready.wait(10)
-    try:
-        # the pinned thread is allowed on the second core only; the caller is never counted
-        assert len(probe.sharing_core(first)) == len(probe.sharing_core(second)) - 1
-    finally:
-        stop.set()
-        t.join()
 
 
 def test_our_saves_are_captured_by_the_stepping_thread_and_put_or_handed_back_by_another(
