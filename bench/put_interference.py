@@ -357,6 +357,8 @@ def main() -> None:
                          "a thread waiting for the GIL lets its holder run on")
     ap.add_argument("--local-stack", action="store_true", help="start a Mooncake stack (CPU dry run)")
     args = ap.parse_args()
+    if unknown := set(args.kinds.split(",")) - set(KINDS) - {""}:
+        ap.error(f"--kinds: no condition {sorted(unknown)} (choose from {', '.join(KINDS)})")
     if args.switch_interval is not None:
         import sys
         sys.setswitchinterval(args.switch_interval)
@@ -415,9 +417,7 @@ def _run(args: argparse.Namespace) -> None:
           f"{sorted(set(beside))}", flush=True)
     conditions: list[dict[str, Any]] = []
     rates = [float(r) * 1e6 for r in args.rates.split(",")]
-    kinds = [k for k in args.kinds.split(",") if k]
-    if unknown := set(kinds) - set(KINDS):
-        raise SystemExit(f"--kinds: no condition {sorted(unknown)} (choose from {', '.join(KINDS)})")
+    kinds = [k for k in args.kinds.split(",") if k]  # checked in main(), before any setup
     for rnd in range(args.rounds):
         plan = [("quiet", 0.0)] + [(kind, r) for r in rates for kind in kinds]
         for name, rate in plan:

@@ -313,15 +313,17 @@ class StoreClient:
         ask = [i for i in todo if ticket.keys[i] not in ticket.always]
         if not ask:
             return todo
-        seen = self._answer([seen_key(ticket.keys[i]) for i in ask], self.transport.save_lookups)
+        marks = [seen_key(ticket.keys[i]) for i in ask]
+        seen = self._answer(marks, self.transport.save_lookups)
         if seen is None:
             self.stats.add("saves_skipped", len(ask))
             first = set(ask)
         else:
-            first = {i for i, s in zip(ask, seen) if not s}
-            if first:
-                self.stats.add("saves_first_seen", len(first))
-                self._mark_seen([seen_key(ticket.keys[i]) for i in sorted(first)])
+            unseen = [(i, mark) for i, mark, s in zip(ask, marks, seen) if not s]
+            first = {i for i, _ in unseen}
+            if unseen:
+                self.stats.add("saves_first_seen", len(unseen))
+                self._mark_seen([mark for _, mark in unseen])
         return [i for i in todo if i not in first]
 
     def _mark_seen(self, marks: list[str]) -> None:
@@ -331,10 +333,7 @@ class StoreClient:
         values = [codec.frame_value(mark, b"") for mark in marks]
 
         def put() -> list[int]:
-            batch = getattr(t.store, "put_batch", None)  # Mooncake >= 0.3.5
-            if batch is None:
-                return [t.store.put(mark, value) for mark, value in zip(marks, values)]
-            rc = batch(marks, values)
+            rc = t.store.put_batch(marks, values)  # Mooncake >= 0.3.5, as everything we need
             return list(rc) if isinstance(rc, (list, tuple)) else [rc] * len(marks)
 
         codes = t.run(t.control, t.op_timeout, put)

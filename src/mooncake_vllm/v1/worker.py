@@ -269,7 +269,7 @@ class WorkerLogic:
         client = self.source.get() if self.can_save and self.layout is not None else None
         # vLLM tells the workers of preemptions: a CUDA copy's fence may wait until the free
         self._queue_saves(meta.saves, client, defer_fences=meta.preemptions_reported,
-                          handoffs=set(meta.handoffs))
+                          handoffs=meta.handoffs.keys())
         if self.can_save and self._saves.running:
             for req_id, (handoff_id, digests) in meta.handoffs.items():
                 self._saves.declare(req_id, handoff_id, digests)
