@@ -36,7 +36,7 @@ _POLICIES = ("recompute", "fail")
 GPU_PATHS = ("auto", "staged", "zero_copy")
 #: ``load_policy`` values (v1.claims decides what ``auto`` claims)
 LOAD_POLICIES = ("auto", "always", "never")
-#: ``save_admission`` values (store.client decides what ``repeat`` stores)
+#: ``save_admission`` values (V1: v1.admission decides before the capture; V0: store.client after it)
 SAVE_ADMISSIONS = ("all", "repeat")
 #: the most store clients one worker opens (each is a transfer engine with its own threads)
 MAX_STORE_CLIENTS = 16
@@ -170,7 +170,10 @@ KEYS: tuple[ExtraKey, ...] = (
              "last turn of a chat) then cost the pool a mark instead of their KV (~2 MiB a block "
              "on an 8B-class model); the price is that the second instance to compute a prefix "
              "recomputes it once. A decode hand-off's blocks and refills of vLLM's prefix cache "
-             "are always stored. Deferred blocks are counted (`saves_first_seen`). V0 and V1"),
+             "are always stored. Deferred blocks are counted (`saves_first_seen`). V1 decides "
+             "before capturing anything (one background query per request; a first sighting "
+             "costs vLLM's thread and the GPU nothing: `scheduler_admission_*` counters), V0 on "
+             "its save thread after the capture. V0 and V1"),
     ExtraKey("store_clients", "auto", _clients, 'omit it ("auto": one per 4 cores) or set e.g. 4',
              "store clients (Mooncake transfer engines) each worker stripes its loads and saves over, "
              f'1 to {MAX_STORE_CLIENTS}; `"auto"` = one per 4 cores, 1 to 4 (one client moves ~3 GB/s '

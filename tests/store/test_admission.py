@@ -80,3 +80,21 @@ def test_an_unknown_admission_is_refused(client: StoreClient) -> None:
     client.register_layout(layout)
     with pytest.raises(ValueError, match="save admission 'twice'"):
         client.prepare_save(_keys(layout, 40_000, 1), layout, [0], admission="twice")
+
+
+def test_marks_decided_before_capture_leave_no_kv_and_admit_the_next_save(
+        client: StoreClient) -> None:
+    """V1's scheduler decides first sightings before capturing (v1/admission.py): the save
+    thread puts only their marks; the next save of those blocks stores them."""
+    _, layout = _layout(4)
+    client.register_layout(layout)
+    keys = _keys(layout, 50_000, 2)
+    before = client.stats.snapshot()
+    client.mark_seen(keys)
+    client.mark_seen([])  # nothing to put: no call
+    after = client.stats.snapshot()
+    assert after["saves_first_seen"] - before.get("saves_first_seen", 0) == 2
+    assert after["seen_marks_put"] - before.get("seen_marks_put", 0) == 2
+    assert client.exists(keys) == [False, False]
+    assert client.exists([seen_key(k) for k in keys]) == [True, True]
+    assert client.put_blocks(keys, layout, [0, 1], admission="repeat") == 2

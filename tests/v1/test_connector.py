@@ -125,20 +125,31 @@ def test_cross_instance_hit_is_token_identical(run: Any, saved: dict, reference:
 def test_repeat_admission_stores_a_prefix_the_second_time_it_is_computed(
         run: Any, client: StoreClient) -> None:
     """``save_admission: "repeat"``: the first instance leaves marks, the second stores the
-    KV, the third loads it; every output the same."""
-    prompt = _prompt(41, 200)  # a seed of its own: a shared seed shares a prefix (and its hits)
+    KV, the third loads it; every output the same. The first instance's requests end with
+    the step that computes them (one token: the save thread decides after the capture); the
+    second's run on (the scheduler decides before capturing, v1/admission.py, and plans the
+    save in a later step, from the request's blocks then)."""
+    prompt, fresh = _prompt(41, 200), _prompt(42, 200)  # seeds of their own: no shared prefix
     cfg = kv_transfer_config("kv_both", extra={"save_admission": "repeat"})
     first = run("repeat-1", [prompt], kv_config=cfg)
-    keys = chunk_keys(_namespace(first["log"]), prompt)
-    assert len(keys) == 6
+    keys, fresh_keys = (chunk_keys(_namespace(first["log"]), p) for p in (prompt, fresh))
+    assert len(keys) == len(fresh_keys) == 6
     assert not any(client.exists(keys)), "a first sighting stored KV"
     assert all(client.exists([seen_key(k) for k in keys]))
     assert first["connector"]["store_saves_first_seen"] == 6
-    second = run("repeat-2", [prompt], kv_config=cfg)
+    assert first["connector"]["scheduler_admission_decided_at_save_chunks"] == 6
+    second = run("repeat-2", [prompt, fresh], kv_config=cfg, first_max_tokens=4, ttft_only=True)
     assert all(client.exists(keys)), "the second instance did not store the prefix"
+    assert second["connector"]["scheduler_admission_repeat_chunks"] == 6
     assert second["connector"]["store_blocks_put"] == 6
+    # the fresh prompt: marked from the scheduler's answer, nothing of it captured
+    assert second["connector"]["scheduler_admission_first_seen_chunks"] == 6
+    assert second["connector"]["store_saves_first_seen"] == 6
+    assert not any(client.exists(fresh_keys))
+    assert all(client.exists([seen_key(k) for k in fresh_keys]))
+    assert second["connector"].get("scheduler_admission_late_chunks", 0) == 0
     third = run("repeat-3", [prompt], kv_config=cfg)
-    assert _tokens(second) == _tokens(third) == _tokens(first)
+    assert _tokens(third) == _tokens(first)  # the KV planned a step late is the prompt's
     assert _hits(first) == _hits(second) == 0
     assert _hits(third) == (_claimable(prompt) if LOADS else 0)
 

@@ -67,6 +67,7 @@ class _GatedClient:
         self.captures: list[list[str]] = []
         self.captured_blocks: list[list[int]] = []
         self.admissions: list[tuple[str, set[str]]] = []
+        self.marked: list[list[str]] = []
 
     def register_layout(self, layout: Any, gpu_path: str = "auto", clients: int = 1) -> None:
         pass
@@ -95,6 +96,9 @@ class _GatedClient:
 
     def discard(self, ticket: SaveTicket) -> None:
         self.discarded.append(list(ticket.keys))
+
+    def mark_seen(self, keys: list[str]) -> None:
+        self.marked.append(list(keys))
 
 
 class _Fence:
@@ -136,23 +140,36 @@ def workers() -> Any:
         w.shutdown(timeout=2)
 
 
-def test_repeat_admission_always_stores_hand_offs_and_refills(workers: Any) -> None:
+def test_only_jobs_that_ask_are_admitted_on_the_save_thread(workers: Any) -> None:
     client = _GatedClient(snapshot=True)
     client.gate.set()
-    w = WorkerLogic(_ns("admit"), EXPECTED, _Source(client), can_load=True, can_save=True,
-                    save_admission="repeat")
+    w = WorkerLogic(_ns("admit"), EXPECTED, _Source(client), can_load=True, can_save=True)
     workers(w)
     w.register_kv_caches(_cache(0))
-    plain, handoff, refill = ([f"{b:032x}" for b in blocks] for blocks in ([1, 2], [3], [4]))
+    asks, plain, refill = ([f"{b:032x}" for b in blocks] for blocks in ([1, 2], [3], [4]))
     w.wait_for_save(MooncakeConnectorMetadata(
-        saves=[BlockJob("a", plain, [1, 2]), BlockJob("h", handoff, [3]),
-               BlockJob("r", refill, [4], unheld=True)],
-        handoffs={"h": ("ab" * 16, handoff)}))
+        saves=[BlockJob("a", asks, [1, 2], ask_admission=True), BlockJob("p", plain, [3]),
+               BlockJob("r", refill, [4], unheld=True)]))
     _wait_idle(w)
     held, unheld = client.admissions  # the step's held saves in one capture, the refill apart
-    assert held == ("repeat", set(w.keys(handoff)))  # the decode reads every hand-off chunk
-    assert unheld == ("repeat", set(w.keys(refill)))
-    assert client.captures[0] == w.keys(plain) + w.keys(handoff)
+    assert held == ("repeat", set(w.keys(plain)))  # a job that does not ask is always stored
+    assert unheld == ("all", set())  # no job of it asks: no set built on vLLM's thread
+    assert client.captures[0] == w.keys(asks) + w.keys(plain)
+
+
+def test_first_sightings_are_marked_in_order_with_no_capture(workers: Any) -> None:
+    client = _GatedClient(snapshot=True)
+    w = WorkerLogic(_ns("marks"), EXPECTED, _Source(client), can_load=True, can_save=True)
+    workers(w)
+    w.register_kv_caches(_cache(0))
+    first = [f"{b:032x}" for b in (7, 8)]
+    w.wait_for_save(MooncakeConnectorMetadata(saves=[BlockJob("s", [f"{9:032x}"], [9])]))
+    w.wait_for_save(MooncakeConnectorMetadata(marks=first))
+    assert client.captures == [w.keys([f"{9:032x}"])]  # the marks captured nothing
+    assert client.marked == []  # behind the save the gate holds
+    client.gate.set()
+    _wait_idle(w)
+    assert client.marked == [w.keys(first)]
 
 
 def test_finished_only_after_saves_and_only_for_saving_requests(workers: Any) -> None:

@@ -257,7 +257,7 @@ def _instance(args: argparse.Namespace) -> dict[str, Any]:
     init_s = time.perf_counter() - t0
     _record_idle_step_stats(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    first = SamplingParams(temperature=0.0, max_tokens=args.first_max_tokens, ignore_eos=True)
     results = []
     kill_pid, kill_after = (int(x) for x in args.kill_after.split(":")) if args.kill_after else (0, -1)
     for _ in range(args.warmup):
@@ -330,6 +330,7 @@ def _rss_kb() -> int:
 def run_instance(model: str | os.PathLike, prompts: Sequence[Sequence[int]], workdir: Path, *,
                  role: str = "kv_both", env: Mapping[str, str] | None = None,
                  kv_config: Mapping[str, Any] | None = None, max_tokens: int = 8,
+                 first_max_tokens: int = 1,
                  block_size: int = 32, kv_bytes: int = 64 << 20, max_model_len: int = 4096,
                  reset_prefix_cache: bool = False, warmup: int = 0, ttft_only: bool = False,
                  kill_after: tuple[int, int] | None = None, timeout: float = 600.0,
@@ -338,7 +339,8 @@ def run_instance(model: str | os.PathLike, prompts: Sequence[Sequence[int]], wor
     """Run one instance in a fresh Python process and return its result dict.
 
     ``python``: the interpreter to run it with (another env's, holding another vLLM
-    release); default this one."""
+    release); default this one. ``first_max_tokens``: tokens of each prompt's first request
+    (1: its ``ttft_s`` is a time to first token)."""
     workdir.mkdir(parents=True, exist_ok=True)
     prompts_path = workdir / f"{name}-prompts.json"
     prompts_path.write_text(json.dumps([list(p) for p in prompts]))
@@ -346,7 +348,8 @@ def run_instance(model: str | os.PathLike, prompts: Sequence[Sequence[int]], wor
     cfg = dict(kv_config) if kv_config is not None else kv_transfer_config(role)
     argv = [python or sys.executable, "-m", "mooncake_vllm.demo.run", "--model", str(model),
             "--prompts", str(prompts_path), "--out", str(out_path),
-            "--max-tokens", str(max_tokens), "--block-size", str(block_size),
+            "--max-tokens", str(max_tokens), "--first-max-tokens", str(first_max_tokens),
+            "--block-size", str(block_size),
             "--kv-bytes", str(kv_bytes), "--max-model-len", str(max_model_len),
             "--warmup", str(warmup)]
     if cfg is not None:
@@ -385,6 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--kv-transfer-config", default="")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--first-max-tokens", type=int, default=1,
+                        help="tokens of each prompt's first (timed) request")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--kv-bytes", type=int, default=64 << 20)
     parser.add_argument("--max-model-len", type=int, default=4096)

@@ -319,17 +319,28 @@ class StoreClient:
             self.stats.add("saves_skipped", len(ask))
             first = set(ask)
         else:
-            unseen = [(i, mark) for i, mark, s in zip(ask, marks, seen) if not s]
-            first = {i for i, _ in unseen}
-            if unseen:
-                self.stats.add("saves_first_seen", len(unseen))
-                self._mark_seen([mark for _, mark in unseen])
+            first = {i for i, s in zip(ask, seen) if not s}
+            if first:
+                self._put_marks([mark for i, mark in zip(ask, marks) if i in first])
         return [i for i in todo if i not in first]
 
-    def _mark_seen(self, marks: list[str]) -> None:
-        """Put the (empty, framed) ``marks`` in one time-boxed call (``seen_marks_put``; a
-        failed one, ``seen_marks_failed``, leaves its block a first sighting next time too)."""
+    def mark_seen(self, keys: Sequence[str]) -> None:
+        """First sightings under ``save_admission: "repeat"`` decided before any capture
+        (the V1 scheduler, :mod:`mooncake_vllm.v1.admission`): put the marks of chunk
+        ``keys``, store none of their KV (the pool away: ``saves_skipped``)."""
+        if not keys:
+            return
+        if not self.transport.admits():
+            self.stats.add("saves_skipped", len(keys))
+            return
+        self._put_marks([seen_key(k) for k in keys])
+
+    def _put_marks(self, marks: list[str]) -> None:
+        """Put the (empty, framed) ``marks`` in one time-boxed call: their blocks were not
+        stored (``saves_first_seen``; ``seen_marks_put``, and ``seen_marks_failed`` for a
+        failed one, which leaves its block a first sighting next time too)."""
         t = self.transport
+        self.stats.add("saves_first_seen", len(marks))
         values = [codec.frame_value(mark, b"") for mark in marks]
 
         def put() -> list[int]:

@@ -31,7 +31,7 @@ from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, leading
 from mooncake_vllm.v1.refill import PoolAudit
 
-__all__ = ["AuditLane", "LocalHitAudits", "MAX_QUEUED"]
+__all__ = ["AuditLane", "LaneAsk", "LocalHitAudits", "MAX_QUEUED"]
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,9 @@ MAX_QUEUED = 64
 
 
 @dataclass
-class _Audit:
+class LaneAsk:
+    """One existence query of a request's chunks (an audit, or a ``repeat`` admission's ask)."""
+
     req_id: str
     start: int  #: the request's chunk index of ``digests[0]``
     digests: list[str]
@@ -49,20 +51,21 @@ class _Audit:
 
 
 class AuditLane:
-    """One daemon thread that runs audits' existence queries; :meth:`take` hands the answers
+    """One daemon thread (``name``) that runs existence queries; :meth:`take` hands the answers
     back. ``threaded=False`` answers at :meth:`submit` (tests; a release without threads)."""
 
     def __init__(self, lookup: Callable[[Sequence[str]], Sequence[bool] | None], *,
-                 threaded: bool = True, max_queued: int = MAX_QUEUED) -> None:
+                 threaded: bool = True, max_queued: int = MAX_QUEUED, name: str = "mcv-audit") -> None:
         self._lookup = lookup
+        self._name = name
         self._threaded = threaded
-        self._asked: queue.Queue[_Audit | None] = queue.Queue(maxsize=max_queued)
-        self._answers: queue.SimpleQueue[_Audit] = queue.SimpleQueue()
+        self._asked: queue.Queue[LaneAsk | None] = queue.Queue(maxsize=max_queued)
+        self._answers: queue.SimpleQueue[LaneAsk] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
 
-    def submit(self, audit: _Audit) -> bool:
+    def submit(self, audit: LaneAsk) -> bool:
         """Ask; ``False``: too many are waiting (not asked)."""
         if not self._threaded:
             self._answer(audit)
@@ -71,7 +74,7 @@ class AuditLane:
             if self._closed:
                 return False
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="mcv-audit", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
         try:
             self._asked.put_nowait(audit)
@@ -79,9 +82,9 @@ class AuditLane:
             return False
         return True
 
-    def take(self) -> list[_Audit]:
+    def take(self) -> list[LaneAsk]:
         """The answers that came since the last call."""
-        out: list[_Audit] = []
+        out: list[LaneAsk] = []
         while not self._answers.empty():  # (vLLM's thread asks at every hook: no raise)
             try:
                 out.append(self._answers.get_nowait())
@@ -112,7 +115,7 @@ class AuditLane:
                 return
             self._answer(audit)
 
-    def _answer(self, audit: _Audit) -> None:
+    def _answer(self, audit: LaneAsk) -> None:
         try:  # None: the pool gave no answer
             present = self._lookup(audit.keys)
             audit.present = None if present is None else list(present)
@@ -145,7 +148,7 @@ class LocalHitAudits:
         if due is None:
             return
         chunks = list(digests[due:local])
-        if not self.lane.submit(_Audit(req_id, due, chunks, self.namespaces.keys_for(chunks))):
+        if not self.lane.submit(LaneAsk(req_id, due, chunks, self.namespaces.keys_for(chunks))):
             return  # the lane is busy: still due, asked again by the next request on them
         self.counters["pool_audits"] += 1
         self.audit.found(chunks)  # trusted while asked: other requests do not ask again

@@ -179,7 +179,11 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                                                 background=load_async),
                                             can_defer=_installed_fact("deferred_lookup"),
                                             audit_lane=AuditLane(
-                                                self.telemetry.timed_lookup(self._audit_lookup)))
+                                                self.telemetry.timed_lookup(self._audit_lookup)),
+                                            save_admission=settings.save_admission,
+                                            admission_lane=AuditLane(
+                                                self.telemetry.timed_lookup(self._audit_lookup),
+                                                name="mcv-admission"))
             self.telemetry.attach_scheduler(self.scheduler, kv_cache_config)
             self._announce(self.scheduler.namespaces.namespaces[0])
             namespaces = self.scheduler.namespaces.namespaces
@@ -200,8 +204,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                       gpu_path=settings.gpu_path,
                                       store_clients=settings.clients_for_worker(),
                                       marker_due=settings.marker_due(),
-                                      load_probe=settings.load_policy == "auto",
-                                      save_admission=settings.save_admission)
+                                      load_probe=settings.load_policy == "auto")
             self.telemetry.attach_worker(self.worker)
         self.shared.start()
         INSTANCES.add(self)

@@ -29,6 +29,9 @@ class BlockJob:
     #: a save from blocks no request holds (vLLM's prefix cache, :mod:`.refill`): captured
     #: in this step, never tracked for a delayed free; vLLM may reuse them after it
     unheld: bool = False
+    #: ``save_admission: "repeat"`` with no answer yet in what may be the request's last
+    #: step (:mod:`.admission`): captured, and the save thread stores only repeats
+    ask_admission: bool = False
 
     def __post_init__(self) -> None:
         if len(self.digests) != len(self.block_ids):
@@ -49,6 +52,9 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     #: finished while their background load ran: vLLM keeps their blocks until the
     #: workers report them (finished-sending) once the load is over
     delayed_loads: set[str] = field(default_factory=set)
+    #: ``save_admission: "repeat"``: chunks first seen this step (:mod:`.admission`); the
+    #: workers put their marks, nothing is captured
+    marks: list[str] = field(default_factory=list)
     #: req_id -> (hand-off id, digests of every full prompt chunk): publish the marker
     #: once this step's and earlier saves of the request are committed
     handoffs: dict[str, tuple[str, list[str]]] = field(default_factory=dict)

@@ -93,6 +93,12 @@ COUNTERS: Mapping[str, str] = {
                          "found a stalled holder's blocks dropped by the master); at most one "
                          "per 30 s.",
     "pool_loss_refill_chunks": "Chunks of vLLM's prefix cache those sweeps saved again.",
+    "admission_first_seen_chunks": "Chunks not stored at their first sighting (save_admission "
+                                   "repeat): their marks were put instead, nothing captured.",
+    "admission_late_chunks": "Chunks save_admission repeat did not save: their request ended "
+                             "before the pool answered whether they were seen before.",
+    "admission_unanswered_chunks": "Chunks save_admission repeat did not save: the pool gave no "
+                                   "answer whether they were seen before (away, or timed out).",
     "pool_segments_dropped": "Times a worker found a stalled pool holder's blocks no longer listed "
                              "by the master (it stalled past the master's --client_ttl, which "
                              "dropped its segment).",
@@ -252,13 +258,14 @@ _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declin
                       "claims_declined_measure_probe", "lookups_skipped_slow_pool",
                       "claim_probes", "pool_probes", "waits_for_shared_load", "pool_refill_chunks",
                       "pool_refill_hbm_chunks", "pool_vanished_chunks", "pool_loss_refills",
-                      "pool_loss_refill_chunks")
+                      "pool_loss_refill_chunks", "admission_first_seen_chunks",
+                      "admission_late_chunks", "admission_unanswered_chunks")
 
 
 def scheduler_counters(scheduler: Any, client: Any = None) -> dict[str, int]:
     """The scheduler side's cumulative counters, by exported name (``client``: its store
     client, whose lookup misses caused by an error are exported by cause)."""
-    out = {name: scheduler.counters[name] for name in _SCHEDULER_EXPORTS}
+    out = {name: scheduler.counters.get(name, 0) for name in _SCHEDULER_EXPORTS}
     if client is not None:
         out.update(_miss_causes(client, lookups=True))
     return out

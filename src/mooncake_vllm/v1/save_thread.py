@@ -35,6 +35,13 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 
+class _Marks:
+    __slots__ = ("client", "digests")
+
+    def __init__(self, digests: list[str], client: Any) -> None:
+        self.digests, self.client = digests, client
+
+
 class SaveThread:
     """Commits captured saves in order and publishes hand-off markers behind them.
 
@@ -77,6 +84,12 @@ class SaveThread:
         self._queue.put_nowait((jobs, ticket, client))
         return True
 
+    def mark(self, digests: list[str], client: Any) -> None:
+        """Put the marks of chunks first seen under ``save_admission: "repeat"``, in order
+        with the saves (never refused: a mark is a few bytes, and the queue of marks is
+        bounded by the steps' saves)."""
+        self._queue.put_nowait(_Marks(digests, client))
+
     def declare(self, req_id: str, handoff_id: str, digests: Sequence[str]) -> None:
         """A hand-off marker, published once the saves queued before it are committed (or
         when it is due)."""
@@ -102,6 +115,14 @@ class SaveThread:
             if item is _STOP:
                 self._queue.task_done()
                 return
+            if isinstance(item, _Marks):
+                try:
+                    item.client.mark_seen(self.keys(item.digests))
+                except Exception as exc:  # noqa: BLE001 - a lost mark: a first sighting again
+                    log.warning("mooncake-vllm: putting %d seen marks failed: %s", len(item.digests), exc)
+                finally:
+                    self._queue.task_done()
+                continue
             if isinstance(item, Marker):
                 try:
                     if self._markers.take(item):

@@ -33,6 +33,9 @@ query), so it is unit-testable without vLLM or Mooncake.
 * One load per block: while a background load of this instance brings chunks in,
   another request wanting any of them is deferred (``None``, where the release
   can) until that load is over; vLLM then serves them from its own prefix cache.
+* ``save_admission: "repeat"`` (:mod:`~mooncake_vllm.v1.admission`): asked once per
+  request off vLLM's thread; a step saves only the chunks seen before and tells the workers
+  to mark the first sightings, capturing nothing of them.
 * Hand-offs (the store flow's prefill → decode, :mod:`~mooncake_vllm.v1.handoff`):
   a prefill request that asks gets an offer in ``request_finished``'s
   ``kv_transfer_params`` and its workers publish a marker after its saves; a
@@ -51,6 +54,7 @@ from typing import Any
 from mooncake_vllm.keys import DigestMemo, RequestExtras, chunk_hex_digests
 from mooncake_vllm.stats import CounterNames, Counters
 from mooncake_vllm.store.health import FailureLog
+from mooncake_vllm.v1.admission import RepeatAdmission, may_end_this_step
 from mooncake_vllm.v1.audits import AuditLane, LocalHitAudits
 from mooncake_vllm.v1.claims import DECLINE_REASONS, ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
@@ -82,7 +86,13 @@ COUNTERS = CounterNames(
              "lookups_skipped_slow_pool", "claim_probes", "pool_probes", "waits_for_shared_load",
              "pool_audits", "pool_refill_chunks", "pool_refill_hbm_chunks", "pool_vanished_chunks",
              "pool_loss_refills", "pool_loss_refill_chunks"),
-    later=frozenset({"failed_loads_not_retried", "perf_reports", "pool_audits_late"}), families=(r"handoff_[a-z_]+",))
+    later=frozenset({"failed_loads_not_retried", "perf_reports", "pool_audits_late",
+                     # save_admission "repeat" (.admission)
+                     "admission_lookups", "admission_lane_full", "admission_unanswered",
+                     "admission_repeat_chunks", "admission_first_seen_chunks",
+                     "admission_present_chunks", "admission_unanswered_chunks",
+                     "admission_decided_at_save_chunks", "admission_late_chunks"}),
+    families=(r"handoff_[a-z_]+",))
 
 
 @dataclass
@@ -113,6 +123,9 @@ class RequestState:
     refuse_loads: bool = False
     #: when it was first deferred for another request's load of its chunks
     shared_wait_since: float | None = None
+    #: chunks [saved_upto, admission_wait_upto) are computed, their saves waiting for the
+    #: ``repeat`` admission's answer (:mod:`.admission`)
+    admission_wait_upto: int = 0
     block_ids: list[int] = field(default_factory=list)  # mirror for engines without block state
     request: Any = None  #: vLLM's request (its block hashes name the pool's blocks in KV events)
 
@@ -126,7 +139,8 @@ class SchedulerLogic:
                  pool_ready: Callable[[], bool] = lambda: True,
                  claims: ClaimAdvisor | None = None, can_defer: bool = False,
                  skip_lookup_upto: int = SKIP_LOOKUP_TOKENS,
-                 audit_lane: AuditLane | None = None,
+                 audit_lane: AuditLane | None = None, save_admission: str = "all",
+                 admission_lane: AuditLane | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.namespaces = namespaces
         self.block_size = block_size
@@ -158,6 +172,10 @@ class SchedulerLogic:
         self.audits = LocalHitAudits(namespaces, self.audit,
                                      audit_lane or AuditLane(lambda keys: self.lookup(keys), threaded=False),
                                      self.counters, self.refills.looked_up, pool_ready)
+        #: ``save_admission: "repeat"`` decided here, before any capture (None: every block)
+        self.admission = RepeatAdmission(
+            namespaces, admission_lane or AuditLane(lambda keys: self.lookup(keys), threaded=False),
+            self.counters) if can_save and save_admission == "repeat" else None
         self._inflight = InflightLoads(clock, expire_after=4 * MAX_SHARED_WAIT)
         self._declines = FailureLog()
         self.handoffs = Handoffs([ns.prefix() for ns in namespaces.namespaces], block_size,
@@ -194,6 +212,8 @@ class SchedulerLogic:
         self._note_local_hits(st, num_computed_tokens)
         if self.can_save and st.local_upto:
             self.audits.ask(st.req_id, st.digests, st.local_upto)
+        if self.admission is not None and not self.handoffs.asked(st.req_id):
+            self.admission.ask(st.req_id, st.digests, st.local_upto)
         self.audits.apply(self.requests)
         if not self.can_load:
             return 0, False
@@ -368,6 +388,8 @@ class SchedulerLogic:
             return meta
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         self.audits.apply(self.requests)
+        if self.admission is not None:
+            self.admission.apply()
         scheduled = scheduler_output.num_scheduled_tokens
         ran: dict[str, int] = {}  # request -> its prompt chunks computed once this step ran
         for new in scheduler_output.scheduled_new_reqs:
@@ -435,9 +457,16 @@ class SchedulerLogic:
         end = min(end, len(block_ids))
         if end <= begin:
             return
-        meta.saves.append(BlockJob(st.req_id, st.digests[begin:end], list(block_ids[begin:end])))
-        self.audit.found(st.digests[begin:end])  # our own fresh saves: no refill race with them
-        st.saved_upto = end
+        if self.admission is not None and not self.handoffs.asked(st.req_id):
+            last = done_tokens >= st.prompt_len and may_end_this_step(st.request)
+            job = self.admission.plan_save(meta, st, begin, end, block_ids, last_step=last)
+        else:
+            job = BlockJob(st.req_id, st.digests[begin:end], list(block_ids[begin:end]))
+            st.saved_upto = end
+        if job is None:
+            return
+        meta.saves.append(job)
+        self.audit.found(job.digests)  # our own fresh saves: no refill race with them
         st.has_saves = True
         self.counters["save_jobs"] += 1
 
@@ -463,6 +492,8 @@ class SchedulerLogic:
         st = self.requests.pop(request.request_id, None)
         if st is None:
             return False, params
+        if self.admission is not None:
+            self.admission.finished(st.req_id, st.admission_wait_upto - st.saved_upto)
         if self.can_save:  # most recently used: re-saved first after an outage
             self.refill.remember(st.digests, getattr(request, "block_hashes", None) or ())
         loading = self.load_async and st.loaded_upto > 0 and _waiting_for_remote_kvs(request)
@@ -471,10 +502,12 @@ class SchedulerLogic:
         return bool(st.has_saves or loading), params
 
     def close(self) -> None:
-        """Stop the hand-off waiter's and the audits' threads."""
+        """Stop the hand-off waiter's, the audits' and the admission's threads."""
         if self.handoffs.waiter is not None:
             self.handoffs.waiter.close()
         self.audits.lane.close()
+        if self.admission is not None:
+            self.admission.lane.close()
 
 
 def _waiting_for_remote_kvs(request: Any) -> bool:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.keys import KeyNamespace
@@ -80,7 +80,7 @@ class WorkerLogic:
                  save_deadline: float = 30.0, preempt_wait: float = 1.0,
                  clock: Any = time.monotonic, gpu_path: str = "auto",
                  store_clients: int = 1, marker_due: float = 2.5,
-                 load_probe: bool = False, save_admission: str = "all") -> None:
+                 load_probe: bool = False) -> None:
         self.namespace = namespace
         self.prefix = namespace.prefix()
         self.expected = expected
@@ -89,8 +89,6 @@ class WorkerLogic:
         self.can_save = can_save and namespace.stores  # MLA: only TP rank 0 puts
         self.gpu_path = gpu_path
         self.store_clients = store_clients
-        #: ``save_admission``: hand-offs and refills are stored whatever it says
-        self.save_admission = save_admission
         #: time a few throw-away loads once connected (CUDA KV: :meth:`_probe_loads`)
         self.load_probe = load_probe and can_load
         self.layout: BlockLayout | None = None
@@ -262,20 +260,21 @@ class WorkerLogic:
     # ------------------------------------------------------------------ saves
     def wait_for_save(self, meta: MooncakeConnectorMetadata | None) -> None:
         """Capture this step's saves (the forward pass has written their KV) and queue them,
-        then the hand-off markers declared this step (after their requests' saves)."""
+        then the marks of chunks first seen (``save_admission: "repeat"``) and the hand-off
+        markers declared this step (after their requests' saves)."""
         self.timer.step_ended()
-        if meta is None or not (meta.saves or meta.handoffs):
+        if meta is None or not (meta.saves or meta.handoffs or meta.marks):
             return
         client = self.source.get() if self.can_save and self.layout is not None else None
         # vLLM tells the workers of preemptions: a CUDA copy's fence may wait until the free
-        self._queue_saves(meta.saves, client, defer_fences=meta.preemptions_reported,
-                          handoffs=meta.handoffs.keys())
+        self._queue_saves(meta.saves, client, defer_fences=meta.preemptions_reported)
         if self.can_save and self._saves.running:
+            if meta.marks and client is not None:
+                self._saves.mark(meta.marks, client)
             for req_id, (handoff_id, digests) in meta.handoffs.items():
                 self._saves.declare(req_id, handoff_id, digests)
 
-    def _queue_saves(self, saves: list[BlockJob], client: Any, *, defer_fences: bool,
-                     handoffs: Collection[str] = ()) -> None:
+    def _queue_saves(self, saves: list[BlockJob], client: Any, *, defer_fences: bool) -> None:
         for job in saves:
             with self._cond:
                 if not job.unheld:  # a refill from vLLM's prefix cache: no request to free
@@ -285,7 +284,7 @@ class WorkerLogic:
             self._count("dropped_blocks", sum(len(job.block_ids) for job in saves))
             return
         for group in self._capture_groups(saves, client):
-            self._capture(group, client, defer_fences=defer_fences, handoffs=handoffs)
+            self._capture(group, client, defer_fences=defer_fences)
 
     def _capture_groups(self, saves: list[BlockJob], client: Any) -> list[list[BlockJob]]:
         """Snapshots: the step's saves in one capture (a CUDA capture costs vLLM's thread
@@ -297,18 +296,18 @@ class WorkerLogic:
             return [group for group in (held, unheld) if group]
         return [[job] for job in saves]
 
-    def _capture(self, jobs: list[BlockJob], client: Any, *, defer_fences: bool,
-                 handoffs: Collection[str] = ()) -> None:
+    def _capture(self, jobs: list[BlockJob], client: Any, *, defer_fences: bool) -> None:
         """Capture ``jobs``' blocks as one save and queue it (or drop it: the queue is full).
         A key two requests of the step computed (one prompt twice in a burst) is taken once;
-        a hand-off's (its decode reads every chunk) or a refill's key is always stored."""
+        a job that asks (``ask_admission``) has its new blocks stored only if seen before."""
         first: dict[str, int] = {}  # key -> its first block (dicts keep insertion order)
-        always: set[str] = set()
+        asking = any(job.ask_admission for job in jobs)
+        always: set[str] = set()  # (only where a job asks) the keys of those that do not
         for job in jobs:
             keys = self.keys(job.digests)
             for key, block in zip(keys, job.block_ids):
                 first.setdefault(key, block)
-            if job.unheld or job.req_id in handoffs:
+            if asking and not job.ask_admission:
                 always.update(keys)
         keys, block_ids = list(first), list(first.values())
         try:
@@ -316,7 +315,7 @@ class WorkerLogic:
             ticket = client.prepare_save(
                 keys, self.layout, block_ids,
                 defer_fence=defer_fences and not any(job.unheld for job in jobs),
-                admission=self.save_admission, always=always)
+                admission="repeat" if asking else "all", always=always)
         except Exception as exc:  # noqa: BLE001 - a failed capture is a future miss
             log.warning("mooncake-vllm: capturing %d blocks for saving failed: %s",
                         len(block_ids), exc)

@@ -1,0 +1,168 @@
+"""``save_admission: "repeat"`` decided by the V1 scheduler before any capture (v1/admission.py).
+
+The lane runs inline (its answer is there at the next hook) or on its thread behind a gate
+(a slow master); the pool's existence query is a fake. The same policy against a real pool
+and the real engine: tests/store/test_admission.py and test_connector.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from mooncake_vllm.handoff_protocol import ask_params
+from mooncake_vllm.keys import chunk_keys, seen_key
+from mooncake_vllm.v1.admission import NEW, PRESENT, SEEN, UNANSWERED, Verdicts, may_end_this_step
+from mooncake_vllm.v1.audits import AuditLane
+from mooncake_vllm.v1.metadata import MooncakeConnectorMetadata
+from mooncake_vllm.v1.metrics import scheduler_counters
+from mooncake_vllm.v1.namespace import RankNamespaces
+from mooncake_vllm.v1.scheduler import SchedulerLogic
+from tests.v1.test_audits import GatedPool, _answered, _decode_step, _digests
+from tests.v1.test_scheduler import BS, TOKENS, FakePool, _ns, _output
+
+KEYS = chunk_keys(_ns(), TOKENS)  # 4 full chunks
+DIGESTS = _digests(KEYS)
+
+
+def _request(req_id: str, max_tokens: int = 16, produced: int = 0, **extra: object) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=TOKENS, lora_request=None,
+                           cache_salt=None, mm_features=[], max_tokens=max_tokens,
+                           num_output_tokens=produced, **extra)
+
+
+def _logic(pool: FakePool, lane: AuditLane | None = None, admission: str = "repeat",
+           ranks: tuple = (_ns(),)) -> SchedulerLogic:  # noqa: ANN001 - a tuple of namespaces
+    return SchedulerLogic(RankNamespaces(ranks), BS, pool, can_load=False, can_save=True,
+                          save_admission=admission, admission_lane=lane)
+
+
+def _prefill(logic: SchedulerLogic, request: SimpleNamespace) -> MooncakeConnectorMetadata:
+    """vLLM looks the request up, then one step computes its whole prompt in blocks 10-14."""
+    assert logic.get_num_new_matched_tokens(request, 0) == (0, False)
+    new = SimpleNamespace(req_id=request.request_id, block_ids=([10, 11, 12, 13, 14],),
+                          num_computed_tokens=0)
+    return logic.build_connector_meta(_output([new], scheduled={request.request_id: len(TOKENS)}))
+
+
+def test_first_sightings_are_marked_and_never_captured() -> None:
+    pool = FakePool()
+    logic = _logic(pool)
+    meta = _prefill(logic, _request("a"))
+    assert meta.saves == [] and meta.marks == DIGESTS
+    assert pool.calls == [KEYS + [seen_key(k) for k in KEYS]]  # one query: chunks and marks
+    assert logic.counters["admission_first_seen_chunks"] == 4
+    assert scheduler_counters(logic)["admission_first_seen_chunks"] == 4  # in /metrics
+    assert logic.request_finished(_request("a")) == (False, None)  # nothing holds its blocks
+
+
+def test_seen_chunks_are_saved_present_ones_skipped() -> None:
+    pool = FakePool({seen_key(KEYS[0]), seen_key(KEYS[1]), KEYS[2], seen_key(KEYS[2])})
+    logic = _logic(pool)
+    meta = _prefill(logic, _request("a"))
+    (job,) = meta.saves
+    assert (job.digests, job.block_ids, job.ask_admission) == (DIGESTS[:2], [10, 11], False)
+    assert meta.marks == [DIGESTS[3]]
+    assert logic.counters["admission_present_chunks"] == 1
+    assert logic.counters["admission_repeat_chunks"] == 2
+    assert logic.request_finished(_request("a"))[0]  # its save reads its blocks
+
+
+def test_a_mark_of_one_rank_is_not_seen() -> None:
+    r0, r1 = _ns(0, 2), _ns(1, 2)
+    k0, k1 = chunk_keys(r0, TOKENS), chunk_keys(r1, TOKENS)
+    pool = FakePool({seen_key(k) for k in k0} | {seen_key(k1[0])})
+    meta = _prefill(_logic(pool, ranks=(r0, r1)), _request("a"))
+    (job,) = meta.saves
+    assert job.digests == DIGESTS[:1] and meta.marks == DIGESTS[1:]
+
+
+def test_every_block_is_stored_under_the_default() -> None:
+    pool = FakePool()
+    meta = _prefill(_logic(pool, admission="all"), _request("a"))
+    (job,) = meta.saves
+    assert job.digests == DIGESTS and meta.marks == [] and pool.calls == []
+
+
+def test_a_hand_off_is_always_stored() -> None:
+    logic = _logic(FakePool())
+    meta = _prefill(logic, _request("h", kv_transfer_params=ask_params()))
+    (job,) = meta.saves
+    assert job.digests == DIGESTS and not job.ask_admission and meta.marks == []
+
+
+def test_without_an_answer_the_save_waits_for_a_later_step_that_runs_the_request() -> None:
+    keys_seen = {seen_key(k) for k in KEYS[:2]}
+    pool = GatedPool(keys_seen)
+    lane = AuditLane(pool, name="mcv-admission")
+    logic = _logic(pool, lane)
+    try:
+        meta = _prefill(logic, _request("a"))
+        assert meta.saves == [] and meta.marks == []  # nothing captured, nothing decided
+        _answered(logic, pool)
+        meta = logic.build_connector_meta(_decode_step("a", len(TOKENS)))
+        (job,) = meta.saves
+        assert job.digests == DIGESTS[:2] and job.block_ids == [10, 11]
+        assert meta.marks == DIGESTS[2:]
+        assert logic.build_connector_meta(_decode_step("a", len(TOKENS) + 1)).saves == []
+    finally:
+        logic.close()
+
+
+def test_a_last_step_without_an_answer_lets_the_save_thread_decide() -> None:
+    pool = GatedPool(set())
+    logic = _logic(pool, AuditLane(pool))
+    try:
+        meta = _prefill(logic, _request("a", max_tokens=1))
+        (job,) = meta.saves
+        assert job.digests == DIGESTS and job.ask_admission and meta.marks == []
+        assert logic.counters["admission_decided_at_save_chunks"] == 4
+    finally:
+        pool.gate.set()
+        logic.close()
+
+
+def test_a_request_over_before_its_answer_counts_its_lost_saves() -> None:
+    pool = GatedPool(set())
+    logic = _logic(pool, AuditLane(pool))
+    try:
+        assert _prefill(logic, _request("a")).saves == []
+        assert logic.request_finished(_request("a")) == (False, None)
+        assert logic.counters["admission_late_chunks"] == 4
+        _answered(logic, pool)
+        logic.build_connector_meta(_output())  # the late answer is dropped: no verdict for "a"
+        assert logic.admission is not None
+        assert logic.admission.plan("a", 0, 4, last_step=True).at_save
+    finally:
+        logic.close()
+
+
+def test_an_unanswered_query_stores_nothing_and_marks_nothing() -> None:
+    pool = GatedPool(set(), fail="none")
+    logic = _logic(pool, AuditLane(pool))
+    try:
+        _prefill(logic, _request("a"))
+        _answered(logic, pool)
+        meta = logic.build_connector_meta(_decode_step("a", len(TOKENS)))
+        assert meta.saves == [] and meta.marks == []
+        assert logic.counters["admission_unanswered"] == 1
+        assert logic.counters["admission_unanswered_chunks"] == 4
+    finally:
+        logic.close()
+
+
+def test_verdicts_outside_the_asked_span_are_unanswered() -> None:
+    v = Verdicts(2, SEEN + NEW + PRESENT)
+    assert [v.of(c) for c in range(6)] == [UNANSWERED, UNANSWERED, SEEN, NEW, PRESENT, UNANSWERED]
+
+
+@pytest.mark.parametrize(("request_fields", "last"), [
+    ({"max_tokens": 1, "num_output_tokens": 0}, True),
+    ({"max_tokens": 2, "num_output_tokens": 0}, False),
+    ({"max_tokens": 5, "num_output_tokens": 4}, True),
+    ({"sampling_params": SimpleNamespace(max_tokens=3)}, False),
+    ({}, True),  # unknown budget: it may end
+])
+def test_may_end_this_step(request_fields: dict, last: bool) -> None:  # noqa: ANN001
+    assert may_end_this_step(SimpleNamespace(**request_fields)) is last
