@@ -3,7 +3,7 @@
 Issue 24's timeline found every op on vLLM's engine thread 10-15 % slower while a step's
 saves were put, with the pool's threads on other cores. This probe separates the causes
 in one run: a main thread runs a launch-bound "step" (Python between small torch ops,
-CUDA where there is a GPU, then a sync: what an eager forward looks like to the CPU) over
+CUDA where there is a GPU, then a sync of its own stream: what an eager forward looks like to the CPU) over
 and over, pinned to one core, while, in turn:
 
     quiet     nothing else
@@ -270,7 +270,10 @@ def _steps(seconds: float, ops: int, device: str, python_only: bool = False,
             table[i % 64] = table.get(i % 64, 0.0) + i * 0.5  # the Python between ops
             x = torch.add(x, 1.0)
         if device == "cuda":
-            torch.cuda.synchronize()
+            # vLLM waits for its own stream's work (the sampled tokens' event), never the
+            # device's: a device-wide sync also waited for the capture's copies on our save
+            # stream (the 2026-12-06 12:55 capture@1600 figure, 1.12, included that wait)
+            torch.cuda.current_stream().synchronize()
         else:
             float(x[0])
 
