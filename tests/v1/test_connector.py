@@ -138,12 +138,15 @@ def test_repeat_admission_stores_a_prefix_the_second_time_it_is_computed(
     assert all(client.exists([seen_key(k) for k in keys]))
     assert first["connector"]["store_saves_first_seen"] == 6
     assert first["connector"]["scheduler_admission_decided_at_save_chunks"] == 6
-    second = run("repeat-2", [prompt, fresh], kv_config=cfg, first_max_tokens=4, ttft_only=True)
+    # 32 tokens: the answer (a master round trip on the lane's thread, which waits for the GIL
+    # beside the engine's) has 31 decode steps to arrive; on a busy 2-core CI box 3 were too few
+    second = run("repeat-2", [prompt, fresh], kv_config=cfg, first_max_tokens=32, ttft_only=True)
+    paths = {k: v for k, v in second["connector"].items() if "admission" in k}
     assert all(client.exists(keys)), "the second instance did not store the prefix"
-    assert second["connector"]["scheduler_admission_repeat_chunks"] == 6
+    assert paths.get("scheduler_admission_repeat_chunks") == 6, paths
     assert second["connector"]["store_blocks_put"] == 6
     # the fresh prompt: marked from the scheduler's answer, nothing of it captured
-    assert second["connector"]["scheduler_admission_first_seen_chunks"] == 6
+    assert paths.get("scheduler_admission_first_seen_chunks") == 6, paths
     assert second["connector"]["store_saves_first_seen"] == 6
     assert not any(client.exists(fresh_keys))
     assert all(client.exists([seen_key(k) for k in fresh_keys]))
