@@ -166,3 +166,25 @@ def test_verdicts_outside_the_asked_span_are_unanswered() -> None:
 ])
 def test_may_end_this_step(request_fields: dict, last: bool) -> None:  # noqa: ANN001
     assert may_end_this_step(SimpleNamespace(**request_fields)) is last
+
+
+def test_a_save_waiting_for_its_answer_after_a_preemption_reads_the_blocks_computed_again() -> None:
+    pool = GatedPool({seen_key(k) for k in KEYS[:2]})
+    logic = _logic(pool, AuditLane(pool))
+    try:
+        assert _prefill(logic, _request("a")).saves == []  # computed in blocks 10-13, no answer
+        logic.build_connector_meta(_output(preempted={"a"}))  # vLLM frees (and reuses) them
+        _answered(logic, pool)
+        assert logic.get_num_new_matched_tokens(_request("a"), 0) == (0, False)  # asked once only
+        cached = SimpleNamespace(req_ids=["a"], resumed_req_ids={"a"}, new_block_ids=[([20, 21, 22, 23, 24],)],
+                                 num_computed_tokens=[0])
+        meta = logic.build_connector_meta(_output(cached=cached, scheduled={"a": 8}))  # chunks 0-1 again
+        (job,) = meta.saves
+        assert (job.digests, job.block_ids) == (DIGESTS[:2], [20, 21]) and meta.marks == []
+        cached = SimpleNamespace(req_ids=["a"], resumed_req_ids=set(), new_block_ids=[None],
+                                 num_computed_tokens=[8])
+        meta = logic.build_connector_meta(_output(cached=cached, scheduled={"a": 10}))
+        assert meta.saves == [] and meta.marks == DIGESTS[2:]
+        assert len(pool.calls) == 1
+    finally:
+        logic.close()
