@@ -133,6 +133,7 @@ def test_misses_caused_by_an_error_are_one_labelled_series(prom: Any) -> None:
 def test_each_side_exports_only_its_own_miss_causes() -> None:
     """Scheduler and worker may share one client in one process: lookups' causes go out with
     the scheduler, loads' with the worker, so nothing is counted twice."""
+    from mooncake_vllm.stats import Counters
     from mooncake_vllm.v1.metrics import scheduler_counters, worker_counters
     from mooncake_vllm.v1.scheduler import COUNTERS
 
@@ -140,7 +141,7 @@ def test_each_side_exports_only_its_own_miss_causes() -> None:
     stats.add("miss_pool_away", 2)
     stats.add("miss_load_timeout", 5)
     client = SimpleNamespace(stats=stats)
-    sched = SimpleNamespace(counters=dict.fromkeys(COUNTERS.initial, 0))
+    sched = SimpleNamespace(counters=Counters(COUNTERS))  # later names read 0 until counted
     worker = SimpleNamespace(counters={"loaded_blocks": 0, "failed_blocks": 5, "saved_blocks": 0},
                              layout=None)
     s = {k: v for k, v in scheduler_counters(sched, client).items() if k.startswith("miss")}

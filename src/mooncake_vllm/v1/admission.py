@@ -47,6 +47,9 @@ PRESENT = "p"
 NEW = "n"
 #: the pool gave no answer (store nothing)
 UNANSWERED = "u"
+#: the scheduler counter each verdict adds a chunk to
+_COUNTED = {SEEN: "admission_repeat_chunks", NEW: "admission_first_seen_chunks",
+            PRESENT: "admission_present_chunks", UNANSWERED: "admission_unanswered_chunks"}
 
 
 @dataclass(frozen=True)
@@ -83,9 +86,6 @@ class RepeatAdmission:
         self._asked: set[str] = set()  #: requests whose answer is on its way
         self._verdicts: dict[str, Verdicts] = {}
 
-    def _count(self, name: str, amount: int = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + amount
-
     def ask(self, req_id: str, digests: Sequence[str], start: int) -> None:
         """Ask about the request's chunks ``[start, len(digests))`` (once per request)."""
         if req_id in self._asked or req_id in self._verdicts:
@@ -97,10 +97,10 @@ class RepeatAdmission:
         keys = self.namespaces.keys_for(chunks)
         if not self.lane.submit(LaneAsk(req_id, start, chunks, keys + [seen_key(k) for k in keys])):
             self._verdicts[req_id] = Verdicts(start, UNANSWERED * len(chunks))
-            self._count("admission_lane_full")
+            self.counters["admission_lane_full"] += 1
             return
         self._asked.add(req_id)
-        self._count("admission_lookups")
+        self.counters["admission_lookups"] += 1
 
     def apply(self) -> None:
         """Fold the lane's answers in (vLLM's thread)."""
@@ -113,7 +113,7 @@ class RepeatAdmission:
 
     def _codes(self, present: Sequence[bool] | None, n: int) -> str:
         if present is None or len(present) != 2 * n * len(self.namespaces.namespaces):
-            self._count("admission_unanswered")
+            self.counters["admission_unanswered"] += 1
             return UNANSWERED * n
         half = len(present) // 2
         stored = self.namespaces.chunks_present(present[:half], n)
@@ -127,7 +127,7 @@ class RepeatAdmission:
         if verdicts is None:
             if not last_step:
                 return None
-            self._count("admission_decided_at_save_chunks", end - begin)
+            self.counters["admission_decided_at_save_chunks"] += end - begin
             return AdmissionPlan(list(range(begin, end)), [], at_save=True)
         out = AdmissionPlan([], [])
         for chunk in range(begin, end):
@@ -136,8 +136,7 @@ class RepeatAdmission:
                 out.save.append(chunk)
             elif code == NEW:
                 out.mark.append(chunk)
-            self._count({SEEN: "admission_repeat_chunks", NEW: "admission_first_seen_chunks",
-                         PRESENT: "admission_present_chunks"}.get(code, "admission_unanswered_chunks"))
+            self.counters[_COUNTED[code]] += 1
         return out
 
     def plan_save(self, meta: MooncakeConnectorMetadata, st: Any, begin: int, end: int,
@@ -163,7 +162,7 @@ class RepeatAdmission:
         self._asked.discard(req_id)
         self._verdicts.pop(req_id, None)
         if unsaved > 0:
-            self._count("admission_late_chunks", unsaved)
+            self.counters["admission_late_chunks"] += unsaved
 
 
 def may_end_this_step(request: Any) -> bool:

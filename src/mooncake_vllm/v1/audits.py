@@ -46,7 +46,9 @@ class LaneAsk:
     req_id: str
     start: int  #: the request's chunk index of ``digests[0]``
     digests: list[str]
-    keys: list[str]  #: every rank's key of every chunk (:meth:`RankNamespaces.keys_for`)
+    #: what is asked: every rank's key of every chunk (:meth:`RankNamespaces.keys_for`),
+    #: then (an admission's ask) their marks
+    keys: list[str]
     present: list[bool] | None = field(default=None)  #: per key; None: no answer
 
 

@@ -265,7 +265,7 @@ _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declin
 def scheduler_counters(scheduler: Any, client: Any = None) -> dict[str, int]:
     """The scheduler side's cumulative counters, by exported name (``client``: its store
     client, whose lookup misses caused by an error are exported by cause)."""
-    out = {name: scheduler.counters.get(name, 0) for name in _SCHEDULER_EXPORTS}
+    out = {name: scheduler.counters[name] for name in _SCHEDULER_EXPORTS}
     if client is not None:
         out.update(_miss_causes(client, lookups=True))
     return out
