@@ -1,4 +1,5 @@
-"""``save_admission: "repeat"`` decided by the V1 scheduler before any capture (v1/admission.py).
+"""``save_admission: "repeat"`` decided by the V1 scheduler before any capture (v1/admission.py),
+and under ``all`` the spans not looked up (every hit declined) asked on the same lane.
 
 The lane runs inline (its answer is there at the next hook) or on its thread behind a gate
 (a slow master); the pool's existence query is a fake. The same policy against a real pool
@@ -20,7 +21,7 @@ from mooncake_vllm.v1.metrics import scheduler_counters
 from mooncake_vllm.v1.namespace import RankNamespaces
 from mooncake_vllm.v1.scheduler import SchedulerLogic
 from tests.v1.test_audits import GatedPool, _answered, _decode_step, _digests
-from tests.v1.test_scheduler import BS, TOKENS, FakePool, _ns, _output
+from tests.v1.test_scheduler import BS, TOKENS, FakePool, _Clock, _measured, _ns, _output
 
 KEYS = chunk_keys(_ns(), TOKENS)  # 4 full chunks
 DIGESTS = _digests(KEYS)
@@ -188,3 +189,109 @@ def test_a_save_waiting_for_its_answer_after_a_preemption_reads_the_blocks_compu
         assert len(pool.calls) == 1
     finally:
         logic.close()
+
+
+def test_verdicts_count_a_leading_run_inside_their_span_only() -> None:
+    v = Verdicts(2, PRESENT * 3 + NEW + PRESENT)
+    assert v.leading(PRESENT, 2, 10) == 3 and v.leading(PRESENT, 3, 4) == 1
+    assert v.leading(PRESENT, 5, 10) == 0 and v.leading(PRESENT, 6, 10) == 1
+    assert v.leading(PRESENT, 0, 10) == 0  # before the span: unanswered
+    assert v.leading(PRESENT, 2, 2) == 0
+
+
+def _declining(pool: FakePool, lane: AuditLane, admission: str = "all") -> SchedulerLogic:
+    """A saving side whose claim policy declines every hit (a slow pool), every span long."""
+    clock = _Clock()
+    return SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                          claims=_measured("auto", 5.0, clock), clock=clock, skip_lookup_upto=0,
+                          save_admission=admission, admission_lane=lane)
+
+
+def test_a_declined_span_is_asked_off_vllms_thread_and_saves_only_what_the_pool_lacks() -> None:
+    """H100 mixed serving: every recomputed document was a lookup on vLLM's thread before a
+    declined claim. The lane asks instead; the step that computes the span plans nothing, the
+    next (the request still runs: its blocks are its own) saves what the pool lacks."""
+    pool = GatedPool({KEYS[0], KEYS[2]})
+    logic = _declining(pool, AuditLane(pool, name="mcv-admission"))
+    try:
+        meta = _prefill(logic, _request("a"))
+        assert meta.saves == [] and logic.counters["lookups"] == 0  # vLLM's thread never asked
+        assert logic.counters["presence_lookups"] == 1
+        _answered(logic, pool)
+        assert pool.calls == [KEYS]  # chunk keys only: no marks under "all"
+        meta = logic.build_connector_meta(_decode_step("a", len(TOKENS)))
+        (job,) = meta.saves
+        assert (job.digests, job.block_ids, job.ask_admission) == (
+            [DIGESTS[1], DIGESTS[3]], [11, 13], False)
+        assert meta.marks == []
+        assert logic.counters["presence_present_chunks"] == 2
+        assert logic.counters["presence_absent_chunks"] == 2
+        # the leading chunk was a hit declined: counted, and the claim policy told
+        assert logic.counters["claims_declined_slow_pool"] == 1
+        assert logic.counters["declined_tokens"] == BS
+        assert logic.claims.counts["slow_pool_unasked"] == 1
+        assert logic.request_finished(_request("a"))[0]
+        assert logic.counters["presence_late_chunks"] == 0
+    finally:
+        pool.gate.set()
+        logic.close()
+
+
+def test_a_declined_span_unanswered_by_its_last_step_is_captured_whole() -> None:
+    pool = GatedPool(set(KEYS))
+    logic = _declining(pool, AuditLane(pool))
+    try:
+        meta = _prefill(logic, _request("a", max_tokens=1))
+        (job,) = meta.saves  # the put skips what the pool holds; no mark is asked for
+        assert job.digests == DIGESTS and not job.ask_admission and meta.marks == []
+        assert logic.counters["presence_decided_at_save_chunks"] == 4
+    finally:
+        pool.gate.set()
+        logic.close()
+
+
+def test_a_declined_span_the_pool_gives_no_answer_for_is_saved() -> None:
+    """Under ``all`` the question never costs a save: no answer → captured, the put skips what
+    the pool holds (counted, and in /metrics)."""
+    pool = GatedPool(set(KEYS), fail="none")
+    logic = _declining(pool, AuditLane(pool))
+    try:
+        assert _prefill(logic, _request("a")).saves == []
+        _answered(logic, pool)
+        (job,) = logic.build_connector_meta(_decode_step("a", len(TOKENS))).saves
+        assert job.digests == DIGESTS and not job.ask_admission
+        assert scheduler_counters(logic)["presence_unanswered_chunks"] == 4
+        assert logic.counters["declined_tokens"] == 0  # nothing known to be declined
+    finally:
+        logic.close()
+
+
+def test_requests_looked_up_or_not_asked_never_wait_for_an_answer() -> None:
+    """Under ``all`` only a skipped lookup's request waits: a span short enough to capture
+    again, or a pool whose hits pay, plans its saves in the step that computes them."""
+    pool = GatedPool(set())
+    short = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           claims=_measured("auto", 5.0, _Clock()), admission_lane=AuditLane(pool))
+    pays = SchedulerLogic(RankNamespaces((_ns(),)), BS, FakePool(), can_load=True, can_save=True,
+                          claims=_measured("auto", 0.01, _Clock()), skip_lookup_upto=0,
+                          admission_lane=AuditLane(pool))
+    try:
+        for logic in (short, pays):
+            (job,) = _prefill(logic, _request("a")).saves
+            assert job.digests == DIGESTS and logic.counters["presence_lookups"] == 0
+    finally:
+        pool.gate.set()
+        short.close()
+        pays.close()
+
+
+def test_repeat_skips_a_declined_lookup_its_own_answer_covers() -> None:
+    """Under ``repeat`` every request is asked anyway: its answer (chunks and marks) spares the
+    saves, so a declined span is not looked up on vLLM's thread either."""
+    pool = FakePool({KEYS[0], KEYS[1], seen_key(KEYS[2])})
+    logic = _declining(pool, AuditLane(pool, threaded=False), admission="repeat")
+    meta = _prefill(logic, _request("a"))
+    assert logic.counters["lookups"] == 0 and len(pool.calls) == 1  # the admission's one query
+    (job,) = meta.saves
+    assert job.digests == [DIGESTS[2]] and meta.marks == [DIGESTS[3]]
+    assert logic.counters["declined_tokens"] == 2 * BS and logic.counters["presence_lookups"] == 0

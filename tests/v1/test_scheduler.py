@@ -294,10 +294,19 @@ def _measured(policy: str, load_seconds: float, clock: _Clock) -> ClaimAdvisor:
 def test_a_slow_pool_is_not_claimed_and_the_decline_is_counted() -> None:
     clock = _Clock()
     pool = FakePool(set(chunk_keys(_ns(), TOKENS)))
-    slow = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+    # a side that never saves looks the span up (nothing to spare), and its claim decides
+    slow = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=False,
                           claims=_measured("auto", 5.0, clock), clock=clock, skip_lookup_upto=0)
     assert slow.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (0, False)
     assert slow.counters["claims_declined_slow_pool"] == 1 and slow.counters["declined_tokens"] == 16
+    assert len(pool.calls) == 1 and slow.counters["lookups"] == 1
+    # a saving side asks the admission's lane instead; its answer counts the decline
+    saver = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
+                           claims=_measured("auto", 5.0, clock), clock=clock, skip_lookup_upto=0)
+    assert saver.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (0, False)
+    assert saver.counters["lookups"] == 0 and saver.counters["claims_declined_slow_pool"] == 0
+    saver.build_connector_meta(_output())
+    assert saver.counters["claims_declined_slow_pool"] == 1 and saver.counters["declined_tokens"] == 16
     fast = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
                           claims=_measured("auto", 0.1, clock), clock=clock)
     assert fast.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (16, False)
@@ -323,11 +332,15 @@ def test_a_short_span_no_hit_of_which_would_pay_is_not_looked_up() -> None:
     meta = slow.build_connector_meta(_output(new=[new], scheduled={"r": 18}))
     # not asked, so every chunk is captured: the put skips what the pool holds
     assert [j.block_ids for j in meta.saves] == [[0, 1, 2, 3]]
-    # a span longer than the bound is asked (its answer spares the saves)
+    # a span longer than the bound is asked on the admission's lane (its answer spares the
+    # saves), never by vLLM's thread
     long = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
                           claims=_measured("auto", 5.0, clock), clock=clock, skip_lookup_upto=8)
     assert long.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (0, False)
-    assert len(pool.calls) == 1 and long.counters["claims_declined_slow_pool"] == 1
+    assert len(pool.calls) == 1 and long.counters["lookups"] == 0
+    assert long.counters["presence_lookups"] == 1 and long.counters["lookups_skipped_slow_pool"] == 1
+    long.build_connector_meta(_output())
+    assert long.counters["claims_declined_slow_pool"] == 1 and long.counters["declined_tokens"] == 16
     # a pool that pays, or one not measured yet, is asked
     for claims in (_measured("auto", 0.1, clock), ClaimAdvisor(ClaimRules("auto"), clock=clock)):
         asked = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
@@ -410,7 +423,10 @@ def test_a_declined_claim_does_not_save_again_what_the_pool_has() -> None:
     meta = logic.build_connector_meta(_output(new=[new], scheduled={"r": 18}))
     assert [(j.digests, j.block_ids) for j in meta.saves] == \
         [([k.rsplit("/", 1)[1] for k in keys[3:4]], [3])]  # only the chunk the pool lacks
-    assert logic.counters["local_hit_chunks_not_saved"] == 3
+    assert not meta.saves[0].ask_admission and not meta.marks  # "all": no marks, ever
+    assert logic.counters["presence_present_chunks"] == 3
+    assert logic.counters["presence_absent_chunks"] == 1
+    assert logic.counters["declined_tokens"] == 12  # the leading 3 chunks were a hit
 
 
 @pytest.mark.parametrize("load", [True, False], ids=["kv_both", "kv_producer"])

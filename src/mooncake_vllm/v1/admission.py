@@ -20,6 +20,13 @@ its last (its output budget ends with it): those chunks are captured and the sav
 decides, as before. A request that ends earlier anyway (a stop token) loses that save
 (``admission_late_chunks``): a future miss, never wrong KV.
 
+Under ``all`` (:class:`PresenceAdmission`) the same machinery spares a lookup: where the claim
+policy would decline every hit of a long span (:data:`~mooncake_vllm.v1.scheduler.SKIP_LOOKUP_TOKENS`),
+vLLM's thread does not ask the pool (a master round trip per request: on an H100 the first
+requests of each mixed rep, the ones behind vLLM's recomputed documents, waited for eight of
+them); the lane asks whether the pool holds the span's chunks, and a step saves only those it
+lacks — what the lookup's answer did (``present_upto``), off vLLM's thread.
+
 Hand-offs (the decode instance reads every chunk) and the refills of vLLM's prefix cache
 never pass through here: they are always stored.
 """
@@ -36,8 +43,8 @@ from mooncake_vllm.v1.audits import AuditLane, LaneAsk
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces
 
-__all__ = ["NEW", "PRESENT", "SEEN", "UNANSWERED", "AdmissionPlan", "RepeatAdmission", "Verdicts",
-           "may_end_this_step"]
+__all__ = ["ABSENT", "NEW", "PRESENT", "SEEN", "UNANSWERED", "AdmissionPlan", "PresenceAdmission",
+           "RepeatAdmission", "Verdicts", "may_end_this_step"]
 
 #: a chunk's verdict: its mark is in the pool (store it now)
 SEEN = "s"
@@ -47,6 +54,8 @@ PRESENT = "p"
 NEW = "n"
 #: the pool gave no answer (store nothing)
 UNANSWERED = "u"
+#: ``all``: not every rank's chunk key is in the pool (store it now)
+ABSENT = "a"
 #: the scheduler counter each verdict adds a chunk to
 _COUNTED = {SEEN: "admission_repeat_chunks", NEW: "admission_first_seen_chunks",
             PRESENT: "admission_present_chunks", UNANSWERED: "admission_unanswered_chunks"}
@@ -64,6 +73,11 @@ class Verdicts:
         i = chunk - self.start
         return self.codes[i] if 0 <= i < len(self.codes) else UNANSWERED
 
+    def leading(self, code: str, begin: int, end: int) -> int:
+        """How many chunks from ``begin`` (before ``end``) in a row have verdict ``code``."""
+        run = self.codes[max(0, begin - self.start):max(0, end - self.start)]
+        return len(run) - len(run.lstrip(code)) if begin >= self.start else 0
+
 
 @dataclass
 class AdmissionPlan:
@@ -78,6 +92,15 @@ class AdmissionPlan:
 
 class RepeatAdmission:
     """The scheduler's asks and verdicts (vLLM's thread; the lane answers on its own)."""
+
+    #: its scheduler counters are ``<prefix>_lookups``, ``<prefix>_lane_full``, ...
+    prefix = "admission"
+    #: the counter each verdict adds a chunk to
+    counted = _COUNTED
+    #: every request is asked when vLLM first looks it up (else only where a lookup was skipped)
+    asks_every_request = True
+    #: the verdicts whose chunks are saved
+    saved = frozenset({SEEN})
 
     def __init__(self, namespaces: RankNamespaces, lane: AuditLane, counters: Counters) -> None:
         self.namespaces = namespaces
@@ -94,27 +117,45 @@ class RepeatAdmission:
         if not chunks:
             self._verdicts[req_id] = Verdicts(start, "")
             return
-        keys = self.namespaces.keys_for(chunks)
-        if not self.lane.submit(LaneAsk(req_id, start, chunks, keys + [seen_key(k) for k in keys])):
+        keys = self._keys(self.namespaces.keys_for(chunks))
+        if not self.lane.submit(LaneAsk(req_id, start, chunks, keys)):
             self._verdicts[req_id] = Verdicts(start, UNANSWERED * len(chunks))
-            self.counters["admission_lane_full"] += 1
+            self.counters[f"{self.prefix}_lane_full"] += 1
             return
         self._asked.add(req_id)
-        self.counters["admission_lookups"] += 1
+        self.counters[f"{self.prefix}_lookups"] += 1
 
-    def apply(self) -> None:
-        """Fold the lane's answers in (vLLM's thread)."""
+    def involves(self, req_id: str) -> bool:
+        """Whether the request's saves are planned here."""
+        return True
+
+    def apply(self) -> list[tuple[str, Verdicts]]:
+        """Fold the lane's answers in (vLLM's thread); the requests answered now."""
+        answered = []
         for answer in self.lane.take():
             if answer.req_id not in self._asked:
                 continue  # finished meanwhile (counted then)
             self._asked.discard(answer.req_id)
-            self._verdicts[answer.req_id] = Verdicts(answer.start, self._codes(answer.present,
-                                                                               len(answer.digests)))
+            verdicts = Verdicts(answer.start, self._codes(answer.present, len(answer.digests)))
+            self._verdicts[answer.req_id] = verdicts
+            answered.append((answer.req_id, verdicts))
+        return answered
+
+    @staticmethod
+    def _keys(keys: list[str]) -> list[str]:
+        """What the lane asks for chunk keys ``keys``: each key and each mark."""
+        return keys + [seen_key(k) for k in keys]
+
+    def _answered(self, present: Sequence[bool] | None, n: int, per_chunk: int) -> bool:
+        if present is None or len(present) != per_chunk * n * len(self.namespaces.namespaces):
+            self.counters[f"{self.prefix}_unanswered"] += 1
+            return False
+        return True
 
     def _codes(self, present: Sequence[bool] | None, n: int) -> str:
-        if present is None or len(present) != 2 * n * len(self.namespaces.namespaces):
-            self.counters["admission_unanswered"] += 1
+        if not self._answered(present, n, 2):
             return UNANSWERED * n
+        assert present is not None
         half = len(present) // 2
         stored = self.namespaces.chunks_present(present[:half], n)
         seen = self.namespaces.chunks_present(present[half:], n)
@@ -127,16 +168,16 @@ class RepeatAdmission:
         if verdicts is None:
             if not last_step:
                 return None
-            self.counters["admission_decided_at_save_chunks"] += end - begin
+            self.counters[f"{self.prefix}_decided_at_save_chunks"] += end - begin
             return AdmissionPlan(list(range(begin, end)), [], at_save=True)
         out = AdmissionPlan([], [])
         for chunk in range(begin, end):
             code = verdicts.of(chunk)
-            if code == SEEN:
+            if code in self.saved:
                 out.save.append(chunk)
             elif code == NEW:
                 out.mark.append(chunk)
-            self.counters[_COUNTED[code]] += 1
+            self.counters[self.counted[code]] += 1
         return out
 
     def plan_save(self, meta: MooncakeConnectorMetadata, st: Any, begin: int, end: int,
@@ -154,7 +195,8 @@ class RepeatAdmission:
         if not plan.save:
             return None
         return BlockJob(st.req_id, [st.digests[i] for i in plan.save],
-                        [block_ids[i] for i in plan.save], ask_admission=plan.at_save)
+                        [block_ids[i] for i in plan.save],
+                        ask_admission=plan.at_save and self.asks_every_request)
 
     def finished(self, req_id: str, unsaved: int) -> None:
         """The request is over; ``unsaved`` of its computed chunks were never planned (their
@@ -162,7 +204,34 @@ class RepeatAdmission:
         self._asked.discard(req_id)
         self._verdicts.pop(req_id, None)
         if unsaved > 0:
-            self.counters["admission_late_chunks"] += unsaved
+            self.counters[f"{self.prefix}_late_chunks"] += unsaved
+
+
+class PresenceAdmission(RepeatAdmission):
+    """``save_admission: "all"``: asked only for a span the scheduler did not look up (its
+    every hit declined): chunks the pool holds are not saved again, the others are — and so
+    are those the pool gave no answer for, or none by the request's last step (the put skips
+    what the pool holds): ``all`` never loses a save to the question."""
+
+    prefix = "presence"
+    counted = {ABSENT: "presence_absent_chunks", PRESENT: "presence_present_chunks",
+               UNANSWERED: "presence_unanswered_chunks"}
+    asks_every_request = False
+    saved = frozenset({ABSENT, UNANSWERED})
+
+    def involves(self, req_id: str) -> bool:
+        return req_id in self._asked or req_id in self._verdicts
+
+    @staticmethod
+    def _keys(keys: list[str]) -> list[str]:
+        return keys
+
+    def _codes(self, present: Sequence[bool] | None, n: int) -> str:
+        if not self._answered(present, n, 1):
+            return UNANSWERED * n
+        assert present is not None
+        return "".join(PRESENT if s else ABSENT
+                       for s in self.namespaces.chunks_present(present, n))
 
 
 def may_end_this_step(request: Any) -> bool:

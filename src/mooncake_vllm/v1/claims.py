@@ -230,6 +230,15 @@ class ClaimAdvisor:
             return False
         return self._verdict(self.clock(), start, hit, chunk, backlog).tokens == 0
 
+    def note_declined(self, start: int, hit: int) -> None:
+        """A hit of ``hit`` tokens from ``start`` was declined without a decision (its lookup
+        skipped: :meth:`declines_any_hit`), found later: as :meth:`decide`'s ``slow_pool``,
+        a probe is wanted after it when it is worth exploring."""
+        now = self.clock()
+        self.counts["slow_pool_unasked"] = self.counts.get("slow_pool_unasked", 0) + 1
+        if self.rules.policy == "auto" and self._worth_exploring(now, start, hit):
+            self._declined_at = now
+
     def take_probe(self) -> bool:
         """Whether the workers should measure the pool now with a background probe (and, if
         so, it is counted as done): ``auto`` has declined a hit worth exploring (one whose

@@ -99,6 +99,13 @@ COUNTERS: Mapping[str, str] = {
                              "before the pool answered whether they were seen before.",
     "admission_unanswered_chunks": "Chunks save_admission repeat did not save: the pool gave no "
                                    "answer whether they were seen before (away, or timed out).",
+    "presence_present_chunks": "Chunks of spans not looked up (every hit declined) that the "
+                               "pool held, so were not saved again (asked off vLLM's thread).",
+    "presence_late_chunks": "Chunks of spans not looked up that were not saved: their request "
+                            "ended before the pool answered whether it held them.",
+    "presence_unanswered_chunks": "Chunks of spans not looked up that were saved without "
+                                  "knowing whether the pool held them: it gave no answer (away, "
+                                  "or timed out).",
     "pool_segments_dropped": "Times a worker found a stalled pool holder's blocks no longer listed "
                              "by the master (it stalled past the master's --client_ttl, which "
                              "dropped its segment).",
@@ -259,7 +266,9 @@ _SCHEDULER_EXPORTS = ("lookups", "hit_tokens", "declined_tokens", "claims_declin
                       "claim_probes", "pool_probes", "waits_for_shared_load", "pool_refill_chunks",
                       "pool_refill_hbm_chunks", "pool_vanished_chunks", "pool_loss_refills",
                       "pool_loss_refill_chunks", "admission_first_seen_chunks",
-                      "admission_late_chunks", "admission_unanswered_chunks")
+                      "admission_late_chunks", "admission_unanswered_chunks",
+                      "presence_present_chunks", "presence_late_chunks",
+                      "presence_unanswered_chunks")
 
 
 def scheduler_counters(scheduler: Any, client: Any = None) -> dict[str, int]:

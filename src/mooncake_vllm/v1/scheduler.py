@@ -48,13 +48,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_vllm.keys import DigestMemo, RequestExtras, chunk_hex_digests
 from mooncake_vllm.stats import CounterNames, Counters
 from mooncake_vllm.store.health import FailureLog
-from mooncake_vllm.v1.admission import RepeatAdmission, may_end_this_step
+from mooncake_vllm.v1.admission import (
+    PRESENT,
+    UNANSWERED,
+    PresenceAdmission,
+    RepeatAdmission,
+    Verdicts,
+    may_end_this_step,
+)
 from mooncake_vllm.v1.audits import AuditLane, LocalHitAudits
 from mooncake_vllm.v1.claims import DECLINE_REASONS, ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
@@ -64,6 +70,7 @@ from mooncake_vllm.v1.namespace import RankNamespaces, leading, request_extras
 from mooncake_vllm.v1.perf import step_work
 from mooncake_vllm.v1.pool_loss import PoolRefills
 from mooncake_vllm.v1.refill import HbmRefill, PoolAudit
+from mooncake_vllm.v1.request_state import RequestState
 
 __all__ = ["COUNTERS", "MAX_SHARED_WAIT", "SKIP_LOOKUP_TOKENS", "RequestState", "SchedulerLogic"]
 
@@ -73,10 +80,11 @@ log = logging.getLogger(__name__)
 
 #: longest a request waits for another request's load of its chunks (then it looks up)
 MAX_SHARED_WAIT = 30.0
-#: a lookup of at most this many tokens is not made when even all of them would be declined:
-#: the saves capture them again instead (<= 64 MiB of an 8B model's KV; the put skips what
-#: the pool holds), which costs vLLM's thread less than a round trip to the master. Longer
-#: spans are looked up: their lookup keeps the saves from capturing what the pool holds
+#: a lookup no hit of which would be claimed is not made on vLLM's thread (a round trip to the
+#: master). A span of at most this many tokens is not asked at all: the saves capture it again
+#: (<= 64 MiB of an 8B model's KV; the put skips what the pool holds). A longer one is asked on
+#: the admission's lane (:mod:`.admission`), and its saves wait for the answer, so they do not
+#: capture what the pool holds
 SKIP_LOOKUP_TOKENS = 512
 #: :attr:`SchedulerLogic.counters` (``handoff_*``: counted by :mod:`~mooncake_vllm.v1.handoff`)
 COUNTERS = CounterNames(
@@ -91,43 +99,13 @@ COUNTERS = CounterNames(
                      "admission_lookups", "admission_lane_full", "admission_unanswered",
                      "admission_repeat_chunks", "admission_first_seen_chunks",
                      "admission_present_chunks", "admission_unanswered_chunks",
-                     "admission_decided_at_save_chunks", "admission_late_chunks"}),
+                     "admission_decided_at_save_chunks", "admission_late_chunks",
+                     # save_admission "all": the spans not looked up (.admission)
+                     "presence_lookups", "presence_lane_full", "presence_unanswered",
+                     "presence_absent_chunks", "presence_present_chunks",
+                     "presence_unanswered_chunks", "presence_decided_at_save_chunks",
+                     "presence_late_chunks"}),
     families=(r"handoff_[a-z_]+",))
-
-
-@dataclass
-class RequestState:
-    """What the scheduler side remembers about one live request."""
-
-    req_id: str
-    prompt_len: int
-    digests: list[str]
-    #: (first chunk, chunk count, vLLM's computed tokens) of an accepted lookup
-    pending_load: tuple[int, int, int] | None = None
-    loaded_upto: int = 0  # chunks [0, loaded_upto) came from (so are in) the pool
-    saved_upto: int = 0  # chunks [0, saved_upto) were handed to the workers to save
-    #: chunks [0, local_upto) are vLLM's own prefix-cache hits: this instance saved them
-    #: when it computed them (or loaded them from the pool), so they are not captured again
-    local_upto: int = 0
-    #: chunks [0, present_upto) the last lookup found in the pool; a declined claim
-    #: recomputes them, and saving them again would only copy 2 GB for a 16k prompt
-    #: beside the next load (measured on the H200: loads then took 2-3x as long)
-    present_upto: int = 0
-    #: the first of vLLM's own prefix-cache hits the pool lacks (:mod:`.audits`): saved again
-    pool_gap: int | None = None
-    has_saves: bool = False
-    #: tokens computed once the planned load lands; cleared when vLLM schedules them
-    promised: int = 0
-    #: a load of this request failed: never offer it the pool again (the values that
-    #: failed are likely still there, and a retry would fail the same way, forever)
-    refuse_loads: bool = False
-    #: when it was first deferred for another request's load of its chunks
-    shared_wait_since: float | None = None
-    #: chunks [saved_upto, admission_wait_upto) are computed, their saves waiting for the
-    #: ``repeat`` admission's answer (:mod:`.admission`)
-    admission_wait_upto: int = 0
-    block_ids: list[int] = field(default_factory=list)  # mirror for engines without block state
-    request: Any = None  #: vLLM's request (its block hashes name the pool's blocks in KV events)
 
 
 class SchedulerLogic:
@@ -172,10 +150,12 @@ class SchedulerLogic:
         self.audits = LocalHitAudits(namespaces, self.audit,
                                      audit_lane or AuditLane(lambda keys: self.lookup(keys), threaded=False),
                                      self.counters, self.refills.looked_up, pool_ready)
-        #: ``save_admission: "repeat"`` decided here, before any capture (None: every block)
-        self.admission = RepeatAdmission(
+        #: ``save_admission`` decided here, before any capture: ``repeat`` for every request,
+        #: ``all`` for the spans not looked up (None: a side that never saves)
+        admission = RepeatAdmission if save_admission == "repeat" else PresenceAdmission
+        self.admission = admission(
             namespaces, admission_lane or AuditLane(lambda keys: self.lookup(keys), threaded=False),
-            self.counters) if can_save and save_admission == "repeat" else None
+            self.counters) if can_save else None
         self._inflight = InflightLoads(clock, expire_after=4 * MAX_SHARED_WAIT)
         self._declines = FailureLog()
         self.handoffs = Handoffs([ns.prefix() for ns in namespaces.namespaces], block_size,
@@ -212,7 +192,8 @@ class SchedulerLogic:
         self._note_local_hits(st, num_computed_tokens)
         if self.can_save and st.local_upto:
             self.audits.ask(st.req_id, st.digests, st.local_upto)
-        if self.admission is not None and not self.handoffs.asked(st.req_id):
+        if (self.admission is not None and self.admission.asks_every_request
+                and not self.handoffs.asked(st.req_id)):
             self.admission.ask(st.req_id, st.digests, st.local_upto)
         self.audits.apply(self.requests)
         if not self.can_load:
@@ -264,23 +245,51 @@ class SchedulerLogic:
         return now - st.shared_wait_since < MAX_SHARED_WAIT
 
     def _unprofitable(self, st: RequestState, start: int, chunks: int) -> bool:
-        """A short span (:data:`SKIP_LOOKUP_TOKENS`) not even a hit of every chunk of which
-        would be claimed: the pool is not asked (a round trip to the master on vLLM's
-        thread, ~1 ms on an H200's loopback; most lookups of a serving engine are the few
-        chunks after a prefix-cache hit). The saves capture those chunks too."""
+        """A span not even a hit of every chunk of which would be claimed: the pool is not
+        asked on vLLM's thread (a round trip to the master, ~1 ms on an H200's loopback;
+        most lookups of a serving engine are the few chunks after a prefix-cache hit, and
+        on an H100 every recomputed 2k document was one). A short span
+        (:data:`SKIP_LOOKUP_TOKENS`) is captured again by the saves; a longer one is asked
+        on the admission's lane, whose answer keeps its saves from capturing what the pool
+        holds (and counts the declined tokens)."""
         bs = self.block_size
-        if chunks * bs > self.skip_lookup_upto or self.handoffs.involves(st.req_id):
+        if self.handoffs.involves(st.req_id):
             return False  # a hand-off's decode reads what its prefill saved, and counts it
+        long = chunks * bs > self.skip_lookup_upto
+        if long and self.admission is None:
+            return False  # a side that never saves: its lookup is what measures the pool
         if not self.claims.declines_any_hit(start * bs, chunks * bs, bs, self.loading_tokens()):
             return False
         self.counters["lookups_skipped_slow_pool"] += 1
+        if long and self.admission is not None:
+            st.unasked_from = start
+            self.admission.ask(st.req_id, st.digests, start)
         self._declines.warn("slow_pool", (
             f"mooncake-vllm: pool claims declined (load_policy auto): even a hit of all "
-            f"{chunks * bs} tokens would load slower than vLLM recomputes them, so the pool is "
-            "not asked and vLLM recomputes; the pool is measured again every "
+            f"{chunks * bs} tokens would load slower than vLLM recomputes them, so vLLM's thread "
+            "does not ask the pool and vLLM recomputes; the pool is measured again every "
             f"{self.claims.rules.explore_every:.0f} s on hits long enough to pay (more holders "
             "and store_clients make it faster; load_policy always claims regardless)"))
         return True
+
+    def _unasked_answered(self, req_id: str, verdicts: Verdicts) -> None:
+        """The admission's answer for a span not looked up, read as the lookup's would have
+        been: the loss watch is told what it found, and its leading chunks the pool holds were
+        a hit declined (counted; the claim policy is told, so it measures the pool again)."""
+        st = self.requests.get(req_id)
+        if st is None or st.unasked_from is None:
+            return
+        start, st.unasked_from = st.unasked_from, None
+        if UNANSWERED not in verdicts.codes:
+            self.refills.looked_up(st.digests[verdicts.start:verdicts.start + len(verdicts.codes)],
+                                   [code == PRESENT for code in verdicts.codes],
+                                   PRESENT in verdicts.codes)
+        hits = verdicts.leading(PRESENT, start, (st.prompt_len - 1) // self.block_size)
+        if hits:
+            bs = self.block_size
+            self.counters["claims_declined_slow_pool"] += 1
+            self.counters["declined_tokens"] += hits * bs
+            self.claims.note_declined(start * bs, hits * bs)
 
     def _claim(self, start: int, hits: int, probe: bool = True) -> int:
         """How many of ``hits`` chunks from chunk ``start`` to claim (:mod:`.claims`); a
@@ -389,7 +398,8 @@ class SchedulerLogic:
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         self.audits.apply(self.requests)
         if self.admission is not None:
-            self.admission.apply()
+            for req_id, verdicts in self.admission.apply():
+                self._unasked_answered(req_id, verdicts)
         scheduled = scheduler_output.num_scheduled_tokens
         ran: dict[str, int] = {}  # request -> its prompt chunks computed once this step ran
         for new in scheduler_output.scheduled_new_reqs:
@@ -457,7 +467,8 @@ class SchedulerLogic:
         end = min(end, len(block_ids))
         if end <= begin:
             return
-        if self.admission is not None and not self.handoffs.asked(st.req_id):
+        if (self.admission is not None and not self.handoffs.asked(st.req_id)
+                and self.admission.involves(st.req_id)):
             last = done_tokens >= st.prompt_len and may_end_this_step(st.request)
             job = self.admission.plan_save(meta, st, begin, end, block_ids, last_step=last)
         else:
