@@ -393,6 +393,22 @@ def test_only_a_declined_hit_worth_exploring_asks_for_a_probe() -> None:
     assert a.take_probe()
 
 
+def test_a_declined_hit_found_after_its_skipped_lookup_asks_for_a_probe() -> None:
+    """The scheduler no longer looks up a long span no hit of which would be claimed: the
+    admission's answer tells the policy later (note_declined), which then measures the pool
+    again, as after a decided decline — so claims come back when the pool recovers."""
+    clock = Clock()
+    a = advisor(clock, explore_every=10.0)
+    a.observe(steps=prefill_steps(), loads=loads(rate=10_000.0), probes=True)  # a slow pool
+    clock.now += 10
+    assert a.declines_any_hit(0, 16000, BS)  # the scheduler skips this lookup
+    assert not a.take_probe()  # declines_any_hit records nothing
+    a.note_declined(0, 256)  # a short hit: never worth a probe
+    assert not a.take_probe()
+    a.note_declined(0, 16000)
+    assert a.take_probe() and a.counts["slow_pool_unasked"] == 2
+
+
 def test_two_prefills_decide_a_fresh_engines_short_hits() -> None:
     """The H100 of 2026-12-06: a fresh reader had its load probe (256 / 512 / 1008 tokens in
     5 / 10 / 16 ms), decodes of 11 ms and two warm-up prefills (1k 26.5 ms, 2k 47.8 ms); waiting
