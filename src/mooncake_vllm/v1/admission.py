@@ -52,7 +52,7 @@ SEEN = "s"
 PRESENT = "p"
 #: neither: a first sighting (put its marks)
 NEW = "n"
-#: the pool gave no answer (store nothing)
+#: the pool gave no answer (``repeat``: store nothing; ``all``: store it)
 UNANSWERED = "u"
 #: ``all``: not every rank's chunk key is in the pool (store it now)
 ABSENT = "a"
@@ -101,6 +101,8 @@ class RepeatAdmission:
     asks_every_request = True
     #: the verdicts whose chunks are saved
     saved = frozenset({SEEN})
+    #: first sightings leave marks; a save decided on the save thread decides the same way
+    marks = True
 
     def __init__(self, namespaces: RankNamespaces, lane: AuditLane, counters: Counters) -> None:
         self.namespaces = namespaces
@@ -196,7 +198,7 @@ class RepeatAdmission:
             return None
         return BlockJob(st.req_id, [st.digests[i] for i in plan.save],
                         [block_ids[i] for i in plan.save],
-                        ask_admission=plan.at_save and self.asks_every_request)
+                        ask_admission=plan.at_save and self.marks)
 
     def finished(self, req_id: str, unsaved: int) -> None:
         """The request is over; ``unsaved`` of its computed chunks were never planned (their
@@ -211,13 +213,15 @@ class PresenceAdmission(RepeatAdmission):
     """``save_admission: "all"``: asked only for a span the scheduler did not look up (its
     every hit declined): chunks the pool holds are not saved again, the others are — and so
     are those the pool gave no answer for, or none by the request's last step (the put skips
-    what the pool holds): ``all`` never loses a save to the question."""
+    what the pool holds). Only a request that ends unforeseen (a stop token) before the answer
+    loses its save (``presence_late_chunks``)."""
 
     prefix = "presence"
     counted = {ABSENT: "presence_absent_chunks", PRESENT: "presence_present_chunks",
                UNANSWERED: "presence_unanswered_chunks"}
     asks_every_request = False
     saved = frozenset({ABSENT, UNANSWERED})
+    marks = False
 
     def involves(self, req_id: str) -> bool:
         return req_id in self._asked or req_id in self._verdicts
