@@ -72,9 +72,10 @@ COUNTERS: Mapping[str, str] = {
                                      "measured, the prefills not (every prompt was a hit: at most "
                                      "one per explore_every; or another load was in flight, behind "
                                      "which a blind claim would queue) (load_policy auto).",
-    "lookups_skipped_slow_pool": "Pool lookups not made: even a hit of every wanted token would "
-                                 "load slower than recomputing it (load_policy auto); the saves "
-                                 "skip what the pool holds.",
+    "lookups_skipped_slow_pool": "Pool lookups vLLM's thread did not make: even a hit of every "
+                                 "wanted token would load slower than recomputing it (load_policy "
+                                 "auto); a long span is asked off vLLM's thread instead, and its "
+                                 "saves skip what the pool holds.",
     "claim_probes": "Partial claims made while declining, to measure the pool again.",
     "pool_probes": "Background probes (throw-away loads, no request's blocks) the workers were "
                    "asked for while declining, to measure the pool again (CUDA KV).",
