@@ -29,7 +29,9 @@ query), so it is unit-testable without vLLM or Mooncake.
   re-saved without waiting for a request (``HbmRefill``, a bounded batch per step).
 * Claims (:mod:`~mooncake_vllm.v1.claims`): a lookup's hit is claimed only as far
   as loading it is predicted to beat recomputing it (``load_policy``), from the
-  step and load timings the workers report (``observe_perf``).
+  step and load timings the workers report (``observe_perf``). Where no hit of the
+  wanted span would be claimed, vLLM's thread does not look it up: a long span is asked
+  on the admission's lane instead, and its saves skip what the pool holds.
 * One load per block: while a background load of this instance brings chunks in,
   another request wanting any of them is deferred (``None``, where the release
   can) until that load is over; vLLM then serves them from its own prefix cache.
