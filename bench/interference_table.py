@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["derive"]
+__all__ = ["derive", "paired_by_rep"]
 
 
 def _reference(report: dict[str, Any]) -> dict[str, Any] | None:
@@ -138,12 +138,17 @@ def _pool_ratios(table: dict[str, Any]) -> None:
         table.setdefault("pool_ratios", {})[mode] = ratios
 
 
+def paired_by_rep(mode: dict[str, Any], none: dict[str, Any]) -> dict[int, float]:
+    """A mode's mixed throughput over none's in each rep both ran (rows' ``mixed``)."""
+    a, b = mode.get("throughput_by_rep") or {}, none.get("throughput_by_rep") or {}
+    return {int(rep): a[rep] / b[rep] for rep in a if rep in b and b[rep]}
+
+
 def _paired(mode: dict[str, Any], none: dict[str, Any]) -> dict[str, float]:
     """Throughput / none's in the same rep (the reps interleave modes: a paired ratio cancels
     what drifts over the run), median over the reps both ran and over reps 1+ (rep 0 is each
     process's first burst)."""
-    a, b = mode.get("throughput_by_rep") or {}, none.get("throughput_by_rep") or {}
-    pairs = {int(rep): a[rep] / b[rep] for rep in a if rep in b and b[rep]}
+    pairs = paired_by_rep(mode, none)
     out: dict[str, float] = {}
     if pairs:
         out["mixed_paired_median_vs_none"] = round(statistics.median(pairs.values()), 3)

@@ -23,6 +23,8 @@ from math import comb
 from pathlib import Path
 from typing import Any
 
+from interference_table import paired_by_rep
+
 __all__ = ["median_interval", "paired_ratios", "pool", "main"]
 
 
@@ -42,13 +44,12 @@ def median_interval(values: Sequence[float], conf: float = 0.9) -> tuple[float, 
 
 def paired_ratios(table: dict[str, Any]) -> dict[str, list[float]]:
     """Per mode but none: its throughput over none's in each rep both ran."""
-    none = (table.get("none") or {}).get("mixed", {}).get("throughput_by_rep") or {}
+    none = (table.get("none") or {}).get("mixed", {})
     out: dict[str, list[float]] = {}
     for mode, row in table.items():
         if mode == "none" or not isinstance(row, dict) or "mixed" not in row:
             continue
-        reps = row["mixed"].get("throughput_by_rep") or {}
-        ratios = [reps[r] / none[r] for r in reps if none.get(r)]
+        ratios = list(paired_by_rep(row["mixed"], none).values())
         if ratios:
             out[mode] = ratios
     return out
