@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import io
 import json
 import pstats
@@ -42,10 +43,19 @@ def _declining(clock: list[float]) -> ClaimAdvisor:
     return a
 
 
+def _block_hashes(tokens: list[int], block_size: int) -> list[bytes]:
+    """Chained content hashes of the full blocks, as vLLM's prefix cache names them."""
+    parent, out = b"", []
+    for i in range(len(tokens) // block_size):
+        parent = hashlib.sha256(parent + repr(tokens[i * block_size:(i + 1) * block_size]).encode()).digest()
+        out.append(parent)
+    return out
+
+
 def _request(req_id: str, tokens: list[int], block_size: int) -> SimpleNamespace:
     return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, lora_request=None,
                            cache_salt=None, mm_features=[], max_tokens=64, num_output_tokens=0,
-                           block_hashes=[i.to_bytes(32, "little") for i in range(len(tokens) // block_size)])
+                           block_hashes=_block_hashes(tokens, block_size))
 
 
 def measure(length: int, block_size: int = 16, requests: int = 40, question: int = 100,

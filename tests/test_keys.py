@@ -83,6 +83,63 @@ def test_a_memo_gives_the_same_digests_and_hashes_a_shared_prefix_once() -> None
     assert chunk_hex_digests(TOKENS, 32, mm, memo) == [d.hex() for d in chunk_digests(TOKENS, 32, mm)]
 
 
+def _vllm_hashes(tokens: list[int], block_size: int, seed: str = "") -> list[str]:
+    """Chained block hashes as vLLM's prefix cache names a prompt's full blocks."""
+    out, parent = [], seed
+    for i in range(len(tokens) // block_size):
+        parent = f"{parent}|{tokens[i * block_size:(i + 1) * block_size]}"
+        out.append(parent)
+    return out
+
+
+def test_vllms_block_hashes_find_a_recent_prompts_shared_prefix_without_hashing_it() -> None:
+    memo = DigestMemo()
+    doc = list(range(5000, 5000 + 32 * 6))
+    first, second = doc + [1] * 40, doc + [2] * 40
+    assert chunk_hex_digests(first, 32, memo=memo, block_hashes=_vllm_hashes(first, 32)) == [
+        d.hex() for d in chunk_digests(first, 32)]
+    memo._entries.clear()  # what the second prompt does not hash again cannot come from here
+    assert chunk_hex_digests(second, 32, memo=memo, block_hashes=_vllm_hashes(second, 32)) == [
+        d.hex() for d in chunk_digests(second, 32)]
+    assert len(memo) == 1  # only its own last chunk was hashed
+
+
+@pytest.mark.parametrize("lie", ["same hashes, other tokens", "same hashes, other salt",
+                                 "unhashable hashes", "too few hashes", "multimodal"])
+def test_block_hashes_only_point_the_token_bytes_decide(lie: str) -> None:
+    """vLLM's hash of a block is a locator, never trusted: a hash that names other tokens
+    (a collision, another hash function), another chain root, or one that cannot be a key
+    gives the digests the chain computes."""
+    memo = DigestMemo()
+    doc = list(range(7000, 7000 + 32 * 4))
+    hashes: list = _vllm_hashes(doc, 32)
+    chunk_hex_digests(doc, 32, memo=memo, block_hashes=hashes)
+    memo._entries.clear()
+    other, extras = list(doc), None
+    if lie == "same hashes, other tokens":
+        other[40] += 1
+    elif lie == "same hashes, other salt":
+        extras = RequestExtras(cache_salt="tenant-b")
+    elif lie == "unhashable hashes":
+        hashes = [[h] for h in hashes]
+    elif lie == "too few hashes":
+        hashes = hashes[:2]
+    else:
+        extras = RequestExtras(mm_hashes=((40, 10, "img"),))
+    assert chunk_hex_digests(other, 32, extras, memo, hashes) == [
+        d.hex() for d in chunk_digests(other, 32, extras)]
+
+
+def test_recent_prompts_hold_at_most_the_memos_capacity_in_chunks() -> None:
+    memo = DigestMemo(capacity=10)
+    for n in range(6):
+        tokens = [n] * (32 * 4)
+        assert chunk_hex_digests(tokens, 32, memo=memo, block_hashes=_vllm_hashes(tokens, 32)) == [
+            d.hex() for d in chunk_digests(tokens, 32)]
+        assert memo.prompts._chunks <= 10
+    assert len(memo.prompts._by_hash) <= 10
+
+
 def test_a_full_memo_forgets_its_oldest_and_stays_exact() -> None:
     memo = DigestMemo(capacity=3)
     assert chunk_hex_digests(TOKENS, 32, memo=memo) == [d.hex() for d in chunk_digests(TOKENS, 32)]

@@ -213,9 +213,15 @@ class DigestMemo:
     turns) hash it once per process: a hit is a dict lookup on the very bytes the digest
     would hash (keys compare by equality, so a hit is never a collision). Bounded: past
     ``capacity`` entries the oldest are forgotten. Not thread-safe (one per scheduler).
+
+    Where the caller passes vLLM's block hashes of the prompt, a whole shared prefix is
+    found at once (:class:`_Prompts`): vLLM's hash of its last block locates a recent prompt
+    that began the same way, and that prompt's token bytes (and chain root) compared with
+    these decide; the locator only points, the bytes prove, so vLLM's hash function and
+    its collisions do not matter.
     """
 
-    __slots__ = ("capacity", "_entries")
+    __slots__ = ("capacity", "_entries", "prompts")
 
     #: Python's own bytes per entry beside the chunk's token bytes (tuples, the digest, its hex)
     ENTRY_OVERHEAD = 320
@@ -223,7 +229,8 @@ class DigestMemo:
     @classmethod
     def for_block_size(cls, block_size: int, budget: int = 32 << 20) -> DigestMemo:
         """A memo of at most ``budget`` bytes (entries hold a chunk's 8 bytes per token), and
-        at most 65536 entries (a million tokens of prefixes at block size 16)."""
+        at most 65536 entries (a million tokens of prefixes at block size 16); its recent
+        prompts hold as many chunks (their token bytes and a pointer each: about half that)."""
         return cls(max(1, min(1 << 16, budget // (8 * block_size + cls.ENTRY_OVERHEAD))))
 
     def __init__(self, capacity: int = 1 << 16) -> None:
@@ -232,6 +239,8 @@ class DigestMemo:
         self.capacity = capacity
         #: inputs -> (digest, its hex)
         self._entries: dict[tuple[bytes, bytes, bytes], tuple[bytes, str]] = {}
+        #: recent prompts' chains, found by vLLM's block hashes (at most ``capacity`` chunks)
+        self.prompts = _Prompts(capacity)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -249,19 +258,97 @@ class DigestMemo:
         return entry
 
 
+class _Prompt:
+    """One prompt's chain: its root, its full chunks' token bytes, ``(digest, hex)`` each."""
+
+    __slots__ = ("root", "data", "entries", "located_by")
+
+    def __init__(self, root: bytes, data: bytes, entries: list[tuple[bytes, str]],
+                 located_by: list[object]) -> None:
+        self.root = root
+        self.data = data
+        self.entries = entries
+        self.located_by = located_by  #: the block hashes that point here
+
+
+class _Prompts:
+    """Recent prompts' chains by vLLM's block hash of each block they were the first to chain.
+
+    A prompt that shares its first ``n`` chunks with a recent one takes those chunks'
+    entries from it when vLLM's hash of its block ``n - 1`` points there, both chains have
+    the same root and the two prompts' first ``n`` chunks are the same bytes: then the
+    entries are what the chain would compute (a chunk's digest depends on the root and
+    the tokens up to it only). Bounded by ``capacity`` chunks, the oldest prompt first."""
+
+    __slots__ = ("capacity", "_by_hash", "_prompts", "_chunks")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._by_hash: dict[object, tuple[int, _Prompt]] = {}
+        self._prompts: dict[int, _Prompt] = {}  # by id, oldest first
+        self._chunks = 0
+
+    def shared(self, hashes: Sequence[object], root: bytes, data: bytes,
+               width: int) -> list[tuple[bytes, str]]:
+        """The entries of the longest prefix of ``data`` (``width`` bytes a chunk) a recent
+        prompt chained, found by ``hashes`` (vLLM's, block ``i`` ending chunk ``i``)."""
+        by_hash = self._by_hash
+        try:
+            for i in range(min(len(hashes), len(data) // width) - 1, -1, -1):
+                found = by_hash.get(hashes[i])
+                if found is None:
+                    continue
+                index, prompt = found
+                end = (i + 1) * width
+                if index != i or prompt.root != root or prompt.data[:end] != data[:end]:
+                    return []  # vLLM's hash points elsewhere: chain it
+                self._prompts[id(prompt)] = self._prompts.pop(id(prompt))  # used: kept longest
+                return prompt.entries[:i + 1]
+        except TypeError:  # an unhashable block hash (a release's own type): chain it
+            return []
+        return []
+
+    def add(self, hashes: Sequence[object], root: bytes, data: bytes,
+            entries: list[tuple[bytes, str]], first_new: int) -> None:
+        """Remember a chained prompt; its blocks from ``first_new`` on point here."""
+        if first_new >= len(entries) or len(entries) > self.capacity:
+            return
+        located_by = list(hashes[first_new:len(entries)])
+        prompt = _Prompt(root, data, entries, located_by)
+        try:
+            for i, block_hash in enumerate(located_by, first_new):
+                self._by_hash[block_hash] = (i, prompt)
+        except TypeError:
+            return
+        self._prompts[id(prompt)] = prompt
+        self._chunks += len(entries)
+        while self._chunks > self.capacity:
+            self._forget(self._prompts.pop(next(iter(self._prompts))))
+
+    def _forget(self, prompt: _Prompt) -> None:
+        self._chunks -= len(prompt.entries)
+        for block_hash in prompt.located_by:
+            found = self._by_hash.get(block_hash)
+            if found is not None and found[1] is prompt:
+                del self._by_hash[block_hash]
+
+
 def _chain(token_ids: Sequence[int], block_size: int, extras: RequestExtras | None,
-           memo: DigestMemo) -> list[tuple[bytes, str]]:
+           memo: DigestMemo, block_hashes: Sequence[object] = ()) -> list[tuple[bytes, str]]:
     """``(digest, hex)`` of every full chunk of ``token_ids``, chained (see the module)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, found {block_size}")
     full = len(token_ids) // block_size
     data = _token_bytes(token_ids[: full * block_size])
-    parent = _root(extras)
+    root = _root(extras)
     width = 8 * block_size
     multimodal = extras is not None and bool(extras.mm_hashes)
+    located = len(block_hashes) >= full and not multimodal
+    entries = memo.prompts.shared(block_hashes, root, data, width) if located else []
+    parent = entries[-1][0] if entries else root
     recall, remember = memo._entries.get, memo.put  # the dict's own get: no call between
-    entries: list[tuple[bytes, str]] = []
-    for i in range(full):
+    first_new = len(entries)
+    for i in range(first_new, full):
         chunk_extras = (_chunk_extras(extras, i * block_size, (i + 1) * block_size)
                         if multimodal else b"")
         inputs = (parent, chunk_extras, data[i * width:(i + 1) * width])
@@ -273,6 +360,8 @@ def _chain(token_ids: Sequence[int], block_size: int, extras: RequestExtras | No
             entry = remember(inputs, h.digest())
         parent = entry[0]
         entries.append(entry)
+    if located:
+        memo.prompts.add(block_hashes, root, data, entries, first_new)
     return entries
 
 
@@ -285,11 +374,15 @@ def chunk_digests(
 
 def chunk_hex_digests(token_ids: Sequence[int], block_size: int,
                       extras: RequestExtras | None = None,
-                      memo: DigestMemo | None = None) -> list[str]:
+                      memo: DigestMemo | None = None,
+                      block_hashes: Sequence[object] = ()) -> list[str]:
     """:func:`chunk_digests` as hex strings (what a key names); ``memo``: recent ones
-    reused (the same values, computed once per process)."""
+    reused (the same values, computed once per process), a recent prompt's shared prefix
+    found at once by vLLM's ``block_hashes`` of these tokens (block ``i`` ending chunk ``i``;
+    they only point, the token bytes decide)."""
     return [text for _, text in _chain(token_ids, block_size, extras,
-                                          memo if memo is not None else DigestMemo())]
+                                          memo if memo is not None else DigestMemo(),
+                                          block_hashes)]
 
 
 def seen_key(block_key: str) -> str:

@@ -45,6 +45,48 @@ def test_forget_makes_every_chunk_due() -> None:
     assert audit.due_from(["a", "b"]) == 0
 
 
+def test_a_prefix_found_whole_is_trusted_as_one_until_a_chunk_of_it_is_not() -> None:
+    """The next request on a document asks once, not per chunk, and answers exactly as a scan
+    would: an unfound chunk, a forget, a chunk forgotten for capacity, or the oldest chunk's
+    trust running out makes the prefix due again from the right chunk."""
+    clock = Clock()
+    audit = PoolAudit(interval=10.0, capacity=4, clock=clock)
+    doc = ["a", "b", "c"]
+    audit.found(doc)
+    clock.now += 5
+    audit.found(["c"])
+    assert audit.due_from(doc) is None and audit.due_from(doc + ["x"], 3) is None
+    audit.unfound(["b"])
+    assert audit.due_from(doc) == 1
+    audit.found(["b"])
+    assert audit.due_from(doc) is None
+    clock.now += 5  # a's trust ran out (b and c were found 5 s ago)
+    assert audit.due_from(doc) == 0
+    audit.found(doc)
+    assert audit.due_from(doc) is None
+    audit.found(["x", "y"])  # capacity 4: a is forgotten
+    assert audit.due_from(doc) == 0
+    audit.found(doc)
+    assert audit.due_from(doc) is None
+    audit.forget()
+    assert audit.due_from(doc) == 0
+    assert audit.due_from([]) is None and audit.due_from(doc, 0) is None
+
+
+def test_a_sweep_remembers_the_requests_still_running_first() -> None:
+    """Running requests are not remembered on every new request (vLLM's thread) but asked
+    for when a sweep starts: theirs are re-saved first."""
+    clock = Clock()
+    running = [(["r0", "r1"], ["hr0", "hr1"])]
+    refill = HbmRefill(per_step=8, clock=clock, wall=lambda: 0.0, live=lambda: running)
+    refill.resolve = {"ha0": 10, "hr0": 30, "hr1": 31}.get
+    refill.remember(["a0"], ["ha0"])
+    refill.observe(True)
+    refill.observe(False)
+    assert refill.observe(True)
+    assert refill.take() == [("r0", 30), ("r1", 31), ("a0", 10)]
+
+
 def _refill(per_step: int = 3) -> tuple[HbmRefill, Clock, dict[str, int]]:
     clock = Clock()
     refill = HbmRefill(per_step=per_step, clock=clock, wall=lambda: 0.0)

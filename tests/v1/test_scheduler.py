@@ -488,15 +488,17 @@ def test_after_the_pool_was_away_every_prefix_hit_is_checked_again() -> None:
     assert logic.counters["pool_audits"] == 2 and logic.requests["u"].pool_gap == 0
 
 
-def _refilling(pool: FakePool, ready: list[bool], clock: _Clock) -> SchedulerLogic:
-    """A saving scheduler that served request "r" (finished: only vLLM's prefix cache holds its
-    blocks, 7-10 under block hashes h0-h3) and reads the pool's state from ``ready[0]``."""
+def _refilling(pool: FakePool, ready: list[bool], clock: _Clock,
+               finished: bool = True) -> SchedulerLogic:
+    """A saving scheduler that served request "r" (``finished``: only vLLM's prefix cache holds
+    its blocks, 7-10 under block hashes h0-h3) and reads the pool's state from ``ready[0]``."""
     logic = SchedulerLogic(RankNamespaces((_ns(),)), BS, pool, can_load=True, can_save=True,
                            pool_ready=lambda: ready[0], clock=clock)
     req = _request("r", TOKENS)
     req.block_hashes = [b"h0", b"h1", b"h2", b"h3"]
     logic.get_num_new_matched_tokens(req, 0)
-    logic.request_finished(req)
+    if finished:
+        logic.request_finished(req)
     logic.refill.resolve = {b"h0": 7, b"h1": 8, b"h2": 9, b"h3": 10}.get
     return logic
 
@@ -540,6 +542,18 @@ def test_once_the_pool_is_back_what_vllm_still_caches_is_saved_again_without_a_r
     assert "2 of 4 remembered chunks re-saved (1 still in the pool, 1 no longer in vLLM's " \
            "cache), 3 pass(es) (the later ones re-saved 2 whose" in logic.refill.last_line
     assert logic.audit.due_from(digests) is None  # the passes found them all: no audit due
+
+
+def test_a_request_still_running_when_the_pool_comes_back_is_refilled_too() -> None:
+    """Running requests are remembered when a sweep starts (not on vLLM's thread per new
+    request): the one still running through the outage has its cached blocks saved again."""
+    pool, ready = FakePool(), [True]
+    logic = _refilling(pool, ready, _Clock(), finished=False)
+    logic.build_connector_meta(_output())
+    ready[0] = False
+    logic.build_connector_meta(_output())
+    ready[0] = True
+    assert [j.block_ids for j in logic.build_connector_meta(_output()).saves] == [[7, 8, 9, 10]]
 
 
 def test_the_refill_stops_where_the_pool_goes_away_again() -> None:

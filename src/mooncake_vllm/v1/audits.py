@@ -146,7 +146,7 @@ class LocalHitAudits:
         if not self._pool_ready():  # away: a master restarted meanwhile keeps nothing we saw
             self.audit.forget()
             return
-        due = self.audit.due_from(digests[:local])
+        due = self.audit.due_from(digests, local)
         if due is None:
             return
         chunks = list(digests[due:local])
