@@ -295,3 +295,17 @@ def test_repeat_skips_a_declined_lookup_its_own_answer_covers() -> None:
     (job,) = meta.saves
     assert job.digests == [DIGESTS[2]] and meta.marks == [DIGESTS[3]]
     assert logic.counters["declined_tokens"] == 2 * BS and logic.counters["presence_lookups"] == 0
+
+
+def test_a_request_looked_up_again_after_its_answer_counts_its_decline_from_that_answer() -> None:
+    """A preempted request is looked up again when it comes back; no second answer comes (one
+    per request), so that lookup's declined hit is counted from the answer already read."""
+    pool = FakePool({KEYS[0], KEYS[1], seen_key(KEYS[2])})
+    logic = _declining(pool, AuditLane(pool, threaded=False), admission="repeat")
+    _prefill(logic, _request("a"))
+    assert logic.counters["declined_tokens"] == 2 * BS
+    assert logic.get_num_new_matched_tokens(_request("a"), 0) == (0, False)  # back, from 0
+    assert logic.counters["declined_tokens"] == 4 * BS
+    assert logic.counters["claims_declined_slow_pool"] == 2 and len(pool.calls) == 1
+    assert logic.requests["a"].unasked_from is None
+

@@ -131,6 +131,10 @@ class RepeatAdmission:
         """Whether the request's saves are planned here."""
         return True
 
+    def verdicts(self, req_id: str) -> Verdicts | None:
+        """The request's answer, once read (``None``: not asked, or on its way)."""
+        return self._verdicts.get(req_id)
+
     def apply(self) -> list[tuple[str, Verdicts]]:
         """Fold the lane's answers in (vLLM's thread); the requests answered now."""
         answered = []

@@ -271,8 +271,12 @@ class SchedulerLogic:
             return False
         self.counters["lookups_skipped_slow_pool"] += 1
         if long and self.admission is not None:
-            st.unasked_from = start
-            self.admission.ask(st.req_id, st.digests, start)
+            known = self.admission.verdicts(st.req_id)
+            if known is not None:  # answered before (a preempted request back): counted from it
+                self._count_declined(st, start, known)
+            else:
+                st.unasked_from = start
+                self.admission.ask(st.req_id, st.digests, start)
         self._declines.warn("slow_pool", (
             f"mooncake-vllm: pool claims declined (load_policy auto): even a hit of all "
             f"{chunks * bs} tokens would load slower than vLLM recomputes them, so vLLM's thread "
@@ -293,6 +297,11 @@ class SchedulerLogic:
             self.refills.looked_up(st.digests[verdicts.start:verdicts.start + len(verdicts.codes)],
                                    [code == PRESENT for code in verdicts.codes],
                                    PRESENT in verdicts.codes)
+        self._count_declined(st, start, verdicts)
+
+    def _count_declined(self, st: RequestState, start: int, verdicts: Verdicts) -> None:
+        """The leading chunks from ``start`` the answer found: a hit declined (counted; the
+        claim policy is told, so it measures the pool again)."""
         hits = verdicts.leading(PRESENT, start, (st.prompt_len - 1) // self.block_size)
         if hits:
             bs = self.block_size
