@@ -54,7 +54,6 @@ from typing import Any
 
 from mooncake_vllm.keys import DigestMemo, RequestExtras, chunk_hex_digests
 from mooncake_vllm.stats import CounterNames, Counters
-from mooncake_vllm.store.health import FailureLog
 from mooncake_vllm.v1.admission import (
     PRESENT,
     UNANSWERED,
@@ -64,7 +63,8 @@ from mooncake_vllm.v1.admission import (
     may_end_this_step,
 )
 from mooncake_vllm.v1.audits import AuditLane, LocalHitAudits
-from mooncake_vllm.v1.claims import DECLINE_REASONS, ClaimAdvisor, ClaimRules
+from mooncake_vllm.v1.claim_gate import ClaimGate
+from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
 from mooncake_vllm.v1.inflight import InflightLoads
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
@@ -133,6 +133,7 @@ class SchedulerLogic:
         self._delayed_loads: set[str] = set()
         self.counters = Counters(COUNTERS)
         self.claims = claims or ClaimAdvisor(ClaimRules("always"))
+        self.gate = ClaimGate(self.claims, self.counters, block_size)
         #: the release answers ``None`` = ask again later (fact deferred_lookup)
         self.can_defer = can_defer
         self.skip_lookup_upto = skip_lookup_upto
@@ -160,7 +161,6 @@ class SchedulerLogic:
             namespaces, admission_lane or AuditLane(lambda keys: self.lookup(keys), threaded=False),
             self.counters) if can_save else None
         self._inflight = InflightLoads(clock, expire_after=4 * MAX_SHARED_WAIT)
-        self._declines = FailureLog()
         self.handoffs = Handoffs([ns.prefix() for ns in namespaces.namespaces], block_size,
                                  self.counters, offer=can_save,
                                  waiter=waiter if can_load else None,
@@ -235,7 +235,8 @@ class SchedulerLogic:
         if not self.handoffs.asked(st.req_id):
             # (a hand-off's decode reads every chunk; lost hits before ``start``: .audits saves them)
             st.present_upto = max(st.present_upto, start + hits)
-        hits = self._claim(start, hits, probe=not self.handoffs.involves(st.req_id))
+        hits = self.gate.claim(start, hits, self.loading_tokens(),
+                               probe=not self.handoffs.involves(st.req_id))
         if hits == 0:
             return 0, False
         st.pending_load = (start, hits, num_computed_tokens)
@@ -267,9 +268,8 @@ class SchedulerLogic:
         long = chunks * bs > self.skip_lookup_upto
         if long and self.admission is None:
             return False  # a side that never saves: its lookup is what measures the pool
-        if not self.claims.declines_any_hit(start * bs, chunks * bs, bs, self.loading_tokens()):
+        if not self.gate.declines_every_hit(start, chunks, self.loading_tokens()):
             return False
-        self.counters["lookups_skipped_slow_pool"] += 1
         if long and self.admission is not None:
             known = self.admission.verdicts(st.req_id)
             if known is not None:  # answered before (a preempted request back): counted from it
@@ -277,12 +277,6 @@ class SchedulerLogic:
             else:
                 st.unasked_from = start
                 self.admission.ask(st.req_id, st.digests, start)
-        self._declines.warn("slow_pool", (
-            f"mooncake-vllm: pool claims declined (load_policy auto): even a hit of all "
-            f"{chunks * bs} tokens would load slower than vLLM recomputes them, so vLLM's thread "
-            "does not ask the pool and vLLM recomputes; the pool is measured again every "
-            f"{self.claims.rules.explore_every:.0f} s on hits long enough to pay (more holders "
-            "and store_clients make it faster; load_policy always claims regardless)"))
         return True
 
     def _unasked_answered(self, req_id: str, verdicts: Verdicts) -> None:
@@ -302,34 +296,8 @@ class SchedulerLogic:
     def _count_declined(self, st: RequestState, start: int, verdicts: Verdicts) -> None:
         """The leading chunks from ``start`` the answer found: a hit declined (counted; the
         claim policy is told, so it measures the pool again)."""
-        hits = verdicts.leading(PRESENT, start, (st.prompt_len - 1) // self.block_size)
-        if hits:
-            bs = self.block_size
-            self.counters["claims_declined_slow_pool"] += 1
-            self.counters["declined_tokens"] += hits * bs
-            self.claims.note_declined(start * bs, hits * bs)
-
-    def _claim(self, start: int, hits: int, probe: bool = True) -> int:
-        """How many of ``hits`` chunks from chunk ``start`` to claim (:mod:`.claims`); a
-        hand-off's decode is never the one recomputed to measure prefills (``probe``)."""
-        bs = self.block_size
-        backlog = self.loading_tokens()
-        decision = self.claims.decide(start * bs, hits * bs, bs, backlog, probe=probe)
-        if decision.reason == "explore":
-            self.counters["claim_probes"] += 1
-        declined = hits - decision.tokens // bs
-        if declined > 0 and decision.reason in DECLINE_REASONS:
-            self.counters[f"claims_declined_{decision.reason}"] += 1
-            self.counters["declined_tokens"] += declined * bs
-            if decision.reason == "slow_pool":
-                self._declines.warn("slow_pool", (
-                    f"mooncake-vllm: pool claims declined (load_policy auto): loading "
-                    f"{hits * bs} tokens was predicted at {decision.predicted_load:.3f} s against "
-                    f"{decision.predicted_recompute:.3f} s to recompute them, so vLLM recomputes; "
-                    f"the pool is measured again every {self.claims.rules.explore_every:.0f} s "
-                    "(more holders and store_clients make it faster; load_policy always claims "
-                    "regardless)"))
-        return decision.tokens // bs
+        self.gate.declined_unasked(
+            start, verdicts.leading(PRESENT, start, (st.prompt_len - 1) // self.block_size))
 
     def loading_tokens(self) -> int:
         """Tokens of this instance's background loads not yet reported over (the backlog a
