@@ -613,3 +613,32 @@ def test_a_declining_policy_asks_the_workers_for_a_probe_through_the_metadata() 
     producer.claims.take_probe = lambda: True  # type: ignore[method-assign]
     assert not producer.build_connector_meta(_output()).probe_loads
     assert producer.counters["pool_probes"] == 0
+
+
+def test_a_shared_prefix_is_found_by_vllms_own_block_hashes_not_hashed_again() -> None:
+    """vLLM's real block hasher (sha256, its prefix cache's names) locates a recent prompt's
+    chain: the second request on a document hashes only its own question's chunk (the lookup
+    hook was linear in the prefix: 84 µs at 2k tokens on the dev box, 63 after)."""
+    kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    fn = get_hash_fn_by_name("sha256")
+    kcu.init_none_hash(fn)
+
+    def request(req_id: str, tokens: list[int]) -> SimpleNamespace:
+        hashes, parent = [], None
+        for i in range(len(tokens) // BS):
+            parent = kcu.hash_block_tokens(fn, parent, tokens[i * BS:(i + 1) * BS], None)
+            hashes.append(parent)
+        req = _request(req_id, tokens)
+        req.block_hashes = hashes
+        return req
+
+    doc = list(range(3000, 3000 + 6 * BS))
+    logic = _logic(FakePool())
+    first, second = doc + [1] * (BS + 2), doc + [2] * (BS + 2)
+    logic.get_num_new_matched_tokens(request("a", first), 0)
+    logic._digests._entries.clear()
+    logic.get_num_new_matched_tokens(request("b", second), 0)
+    assert logic.requests["b"].digests == [k.rsplit("/", 1)[1] for k in chunk_keys(_ns(), second)]
+    assert len(logic._digests) == 1
