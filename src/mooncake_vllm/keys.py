@@ -314,12 +314,14 @@ class _Prompts:
         if first_new >= len(entries) or len(entries) > self.capacity:
             return
         located_by = list(hashes[first_new:len(entries)])
-        prompt = _Prompt(root, data, entries, located_by)
         try:
-            for i, block_hash in enumerate(located_by, first_new):
-                self._by_hash[block_hash] = (i, prompt)
-        except TypeError:
+            for block_hash in located_by:
+                hash(block_hash)
+        except TypeError:  # an unhashable block hash (a release's own type): not located
             return
+        prompt = _Prompt(root, data, entries, located_by)
+        for i, block_hash in enumerate(located_by, first_new):
+            self._by_hash[block_hash] = (i, prompt)
         self._prompts[id(prompt)] = prompt
         self._chunks += len(entries)
         while self._chunks > self.capacity:
