@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from mooncake_vllm.keys import chunk_keys
-from mooncake_vllm.v1.audits import AuditLane
+from mooncake_vllm.v1.audits import AuditLane, LaneAsk
 from mooncake_vllm.v1.namespace import RankNamespaces
 from mooncake_vllm.v1.scheduler import SchedulerLogic
 from tests.v1.test_scheduler import BS, TOKENS, FakePool, _ns, _output, _request
@@ -244,3 +244,33 @@ def _audit_of(req_id: str, keys: list[str]) -> Any:
     from mooncake_vllm.v1.audits import LaneAsk
 
     return LaneAsk(req_id, 0, ["d"], keys)
+
+
+def test_asks_waiting_together_are_answered_by_one_query() -> None:
+    """A wave of new requests under ``repeat`` asked the master once each, in turn (a round
+    trip and two thread hand-offs a request); those waiting behind the lane's current query now
+    go in one, each getting its own part of the answer (and none where the pool gave none)."""
+    pool = GatedPool({"k1", "k4"})
+    lane = AuditLane(pool)
+    try:
+        lane.submit(LaneAsk("a", 0, ["d0"], ["k0"]))
+        deadline = time.monotonic() + 5
+        while lane._asked.qsize():  # noqa: SLF001 - until the thread holds the first one
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        lane.submit(LaneAsk("b", 0, ["d1", "d2"], ["k1", "k2"]))
+        lane.submit(LaneAsk("c", 3, ["d3", "d4"], ["k3", "k4"]))
+        pool.gate.set()
+        answers: dict[str, Any] = {}
+        while len(answers) < 3:
+            assert time.monotonic() < deadline
+            answers.update((a.req_id, a.present) for a in lane.take())
+            time.sleep(0.005)
+        assert pool.calls == [["k0"], ["k1", "k2", "k3", "k4"]]
+        assert answers == {"a": [False], "b": [True, False], "c": [False, True]}
+    finally:
+        pool.gate.set()
+        lane.close()
+    silent = AuditLane(lambda keys: [True], threaded=False)  # an answer of the wrong length
+    silent.submit(LaneAsk("d", 0, ["d0", "d1"], ["k0", "k1"]))
+    assert [a.present for a in silent.take()] == [None]

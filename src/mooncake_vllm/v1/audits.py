@@ -31,12 +31,15 @@ from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
 from mooncake_vllm.v1.namespace import RankNamespaces, leading
 from mooncake_vllm.v1.refill import PoolAudit
 
-__all__ = ["AuditLane", "LaneAsk", "LocalHitAudits", "MAX_QUEUED"]
+__all__ = ["BATCH_KEYS", "AuditLane", "LaneAsk", "LocalHitAudits", "MAX_QUEUED"]
 
 log = logging.getLogger(__name__)
 
 #: audits waiting for the lane's thread; more are not asked (they stay due)
 MAX_QUEUED = 64
+#: the most keys one query of the lane carries: asks waiting together go in one query (a wave
+#: of new requests under ``repeat`` was one master round trip and two thread hand-offs each)
+BATCH_KEYS = 2048
 
 
 @dataclass
@@ -54,7 +57,8 @@ class LaneAsk:
 
 class AuditLane:
     """One daemon thread (``name``) that runs existence queries; :meth:`take` hands the answers
-    back. ``threaded=False`` answers at :meth:`submit` (tests; a release without threads)."""
+    back. Asks that wait together are answered by one query (at most :data:`BATCH_KEYS` keys).
+    ``threaded=False`` answers at :meth:`submit` (tests; a release without threads)."""
 
     def __init__(self, lookup: Callable[[Sequence[str]], Sequence[bool] | None], *,
                  threaded: bool = True, max_queued: int = MAX_QUEUED, name: str = "mcv-audit") -> None:
@@ -70,7 +74,7 @@ class AuditLane:
     def submit(self, audit: LaneAsk) -> bool:
         """Ask; ``False``: too many are waiting (not asked)."""
         if not self._threaded:
-            self._answer(audit)
+            self._answer([audit])
             return True
         with self._lock:
             if self._closed:
@@ -112,18 +116,38 @@ class AuditLane:
     def _run(self) -> None:
         off_compute_cores()
         while True:
-            audit = self._asked.get()
-            if audit is None:
+            first = self._asked.get()
+            if first is None:
                 return
-            self._answer(audit)
+            batch, keys = [first], len(first.keys)
+            while keys < BATCH_KEYS:  # and those waiting behind it, in the same query
+                try:
+                    more = self._asked.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._answer(batch)
+                    return
+                batch.append(more)
+                keys += len(more.keys)
+            self._answer(batch)
 
-    def _answer(self, audit: LaneAsk) -> None:
+    def _answer(self, batch: list[LaneAsk]) -> None:
+        keys = [key for audit in batch for key in audit.keys]
+        present: list[bool] | None = None
         try:  # None: the pool gave no answer
-            present = self._lookup(audit.keys)
-            audit.present = None if present is None else list(present)
+            answer = self._lookup(keys)
+            present = None if answer is None else list(answer)
         except Exception as exc:  # noqa: BLE001 - an unanswered audit is asked again later
             log.debug("mooncake-vllm: pool audit failed: %s", exc)
-        self._answers.put(audit)
+        if present is not None and len(present) != len(keys):
+            present = None  # not an answer to these keys
+        at = 0
+        for audit in batch:
+            n = len(audit.keys)
+            audit.present = None if present is None else present[at:at + n]
+            at += n
+            self._answers.put(audit)
 
 
 class LocalHitAudits:
