@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_vllm.compat.facts import installed_facts
+from mooncake_vllm.v1.namespace import block_hashes
 
 try:  # vLLM >= 0.13.0 (fact connector_kv_events)
     from vllm.distributed.kv_events import KVConnectorKVEvents as _EventsBase
@@ -175,7 +176,7 @@ class SchedulerEvents:
                 self._chunks.popitem(last=False)
 
     def _describe(self, request: Any, index: int) -> _Chunk | None:
-        hashes = getattr(request, "block_hashes", None) or ()
+        hashes = block_hashes(request)
         if index >= len(hashes):
             return None
         bs = self.block_size

@@ -34,6 +34,7 @@ __all__ = [
     "RankNamespaces",
     "check_layout",
     "expected_layout",
+    "block_hashes",
     "leading",
     "rank_namespaces",
     "request_extras",
@@ -243,6 +244,12 @@ def tp_shared(vllm_config: Any, layout: ExpectedLayout) -> bool:
     sharded = any(int(getattr(parallel, name, 1) or 1) > 1 for name in
                   ("decode_context_parallel_size", "prefill_context_parallel_size"))
     return layout.mla and not sharded
+
+
+def block_hashes(request: Any) -> Sequence[Any]:
+    """vLLM's prefix-cache hashes of a ``Request``'s full blocks (none where the release or
+    its config computes none)."""
+    return getattr(request, "block_hashes", None) or ()
 
 
 def request_extras(request: Any) -> RequestExtras:

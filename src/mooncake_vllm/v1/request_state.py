@@ -44,3 +44,8 @@ class RequestState:
     unasked_from: int | None = None
     block_ids: list[int] = field(default_factory=list)  # mirror for engines without block state
     request: Any = None  #: vLLM's request (its block hashes name the pool's blocks in KV events)
+
+    def claimable(self, block_size: int) -> int:
+        """Chunks a lookup may claim: never the one holding the last prompt token (vLLM must
+        compute at least one)."""
+        return (self.prompt_len - 1) // block_size

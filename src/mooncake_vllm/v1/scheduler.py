@@ -68,7 +68,7 @@ from mooncake_vllm.v1.claims import ClaimAdvisor, ClaimRules
 from mooncake_vllm.v1.handoff import Handoffs, MarkerWaiter
 from mooncake_vllm.v1.inflight import InflightLoads
 from mooncake_vllm.v1.metadata import BlockJob, MooncakeConnectorMetadata
-from mooncake_vllm.v1.namespace import RankNamespaces, leading, request_extras
+from mooncake_vllm.v1.namespace import RankNamespaces, block_hashes, leading, request_extras
 from mooncake_vllm.v1.perf import step_work
 from mooncake_vllm.v1.pool_loss import PoolRefills
 from mooncake_vllm.v1.refill import HbmRefill, PoolAudit
@@ -177,7 +177,7 @@ class SchedulerLogic:
             return None
         extras: RequestExtras = request_extras(request)
         digests = chunk_hex_digests(tokens, self.block_size, extras, self._digests,
-                                    getattr(request, "block_hashes", None) or ())
+                                    block_hashes(request))
         st = RequestState(req_id=req_id, prompt_len=len(tokens), digests=digests, request=request)
         self.requests[req_id] = st
         self.handoffs.on_new_request(request)
@@ -187,8 +187,7 @@ class SchedulerLogic:
         """The running requests' chunks with vLLM's block hashes (what a refill re-saves)."""
         if not self.can_save:
             return []
-        return [(st.digests, getattr(st.request, "block_hashes", None) or ())
-                for st in self.requests.values()]
+        return [(st.digests, block_hashes(st.request)) for st in self.requests.values()]
 
     # ------------------------------------------------------------------ lookup
     def get_num_new_matched_tokens(self, request: Any,
@@ -216,7 +215,7 @@ class SchedulerLogic:
         if st.refuse_loads:
             return 0, False
         bs = self.block_size
-        claimable = (st.prompt_len - 1) // bs  # never the chunk with the last prompt token
+        claimable = st.claimable(bs)
         start = num_computed_tokens // bs
         if self.handoffs.defer(request, claimable, start):
             return None, False
@@ -297,7 +296,7 @@ class SchedulerLogic:
         """The leading chunks from ``start`` the answer found: a hit declined (counted; the
         claim policy is told, so it measures the pool again)."""
         self.gate.declined_unasked(
-            start, verdicts.leading(PRESENT, start, (st.prompt_len - 1) // self.block_size))
+            start, verdicts.leading(PRESENT, start, st.claimable(self.block_size)))
 
     def loading_tokens(self) -> int:
         """Tokens of this instance's background loads not yet reported over (the backlog a
@@ -492,7 +491,7 @@ class SchedulerLogic:
         if self.admission is not None:
             self.admission.finished(st.req_id, st.admission_wait_upto - st.saved_upto)
         if self.can_save:  # most recently used: re-saved first after an outage
-            self.refill.remember(st.digests, getattr(request, "block_hashes", None) or ())
+            self.refill.remember(st.digests, block_hashes(request))
         loading = self.load_async and st.loaded_upto > 0 and _waiting_for_remote_kvs(request)
         if loading:
             self._delayed_loads.add(st.req_id)
