@@ -31,6 +31,9 @@ one fresh vLLM process each (the reader)::
                replaces the store client's ``put_ticket``): ours minus the transfers
     ours-repeat ours with "save_admission": "repeat" (a block is stored the second time it
                is saved; a first save leaves a mark): unique suffixes put no KV
+    ours-unplaced ours with ``MOONCAKE_VLLM_THREAD_AFFINITY=off``: our threads and Mooncake's
+               stay where they start, at vLLM's priority (placement.py's default lowers them
+               ten nice levels where vLLM pins no core, as on a GPU worker)
     ours-never ours claiming nothing (``load_policy`` never): lookups and saves only
     ours-load  ours as ``kv_consumer``: lookups and loads, no saves
     noop       a connector whose every hook returns at once (bench/noop_connector.py): what
@@ -77,15 +80,19 @@ from interference_table import derive
 __all__ = ["main"]
 
 #: measured in this order
-MODES = ("ours", "ours-split", "ours-noput", "ours-repeat", "ours-always", "ours-1c", "ours-prev", "ours-sync",
+MODES = ("ours", "ours-split", "ours-noput", "ours-repeat", "ours-unplaced", "ours-always", "ours-1c", "ours-prev",
+         "ours-sync",
          "ours-never", "ours-load", "none", "noop", "ours-zc", "intree")
 _EXTRA = {"ours": {}, "ours-split": {}, "ours-noput": {}, "ours-repeat": {"save_admission": "repeat"},
+          "ours-unplaced": {},
           "ours-prev": {}, "ours-sync": {"load_async": False},
           "ours-never": {"load_policy": "never"},
           "ours-zc": {"gpu_path": "zero_copy"}, "ours-always": {"load_policy": "always"},
           "ours-1c": {"load_policy": "always", "store_clients": 1}}
 #: the reader's environment: bench devices inside its process (interference_engine.py)
-_ENV = {"ours-split": {"MCV_BENCH_SPLIT_CORES": "1"}, "ours-noput": {"MCV_BENCH_DISCARD_PUTS": "1"}}
+_ENV = {"ours-split": {"MCV_BENCH_SPLIT_CORES": "1"}, "ours-noput": {"MCV_BENCH_DISCARD_PUTS": "1"},
+        # the pool's threads and Mooncake's where they start, at vLLM's priority (placement.py)
+        "ours-unplaced": {"MOONCAKE_VLLM_THREAD_AFFINITY": "off"}}
 
 
 def _writer_of(mode: str) -> str | None:
