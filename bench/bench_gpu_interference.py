@@ -80,9 +80,8 @@ from interference_table import derive
 __all__ = ["main"]
 
 #: measured in this order
-MODES = ("ours", "ours-split", "ours-noput", "ours-repeat", "ours-unplaced", "ours-always", "ours-1c", "ours-prev",
-         "ours-sync",
-         "ours-never", "ours-load", "none", "noop", "ours-zc", "intree")
+MODES = ("ours", "ours-split", "ours-noput", "ours-repeat", "ours-unplaced", "ours-always", "ours-1c",
+         "ours-prev", "ours-sync", "ours-never", "ours-load", "none", "noop", "ours-zc", "intree")
 _EXTRA = {"ours": {}, "ours-split": {}, "ours-noput": {}, "ours-repeat": {"save_admission": "repeat"},
           "ours-unplaced": {},
           "ours-prev": {}, "ours-sync": {"load_async": False},
