@@ -41,6 +41,14 @@ def test_key_format_is_pinned() -> None:
     assert chunk_digests(TOKENS, 32)[0].hex() == "a7fead4f4f0456ddf99951c725d0983a"
 
 
+def test_token_encoding_is_pinned_across_the_int64_range() -> None:
+    # Each token hashes as 8 little-endian bytes: the values below were computed with the
+    # array("q") encoding this replaced, so large vocabularies keep their keys too.
+    tokens = [0, 1, 255, 256, 151_935, 2**31, 2**40 + 7, 2**63 - 1] * 4
+    assert chunk_hex_digests(tokens, 16) == ["daf49ac9909ec35845303bbef57fa140",
+                                              "fe8806fbfd18ff2bb89c0aa9c39dc928"]
+
+
 def test_chain_depends_on_every_earlier_token() -> None:
     changed = list(TOKENS)
     changed[5] += 1
