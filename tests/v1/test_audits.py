@@ -241,8 +241,6 @@ def test_closing_a_lane_with_a_full_queue_stops_its_thread() -> None:
 
 
 def _audit_of(req_id: str, keys: list[str]) -> Any:
-    from mooncake_vllm.v1.audits import LaneAsk
-
     return LaneAsk(req_id, 0, ["d"], keys)
 
 

@@ -32,9 +32,9 @@ from mooncake_vllm.v1.layout_prediction import gpu_layout_name, predict_block
 __all__ = [
     "ExpectedLayout",
     "RankNamespaces",
+    "block_hashes",
     "check_layout",
     "expected_layout",
-    "block_hashes",
     "leading",
     "rank_namespaces",
     "request_extras",
